@@ -1,0 +1,1 @@
+"""hicache.client: the engine-side client library and the `hicache` CLI."""

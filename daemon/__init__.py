@@ -1,0 +1,1 @@
+"""hicache.daemon: the hicache-daemon sidecar (owns the cache, serves engines over ZeroMQ)."""

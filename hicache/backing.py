@@ -1,0 +1,160 @@
+"""Memory backings: where a pool's one contiguous buffer comes from.
+
+A pool asks its backing for ``nbytes`` and gets a uint8 tensor it then views per layer. The
+backing decides whether that memory can be shared with other processes:
+
+- ``PlainBacking``: ordinary process memory (pinned on a CUDA machine when asked).
+- ``SharedMemoryBacking``: a POSIX shared-memory file under /dev/shm, created O_EXCL with mode
+  0600, preallocated with posix_fallocate (so a full tmpfs fails here, not with SIGBUS later),
+  and mapped. Engines map the same file by name. Not Python's SharedMemory class: on 3.11 its
+  resource tracker unlinks segments that other processes still use.
+- ``CudaBacking``: one cudaMalloc'd allocation on a GPU (shared later through CUDA IPC).
+
+Every backing checks the size against available memory first and raises
+InsufficientMemoryError with the numbers, instead of letting the OOM killer answer.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from abc import ABC, abstractmethod
+
+import psutil
+import torch
+
+from hicache.errors import InsufficientMemoryError
+
+# Keep this much RAM free for everything else on the machine when sizing pools in memory.
+RAM_HEADROOM_FRACTION = 0.10
+SHM_DIR = "/dev/shm"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_ram(nbytes: int, what: str) -> None:
+    """Raise InsufficientMemoryError if ``nbytes`` would eat into the machine's RAM headroom."""
+    vm = psutil.virtual_memory()
+    usable = vm.available - int(vm.total * RAM_HEADROOM_FRACTION)
+    if nbytes > usable:
+        raise InsufficientMemoryError(
+            f"{what} needs {_gib(nbytes)} but only {_gib(max(usable, 0))} of RAM is available "
+            f"(available {_gib(vm.available)} minus {RAM_HEADROOM_FRACTION:.0%} headroom); "
+            "lower host_tokens / host_ratio or device_tokens"
+        )
+
+
+class Backing(ABC):
+    """Source of one pool buffer. ``allocate`` is called once; ``close`` releases it."""
+
+    shareable: bool = False  # whether another process can map the buffer
+
+    @abstractmethod
+    def allocate(self, nbytes: int, what: str) -> torch.Tensor:
+        """A uint8 tensor of ``nbytes``. Raises InsufficientMemoryError when it cannot fit."""
+
+    def close(self) -> None:
+        """Release the memory. Views of the buffer must not be used afterwards."""
+
+    def describe(self) -> dict:
+        """What another process needs to map this buffer (empty when not shareable)."""
+        return {}
+
+
+class PlainBacking(Backing):
+    def __init__(self, device: str = "cpu", pin: bool = False):
+        self.device = torch.device(device)
+        self.pin = pin and self.device.type == "cpu" and torch.cuda.is_available()
+
+    def allocate(self, nbytes: int, what: str) -> torch.Tensor:
+        if self.device.type == "cpu":
+            check_ram(nbytes, what)
+        else:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if nbytes > free:
+                raise InsufficientMemoryError(
+                    f"{what} needs {_gib(nbytes)} but {self.device} has {_gib(free)} free"
+                )
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pin)
+
+
+class CudaBacking(PlainBacking):
+    """GPU memory from torch's allocator; the daemon exports it through CUDA IPC."""
+
+    shareable = True
+
+    def __init__(self, device: str = "cuda"):
+        super().__init__(device)
+
+
+class SharedMemoryBacking(Backing):
+    """A named POSIX shared-memory file, removed by close() (the creator's job)."""
+
+    shareable = True
+
+    def __init__(self, name: str, directory: str = SHM_DIR):
+        if "/" in name or not name:
+            raise ValueError(f"shared memory name {name!r} must be a plain file name")
+        self.name = name
+        self.path = os.path.join(directory, name)
+        self._mm: mmap.mmap | None = None
+        self._pinned: int | None = None  # base address registered with CUDA, if any
+        self.nbytes = 0
+
+    def allocate(self, nbytes: int, what: str) -> torch.Tensor:
+        check_ram(nbytes, what)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            except OSError as exc:
+                os.unlink(self.path)
+                raise InsufficientMemoryError(
+                    f"{what}: cannot reserve {_gib(nbytes)} in {os.path.dirname(self.path)} "
+                    f"({exc.strerror}); enlarge the tmpfs or shrink the pool"
+                ) from None
+            self._mm = mmap.mmap(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        self.nbytes = nbytes
+        buf = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes)
+        self._pinned = register_pinned(buf)
+        return buf
+
+    def describe(self) -> dict:
+        return {"kind": "shm", "name": self.name, "path": self.path, "nbytes": self.nbytes}
+
+    def close(self) -> None:
+        if self._pinned is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned)
+            self._pinned = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # views still exist; the mapping goes when they do
+            self._mm = None
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def register_pinned(buf: torch.Tensor) -> int | None:
+    """Page-lock a CPU buffer with CUDA when a GPU is present; returns the registered address."""
+    if not torch.cuda.is_available() or buf.numel() == 0:
+        return None
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    return buf.data_ptr() if int(err) == 0 else None
+
+
+def attach_shared_memory(path: str, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """Map an existing shared-memory file read-write (the engine side). Keep the mmap alive."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)

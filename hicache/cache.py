@@ -1,0 +1,260 @@
+"""HiRadixCache: the two-tier radix cache (device pool + host pool) that everything builds on.
+
+Not thread-safe: one thread (the daemon's control loop, or an engine) calls every method;
+only the transfer engine copies on threads of its own. Eviction lives in ``tiering.py``,
+backups, loads and acks in ``transfer_book.py``, the invariant checks in ``integrity.py``.
+
+Who owns a device page: the free list, exactly one caller (after alloc, until insert or free),
+or the tree (after insert). Pages the tree hands to a copy stay the tree's until the copy's ack.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from hicache.allocator import PagedAllocator, PageState
+from hicache.backing import Backing
+from hicache.config import HiCacheConfig
+from hicache.eviction_policy import LeafHeap, make_priority
+from hicache.insert import InsertMixin
+from hicache.integrity import check_cache_integrity
+from hicache.node import IOState, TreeNode
+from hicache.pools import DevicePool, HostPool
+from hicache.radix_tree import Namespace, RadixTree
+from hicache.stats import CacheStats, Counters
+from hicache.tiering import TieringMixin
+from hicache.tokens import TokenIds, as_slots, as_tokens
+from hicache.transfer import TransferEngine
+from hicache.transfer_book import TransferBookMixin
+from hicache.transfer_cpu import ThreadTransferEngine
+from hicache.types import MatchResult
+
+EngineFactory = Callable[[DevicePool, HostPool], TransferEngine]
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
+    """Prefix cache over token ids with a device pool, an optional host pool and policies."""
+
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        device_backing: Backing | None = None,
+        host_backing: Backing | None = None,
+        transfer_engine: EngineFactory = ThreadTransferEngine,
+    ):
+        self.config = config
+        self.page_size = ps = config.page_size
+        self.tree = RadixTree(ps)
+        self.counters = Counters()
+        self.device_pool = DevicePool(config, device_backing)
+        self.device_alloc = PagedAllocator(self.device_pool.num_pages, ps, reserved_pages=1)
+        self.host_pool: HostPool | None = None
+        self.host_alloc: PagedAllocator | None = None
+        self.engine: TransferEngine | None = None
+        if config.host_enabled:
+            self.host_pool = HostPool(config, host_backing)
+            self.host_alloc = PagedAllocator(self.host_pool.num_pages, ps)
+            self.engine = transfer_engine(self.device_pool, self.host_pool)
+        priority = make_priority(config)
+        self.device_heap = LeafHeap(priority)  # device eviction candidates
+        self.host_heap = LeafHeap(priority)  # host eviction candidates
+        self.user_locks: Counter[TreeNode] = Counter()  # inc_lock_ref calls not yet undone
+        self._init_transfers()
+
+    # ---- allocation (device pool) ---------------------------------------------------------
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """``num_tokens`` device slots (whole pages, owned by the caller) or None.
+
+        Evicts when the pool is short; None only when even eviction cannot make room.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"alloc: num_tokens must be a non-negative int, got {num_tokens!r}")
+        pages = self._alloc_device(-(-num_tokens // self.page_size), PageState.OWNED)
+        if pages is None:
+            return None
+        return torch.from_numpy(self.device_alloc.slots_of_pages(pages, num_tokens))
+
+    def alloc_extend(self, prefix_lens, seq_lens, last_loc) -> torch.Tensor | None:  # noqa: ANN001
+        """SGLang's alloc_extend: slots for tokens [prefix_len, seq_len) of each request."""
+        p, s, last = (
+            as_slots(x, n)
+            for x, n in (
+                (prefix_lens, "prefix_lens"),
+                (seq_lens, "seq_lens"),
+                (last_loc, "last_loc"),
+            )
+        )
+        if not (len(p) == len(s) == len(last)) or (p > s).any() or (p < 0).any():
+            raise ValueError("alloc_extend: need equal lengths and 0 <= prefix_len <= seq_len")
+        self._check_partial_pages(p, last)
+        need = self.device_alloc.extend_pages_needed(p, s)
+        if self.device_alloc.free_pages < need:
+            self._make_device_room(need)
+        out = self.device_alloc.alloc_extend(p, s, last)
+        return None if out is None else torch.from_numpy(out)
+
+    def alloc_decode(self, seq_lens, last_loc) -> torch.Tensor | None:  # noqa: ANN001
+        """SGLang's alloc_decode: one slot per request for its token ``seq_len - 1``."""
+        s, last = as_slots(seq_lens, "seq_lens"), as_slots(last_loc, "last_loc")
+        if len(s) != len(last) or (s < 1).any():
+            raise ValueError("alloc_decode: need equal lengths and seq_len >= 1")
+        self._check_partial_pages(s - 1, last)
+        need = int(((s - 1) % self.page_size == 0).sum())
+        if self.device_alloc.free_pages < need:
+            self._make_device_room(need)
+        out = self.device_alloc.alloc_decode(s, last)
+        return None if out is None else torch.from_numpy(out)
+
+    def _check_partial_pages(self, filled: np.ndarray, last_loc: np.ndarray) -> None:
+        """A request that continues a partly filled page must own that page."""
+        partial = filled % self.page_size != 0
+        if partial.any():
+            pages = self.device_alloc.pages_of_slots(last_loc[partial])
+            self.device_alloc.check_pages(np.unique(pages), PageState.OWNED)
+
+    def free(self, indices: object) -> None:
+        """Return caller-owned slots; every page they touch is freed. Raises if any is not owned
+        (double free, padding slot, out of range, or in the tree) and then frees nothing."""
+        slots = as_slots(indices, "indices")
+        pages = self.device_alloc.pages_of_slots(slots)
+        self.device_alloc.free_pages_checked(pages, PageState.OWNED)
+
+    def free_group_begin(self) -> None:
+        self.device_alloc.free_group_begin()
+
+    def free_group_end(self) -> None:
+        self.device_alloc.free_group_end()
+
+    # ---- match -------------------------------------------------------------------------------
+    def match_prefix(self, token_ids: TokenIds, namespace: Namespace = None) -> MatchResult:
+        """Longest cached prefix of ``token_ids`` (whole pages) in ``namespace``.
+
+        Mutates: may split the last matched node, stamps access times, counts hits, and may
+        start backups (write_through_selective). Locks nothing: lock ``last_device_node`` to
+        keep ``device_indices`` valid. When ``loading`` is true, call wait_load() first.
+        """
+        tokens = as_tokens(token_ids)
+        self.counters.match_calls += 1
+        root = self.tree.root(namespace)
+        aligned = len(tokens) // self.page_size * self.page_size
+        if root is None or aligned == 0:
+            self.counters.miss_tokens += len(tokens)
+            node = root or self.tree.root(None)
+            return MatchResult(_EMPTY, node, 0, node, False)
+        path, covered = self.tree.walk(root, tokens[:aligned].tobytes())
+        n_dev = 0
+        while n_dev < len(path) and path[n_dev].device_pages is not None:
+            n_dev += 1
+        dev, host = path[:n_dev], path[n_dev:]
+        for node in path:
+            node.hit_count += 1
+        last_dev = dev[-1] if dev else root
+        self._touched(last_dev, host[-1] if host else None)
+        for node in host:  # keep the host part alive while a backup may evict host leaves
+            node.host_ref += 1
+        self._backup_hot(dev)
+        for node in host:
+            node.host_ref -= 1
+        slots = self._slots(dev)
+        host_len = (covered >> 2) - len(slots)
+        self.counters.hit_device_tokens += len(slots)
+        self.counters.hit_host_tokens += host_len
+        self.counters.miss_tokens += len(tokens) - (covered >> 2)
+        loading = any(n.io is IOState.LOAD for n in dev)
+        return MatchResult(slots, last_dev, host_len, host[-1] if host else last_dev, loading)
+
+    def _slots(self, nodes: list[TreeNode]) -> torch.Tensor:
+        if not nodes:
+            return _EMPTY
+        pages = (
+            nodes[0].device_pages
+            if len(nodes) == 1
+            else np.concatenate([n.device_pages for n in nodes])
+        )
+        return torch.from_numpy(self.device_alloc.slots_of_pages(pages))
+
+    # ---- locks -------------------------------------------------------------------------------
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock a device node and its ancestors against eviction. Returns the evictable delta."""
+        if node.parent is None:
+            return 0  # a root: nothing to protect
+        if not self.tree.in_tree(node) or node.device_pages is None:
+            raise ValueError(f"inc_lock_ref: {node!r} is not a device node of this cache")
+        self.user_locks[node] += 1
+        return self.tree.inc_lock(node)
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Release one inc_lock_ref on ``node``; raises if that node holds no such lock."""
+        if node.parent is None:
+            return 0
+        if self.user_locks[node] <= 0:
+            del self.user_locks[node]
+            raise ValueError(f"dec_lock_ref: {node!r} holds no lock taken by inc_lock_ref")
+        self.user_locks[node] -= 1
+        if not self.user_locks[node]:
+            del self.user_locks[node]
+        delta = self.tree.dec_lock(node)
+        self._push_device(node)
+        return delta
+
+    # ---- insert ------------------------------------------------------------------------------
+    def insert(
+        self, token_ids: TokenIds, device_indices: object, namespace: Namespace = None
+    ) -> int:
+        """Cache ``token_ids`` whose KV sits in ``device_indices``; returns how many leading
+        tokens were already cached (on either tier).
+
+        Takes ownership of every caller-owned slot passed: new pages join the tree, pages
+        duplicating cached tokens and the unaligned tail page are freed. Slots that already are
+        the tree's own (from a match) are left as they are. The caller never frees after insert.
+        Raises (and changes no ownership) for mismatched lengths or slots it does not own.
+        """
+        tokens = as_tokens(token_ids)
+        slots = as_slots(device_indices)
+        if len(slots) != len(tokens):
+            raise ValueError(f"insert: {len(tokens)} token ids but {len(slots)} device indices")
+        self.counters.insert_calls += 1
+        return self._insert(tokens, slots, namespace)
+
+    # ---- maintenance -------------------------------------------------------------------------
+    def stats(self) -> CacheStats:
+        dev, host, ps = self.device_alloc, self.host_alloc, self.page_size
+        return CacheStats(
+            page_size=ps,
+            device_capacity_tokens=dev.capacity_pages * ps,
+            device_free_tokens=dev.free_pages * ps,
+            device_cached_tokens=dev.count(PageState.TREE) * ps,
+            device_owned_tokens=dev.count(PageState.OWNED) * ps,
+            device_protected_tokens=self.tree.protected_tokens,
+            device_evictable_tokens=self.tree.evictable_tokens,
+            host_capacity_tokens=host.capacity_pages * ps if host else 0,
+            host_free_tokens=host.free_pages * ps if host else 0,
+            host_cached_tokens=host.count(PageState.TREE) * ps if host else 0,
+            inflight_transfers=len(self.records),
+            tree_nodes=self.tree.num_nodes,
+            **vars(self.counters),
+        )
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError if any invariant is broken (see integrity.py). Mutates nothing."""
+        check_cache_integrity(self)
+
+    def close(self) -> None:
+        """Wait for in-flight copies, stop the transfer engine and release the pools."""
+        if self.engine is not None:
+            self.engine.wait(list(self.records))
+            self.poll()
+            self.engine.close()
+            self.host_pool.close()  # type: ignore[union-attr]
+        self.device_pool.close()
+
+    def __enter__(self) -> HiRadixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

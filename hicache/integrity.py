@@ -1,0 +1,148 @@
+"""check_cache_integrity: every invariant of HiRadixCache, checked from scratch.
+
+Linear in the tree size; meant for tests (after every step) and for debugging a live daemon.
+It only reads. Each failure names the invariant, because it is always a bug in hicache.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hicache.allocator import PagedAllocator, PageState
+from hicache.errors import IntegrityError
+from hicache.node import IOState, TreeNode
+from hicache.transfer import Direction
+
+if TYPE_CHECKING:
+    from hicache.cache import HiRadixCache
+
+
+def _fail(msg: str) -> None:
+    raise IntegrityError(msg)
+
+
+def _check_node_shape(cache: HiRadixCache, node: TreeNode) -> None:
+    ps_bytes, ps = cache.tree.page_bytes, cache.page_size
+    parent = node.parent
+    if not node.key or len(node.key) % ps_bytes:
+        _fail(f"{node}: key is empty or not whole pages")
+    if parent.children.get(node.key[:ps_bytes]) is not node:
+        _fail(f"{node}: not reachable from its parent under its first page")
+    if node.namespace != parent.namespace:
+        _fail(f"{node}: namespace differs from its parent's")
+    pages = node.num_tokens // ps
+    for name in ("device_pages", "host_pages"):
+        arr = getattr(node, name)
+        if arr is not None and len(arr) != pages:
+            _fail(f"{node}: {name} covers {len(arr)} pages, key has {pages}")
+    if node.device_pages is None and node.host_pages is None:
+        _fail(f"{node}: resident on neither tier")
+    if node.device_pages is not None and parent.parent is not None and parent.device_pages is None:
+        _fail(f"{node}: on the device below a host-only parent (device set not prefix-closed)")
+
+
+def _check_node_state(cache: HiRadixCache, node: TreeNode) -> None:
+    if node.device_pages is None:  # host-only
+        if node.lock_ref or node.host_ref or node.io is not IOState.NONE:
+            _fail(f"{node}: host-only yet locked, protected or in flight")
+        return
+    if node.io is IOState.NONE:
+        if node.transfer is not None or node.host_ref:
+            _fail(f"{node}: no transfer, yet a record or host protection")
+        return
+    record = node.transfer
+    if record is None or cache.records.get(record.ticket) is not record:
+        _fail(f"{node}: io={node.io.name} without a live transfer record")
+    if node not in record.nodes or node.host_pages is None:
+        _fail(f"{node}: not listed by its record, or no host pages")
+    want = Direction.BACKUP if node.io is IOState.BACKUP else Direction.LOAD
+    if record.direction is not want:
+        _fail(f"{node}: io={node.io.name} but record is {record.direction.name}")
+    if node.io is IOState.LOAD and node.host_ref < 1:
+        _fail(f"{node}: loading without host protection")
+
+
+def _check_locks(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
+    """lock_ref == locks held on the node or below (user locks plus transfer locks)."""
+    direct: Counter[TreeNode] = Counter(cache.user_locks)
+    protect: Counter[TreeNode] = Counter()
+    for record in cache.records.values():
+        direct.update(record.locked)
+        if record.direction is Direction.LOAD:
+            protect.update(record.nodes)
+    expected: Counter[TreeNode] = Counter()
+    for node in reversed(nodes):  # children first
+        expected[node] += direct[node]
+        if node.parent is not None:
+            expected[node.parent] += expected[node]
+    for node in nodes:
+        if node.lock_ref != expected[node]:
+            _fail(f"{node}: lock_ref {node.lock_ref} != {expected[node]} locks held")
+        if node.host_ref != protect[node]:
+            _fail(f"{node}: host_ref {node.host_ref} != {protect[node]} loads reading it")
+        if node.lock_ref and node.device_pages is None:
+            _fail(f"{node}: locked but not on the device")
+    for node in direct:
+        if not cache.tree.in_tree(node):
+            _fail(f"{node}: a lock is held on a node outside the tree")
+
+
+def _check_pages(alloc: PagedAllocator, arrays: list[np.ndarray], tier: str) -> None:
+    alloc.check_integrity()
+    pages = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+    if len(np.unique(pages)) != len(pages):
+        _fail(f"{tier}: a page is referenced by two tree nodes")
+    if len(pages) and (alloc.state[pages] != PageState.TREE).any():
+        _fail(f"{tier}: a tree page is not in the TREE state")
+    if alloc.count(PageState.TREE) != len(pages):
+        _fail(f"{tier}: TREE pages outside the tree")
+    total = sum(alloc.count(s) for s in (PageState.FREE, PageState.OWNED, PageState.TREE))
+    if total != alloc.capacity_pages or alloc.free_pages != alloc.count(PageState.FREE):
+        _fail(f"{tier}: free + owned + cached != capacity")
+
+
+def _check_heaps(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
+    """Every eviction candidate has a heap entry at its current priority (lazy heaps)."""
+    for heap, is_candidate, tier in (
+        (cache.device_heap, cache._device_candidate, "device"),
+        (cache.host_heap, cache._host_candidate, "host"),
+    ):
+        if tier == "host" and cache.host_alloc is None:
+            continue
+        entries = {(e[1], e[0]) for e in heap._heap}
+        for node in nodes:
+            if is_candidate(node) and (node.id, heap._priority(node)) not in entries:
+                _fail(f"{node}: {tier} eviction candidate missing from the heap")
+
+
+def check_cache_integrity(cache: HiRadixCache) -> None:
+    tree = cache.tree
+    nodes = list(tree.iter_nodes())
+    if len(nodes) != tree.num_nodes:
+        _fail(f"tree holds {len(nodes)} nodes, counter says {tree.num_nodes}")
+    for node in nodes:
+        _check_node_shape(cache, node)
+        _check_node_state(cache, node)
+    _check_locks(cache, nodes)
+    device = [n for n in nodes if n.device_pages is not None]
+    evictable = sum(n.num_tokens for n in device if not n.lock_ref)
+    protected = sum(n.num_tokens for n in device if n.lock_ref)
+    if (evictable, protected) != (tree.evictable_tokens, tree.protected_tokens):
+        _fail(
+            f"evictable/protected counters {tree.evictable_tokens}/{tree.protected_tokens} "
+            f"!= {evictable}/{protected} device tokens in the tree"
+        )
+    _check_pages(cache.device_alloc, [n.device_pages for n in device], "device")
+    if cache.host_alloc is not None:
+        host = [n.host_pages for n in nodes if n.host_pages is not None]
+        _check_pages(cache.host_alloc, host, "host")
+    elif any(n.host_pages is not None for n in nodes):
+        _fail("host pages in a cache without a host tier")
+    for record in cache.records.values():
+        for node in record.nodes:
+            if node.transfer is not record or not tree.in_tree(node):
+                _fail(f"record {record.ticket}: {node} left the tree or the record")
+    _check_heaps(cache, nodes)

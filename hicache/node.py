@@ -1,0 +1,102 @@
+"""TreeNode: one edge of the radix tree, a page-multiple run of tokens and where its KV lives.
+
+State machine of a node (``io`` is explicit; residency follows from the two page arrays):
+
+    DEVICE ──backup issued──▶ DEVICE+HOST, io=BACKUP ──ack──▶ DEVICE+HOST (synced)
+      │                                                          │ device eviction
+      │ write_back eviction: device pages move to the transfer    ▼
+      └──────────────────────▶ HOST, io=BACKUP ──ack──▶ HOST (host-only)
+                                                          │ load_back issued
+                                                          ▼
+                                   DEVICE+HOST, io=LOAD ──ack──▶ DEVICE+HOST (synced)
+    HOST ──host eviction──▶ removed from the tree
+    DEVICE (never backed up) ──device eviction──▶ removed from the tree
+
+A node is always resident somewhere: ``device_pages`` or ``host_pages`` is set. Device
+residency is prefix-closed (a device node's ancestors are on the device), because device
+eviction only takes device leaves and load-back loads a whole host-only chain at once.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import numpy as np
+
+
+class IOState(IntEnum):
+    """The transfer a node's pages are part of right now."""
+
+    NONE = 0
+    BACKUP = 1  # device -> host copy in flight: host pages are being written
+    LOAD = 2  # host -> device copy in flight: device pages are being written
+
+
+class TreeNode:
+    """A node of the radix tree. Fields are mutated only by HiRadixCache and RadixTree."""
+
+    __slots__ = (
+        "id",
+        "key",
+        "children",
+        "parent",
+        "namespace",
+        "device_pages",
+        "host_pages",
+        "lock_ref",
+        "host_ref",
+        "hit_count",
+        "last_access",
+        "created",
+        "io",
+        "transfer",
+    )
+
+    def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: object):
+        self.id = node_id  # unique per cache; also the heap tie-breaker
+        self.key = key  # token ids as int32 little-endian bytes; len is 4 * page-multiple
+        # children by first page of tokens (bytes). A dict, not defaultdict: lookups must never
+        # create nodes by accident.
+        self.children: dict[bytes, TreeNode] = {}
+        self.parent = parent  # None for roots and for nodes removed from the tree
+        self.namespace = namespace  # the namespace of the root this node hangs under
+        self.device_pages: np.ndarray | None = None  # int64 device page ids, one per key page
+        self.host_pages: np.ndarray | None = None  # int64 host page ids, one per key page
+        self.lock_ref = 0  # locks held on this node or on any descendant (device protection)
+        self.host_ref = 0  # loads reading this node's host pages (host protection)
+        self.hit_count = 0  # matches that covered this node (+1 at creation)
+        self.last_access = 0  # logical clock of the last match or insert through it
+        self.created = 0  # logical clock at creation (FIFO eviction)
+        self.io = IOState.NONE  # transfer in flight over this node's pages
+        self.transfer: object | None = None  # the TransferRecord behind `io`, if any
+
+    # ---- derived state ------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key) >> 2
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_pages is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_pages is not None
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None and self.key == b""
+
+    def tokens(self) -> np.ndarray:
+        """The node's token ids as a read-only int32 array (zero-copy view of the key)."""
+        return np.frombuffer(self.key, dtype=np.int32)
+
+    def has_device_child(self) -> bool:
+        return any(c.device_pages is not None for c in self.children.values())
+
+    def __repr__(self) -> str:
+        where = ("D" if self.on_device else "") + ("H" if self.on_host else "")
+        return (
+            f"TreeNode(id={self.id}, tokens={self.num_tokens}, at={where or '-'}, "
+            f"lock={self.lock_ref}, host_ref={self.host_ref}, io={self.io.name})"
+        )

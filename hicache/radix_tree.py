@@ -1,0 +1,190 @@
+"""RadixTree: the structure of the cache (nodes, keys, splits, lock walks, size counters).
+
+It knows nothing about pools or transfers; HiRadixCache drives it. Keys are int32 token ids as
+little-endian bytes, so comparing a node against a query is one ``bytes ==`` (a memcmp) instead
+of a Python loop over tokens; numpy is used only to find where a mismatch is. A child is found
+by the bytes of its first page. Each namespace has its own root, so namespaces never share a
+prefix and child keys need no namespace tag.
+
+Size counters follow SGLang's definition: ``evictable_tokens`` are device tokens in unlocked
+nodes, ``protected_tokens`` device tokens in locked nodes; the lock walks keep them exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from hicache.node import TreeNode
+
+Namespace = str | int | bytes | None
+
+
+class RadixTree:
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.page_bytes = 4 * page_size  # bytes of one page of int32 tokens
+        self._roots: dict[Namespace, TreeNode] = {}
+        self._next_id = 0
+        self.clock = 0  # logical time: +1 per match or insert
+        self.evictable_tokens = 0  # device tokens in nodes with lock_ref == 0
+        self.protected_tokens = 0  # device tokens in nodes with lock_ref > 0
+        self.num_nodes = 0  # nodes in the tree, roots excluded
+        self.root(None, create=True)
+
+    # ---- nodes ----------------------------------------------------------------------------
+    def _new_node(self, key: bytes, parent: TreeNode | None, namespace: Namespace) -> TreeNode:
+        node = TreeNode(self._next_id, key, parent, namespace)
+        node.created = node.last_access = self.clock
+        self._next_id += 1
+        return node
+
+    def root(self, namespace: Namespace, create: bool = False) -> TreeNode | None:
+        """The root of ``namespace`` (created on demand when ``create``)."""
+        root = self._roots.get(namespace)
+        if root is None and create:
+            if not isinstance(namespace, (str, int, bytes, type(None))) or isinstance(
+                namespace, bool
+            ):
+                raise ValueError(f"namespace must be str, int, bytes or None, got {namespace!r}")
+            root = self._roots[namespace] = self._new_node(b"", None, namespace)
+        return root
+
+    def roots(self) -> list[TreeNode]:
+        return list(self._roots.values())
+
+    def in_tree(self, node: TreeNode) -> bool:
+        """Whether ``node`` is a live non-root node of this tree."""
+        return node.parent is not None and self._roots.get(node.namespace) is not None
+
+    def iter_nodes(self) -> Iterator[TreeNode]:
+        """Every non-root node, parents before children."""
+        stack = [c for r in self._roots.values() for c in r.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # ---- walking ----------------------------------------------------------------------------
+    def walk(self, root: TreeNode, key: bytes) -> tuple[list[TreeNode], int]:
+        """Nodes covered by ``key`` from ``root``, and how many key bytes they cover.
+
+        ``key`` must be page-aligned. A node matched only in part is split first, so the path
+        always ends on a node boundary. Mutates: splits and access times (not hit counts).
+        """
+        self.clock += 1
+        now, step, path = self.clock, self.page_bytes, []
+        node, pos, end = root, 0, len(key)
+        while pos < end:
+            child = node.children.get(key[pos : pos + step])
+            if child is None:
+                break
+            size = len(child.key)
+            if key[pos : pos + size] != child.key:
+                # Diverges (or the key ends) inside this node: cut it at the last shared page.
+                child = self.split(child, self._common_bytes(child.key, key, pos))
+                child.last_access = now
+                path.append(child)
+                pos += len(child.key)
+                break
+            child.last_access = now
+            path.append(child)
+            pos += size
+            node = child
+        return path, pos
+
+    def _common_bytes(self, node_key: bytes, key: bytes, pos: int) -> int:
+        """Bytes of whole pages that ``node_key`` and ``key[pos:]`` share (>= one page)."""
+        a = np.frombuffer(node_key, dtype=np.int32)
+        b = np.frombuffer(key, dtype=np.int32, offset=pos)
+        n = min(len(a), len(b))
+        diff = np.flatnonzero(a[:n] != b[:n])
+        same = int(diff[0]) if len(diff) else n
+        return same // self.page_size * self.page_bytes
+
+    def split(self, node: TreeNode, nbytes: int) -> TreeNode:
+        """Cut ``node`` after ``nbytes`` of key; returns the new upper half (its new parent).
+
+        The upper half inherits every field (locks, host protection, hits, times, transfer
+        state), because everything that covered the node covers both halves. Counters do not
+        change: tokens are only regrouped.
+        """
+        assert 0 < nbytes < len(node.key) and nbytes % self.page_bytes == 0
+        pages = nbytes // self.page_bytes
+        upper = self._new_node(node.key[:nbytes], node.parent, node.namespace)
+        for field in ("lock_ref", "host_ref", "hit_count", "last_access", "created", "io"):
+            setattr(upper, field, getattr(node, field))
+        if node.device_pages is not None:
+            upper.device_pages, node.device_pages = (
+                node.device_pages[:pages],
+                node.device_pages[pages:],
+            )
+        if node.host_pages is not None:
+            upper.host_pages, node.host_pages = node.host_pages[:pages], node.host_pages[pages:]
+        if node.transfer is not None:
+            upper.transfer = node.transfer
+            node.transfer.nodes.append(upper)  # type: ignore[attr-defined]
+        upper.parent.children[node.key[: self.page_bytes]] = upper  # type: ignore[union-attr]
+        node.key = node.key[nbytes:]
+        node.parent = upper
+        upper.children[node.key[: self.page_bytes]] = node
+        self.num_nodes += 1
+        return upper
+
+    # ---- adding and removing ----------------------------------------------------------------
+    def add_leaf(self, parent: TreeNode, key: bytes, device_pages: np.ndarray) -> TreeNode:
+        """A new unlocked device leaf under ``parent``. Counts its tokens as evictable."""
+        leaf = self._new_node(key, parent, parent.namespace)
+        leaf.device_pages = device_pages
+        leaf.hit_count = 1
+        parent.children[key[: self.page_bytes]] = leaf
+        self.evictable_tokens += leaf.num_tokens
+        self.num_nodes += 1
+        return leaf
+
+    def remove_leaf(self, node: TreeNode) -> None:
+        """Detach a childless node with no pages left. Drops an empty non-default root."""
+        assert not node.children and node.device_pages is None and node.host_pages is None
+        parent = node.parent
+        assert parent is not None
+        del parent.children[node.key[: self.page_bytes]]
+        node.parent = None
+        self.num_nodes -= 1
+        if parent.parent is None and not parent.children and parent.namespace is not None:
+            del self._roots[parent.namespace]
+
+    # ---- device residency and locks ---------------------------------------------------------
+    def set_device(self, node: TreeNode, pages: np.ndarray | None) -> None:
+        """Attach or drop a node's device pages, keeping the size counters exact."""
+        had = node.device_pages is not None
+        node.device_pages = pages
+        delta = node.num_tokens * ((pages is not None) - had)
+        if node.lock_ref:
+            self.protected_tokens += delta
+        else:
+            self.evictable_tokens += delta
+
+    def inc_lock(self, node: TreeNode) -> int:
+        """Lock ``node`` and its ancestors; returns the change of evictable tokens (<= 0)."""
+        delta = 0
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                delta -= node.num_tokens
+            node.lock_ref += 1
+            node = node.parent
+        self.evictable_tokens += delta
+        self.protected_tokens -= delta
+        return delta
+
+    def dec_lock(self, node: TreeNode) -> int:
+        """Undo one inc_lock; returns the change of evictable tokens (>= 0)."""
+        delta = 0
+        while node.parent is not None:
+            if node.lock_ref == 1:
+                delta += node.num_tokens
+            node.lock_ref -= 1
+            node = node.parent
+        self.evictable_tokens += delta
+        self.protected_tokens -= delta
+        return delta

@@ -1,0 +1,175 @@
+"""Eviction on both tiers and allocation that makes room (a mixin of HiRadixCache).
+
+Device eviction takes unlocked device leaves (nodes with no device child and no transfer in
+flight), lowest priority first:
+
+- with a host copy: the device pages are freed now; the node stays as host-only;
+- without one, when the write policy backs up on eviction (or the node has host-only
+  children to keep reachable): a backup starts and the pages are freed at its ack;
+- otherwise the node leaves the tree and its pages are freed.
+
+Host eviction removes host-only leaves (no children at all; host-only nodes never take part in
+a transfer). Both re-queue a parent that becomes a candidate.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hicache.allocator import PageState
+from hicache.node import IOState, TreeNode
+from hicache.types import EvictResult
+
+# Rebuild a heap when it holds this many times more entries than the tree has nodes.
+HEAP_GARBAGE_FACTOR = 4
+
+
+class TieringMixin:
+    # ---- candidates ----------------------------------------------------------------------
+    @staticmethod
+    def _device_candidate(node: TreeNode) -> bool:
+        return (
+            node.parent is not None
+            and node.device_pages is not None
+            and node.lock_ref == 0
+            and node.io is IOState.NONE
+            and not node.has_device_child()
+        )
+
+    @staticmethod
+    def _host_candidate(node: TreeNode) -> bool:
+        return (
+            node.parent is not None
+            and node.device_pages is None
+            and node.host_pages is not None
+            and not node.children
+            and node.host_ref == 0
+        )
+
+    def _push_device(self, node: TreeNode | None) -> None:
+        if node is not None and self._device_candidate(node):
+            self.device_heap.push(node)
+            if len(self.device_heap) > HEAP_GARBAGE_FACTOR * self.tree.num_nodes + 64:
+                nodes = self.tree.iter_nodes()
+                self.device_heap.rebuild(n for n in nodes if self._device_candidate(n))
+
+    def _push_host(self, node: TreeNode | None) -> None:
+        if node is not None and self.host_alloc is not None and self._host_candidate(node):
+            self.host_heap.push(node)
+            if len(self.host_heap) > HEAP_GARBAGE_FACTOR * self.tree.num_nodes + 64:
+                nodes = self.tree.iter_nodes()
+                self.host_heap.rebuild(n for n in nodes if self._host_candidate(n))
+
+    def _touched(self, last_device: TreeNode, last_host: TreeNode | None) -> None:
+        """Re-queue the nodes whose priority a match changed (only leaves can be candidates)."""
+        self._push_device(last_device)
+        self._push_host(last_host)
+
+    # ---- device ---------------------------------------------------------------------------
+    def evict(self, num_tokens: int) -> EvictResult:
+        """Evict at least ``num_tokens`` device tokens if candidates allow (whole nodes, so it
+        may free more). ``pending`` tokens are freed when their backup is acknowledged."""
+        freed = pending = 0
+        backups: list[TreeNode] = []
+        while freed + pending < num_tokens:
+            node = self.device_heap.pop(self._device_candidate)
+            if node is None:
+                break
+            if node.host_pages is not None:
+                freed += self._drop_device(node)
+            elif self.host_alloc is not None and (
+                self.write_policy.backup_on_evict or node.children
+            ):
+                backups.append(node)
+                pending += node.num_tokens
+            else:
+                freed += self._delete_device_leaf(node)
+        if backups and not self._backup(backups, evict_on_ack=True):
+            for node in backups:  # the host is full: fall back to dropping them
+                self._drop_host_subtrees(node)
+                freed += self._delete_device_leaf(node)
+            pending = 0
+        self.counters.evicted_device_tokens += freed
+        return EvictResult(freed, pending)
+
+    def _drop_device(self, node: TreeNode) -> int:
+        """Free a synced node's device pages; it stays in the tree as host-only."""
+        self.device_alloc.release(node.device_pages)
+        self.tree.set_device(node, None)
+        self._push_host(node)
+        self._push_device(node.parent)
+        return node.num_tokens
+
+    def _delete_device_leaf(self, node: TreeNode) -> int:
+        """Free a device-only childless node and remove it from the tree."""
+        parent = node.parent
+        self.device_alloc.release(node.device_pages)
+        self.tree.set_device(node, None)
+        self.tree.remove_leaf(node)
+        self._push_device(parent)
+        self._push_host(parent)
+        return node.num_tokens
+
+    def _drop_host_subtrees(self, node: TreeNode) -> None:
+        """Remove every (host-only) descendant of ``node``, freeing their host pages."""
+        stack = list(node.children.values())
+        order: list[TreeNode] = []
+        while stack:
+            child = stack.pop()
+            order.append(child)
+            stack.extend(child.children.values())
+        for child in reversed(order):  # children before parents
+            self.host_alloc.release(child.host_pages)
+            child.host_pages = None
+            self.tree.remove_leaf(child)
+            self.counters.evicted_host_tokens += child.num_tokens
+
+    def _alloc_device(self, num_pages: int, state: PageState) -> np.ndarray | None:
+        """Allocate device pages, evicting (and waiting for write-back acks) when short."""
+        pages = self.device_alloc.alloc_pages(num_pages, state)
+        if pages is None:
+            self._make_device_room(num_pages)
+            pages = self.device_alloc.alloc_pages(num_pages, state)
+        return pages
+
+    def _make_device_room(self, num_pages: int) -> None:
+        """Evict until ``num_pages`` are free, or nothing more can be evicted."""
+        alloc = self.device_alloc
+        while alloc.free_pages < num_pages:
+            result = self.evict((num_pages - alloc.free_pages) * self.page_size)
+            if alloc.free_pages >= num_pages:
+                return
+            if self.records:  # acks free write-back pages and release backup locks
+                self.engine.wait(list(self.records))
+                self.poll()
+            elif result.freed == 0:
+                return
+
+    # ---- host -----------------------------------------------------------------------------
+    def evict_host(self, num_tokens: int) -> int:
+        """Remove host-only leaves until ``num_tokens`` host tokens are freed (or none is left).
+        Returns the tokens freed."""
+        if self.host_alloc is None:
+            return 0
+        freed = 0
+        while freed < num_tokens:
+            node = self.host_heap.pop(self._host_candidate)
+            if node is None:
+                break
+            parent = node.parent
+            self.host_alloc.release(node.host_pages)
+            node.host_pages = None
+            self.tree.remove_leaf(node)
+            freed += node.num_tokens
+            self._push_host(parent)
+            self._push_device(parent)
+        self.counters.evicted_host_tokens += freed
+        return freed
+
+    def _alloc_host(self, num_pages: int) -> np.ndarray | None:
+        """Allocate host pages for the tree, evicting host-only leaves when short."""
+        pages = self.host_alloc.alloc_pages(num_pages, PageState.TREE)
+        if pages is None:
+            self.evict_host((num_pages - self.host_alloc.free_pages) * self.page_size)
+            pages = self.host_alloc.alloc_pages(num_pages, PageState.TREE)
+        return pages

@@ -1,0 +1,215 @@
+"""Backups, load-backs and their acknowledgements (a mixin of HiRadixCache).
+
+Every copy in flight has a TransferRecord keyed by its ticket. While it exists:
+
+- BACKUP: each node has io=BACKUP and both page arrays; its device pages are read, its host
+  pages written. A backup started by a hit locks each node (``locked``); one started by
+  eviction does not, and frees the device pages at the ack instead (``evict_on_ack``).
+- LOAD: each node of the chain has io=LOAD, host_ref+1 (its host pages are read) and device
+  pages being written; the chain's last node holds one lock (``locked``).
+
+Nothing is freed or unlocked until ``poll`` has seen the ack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hicache.allocator import PageState
+from hicache.node import IOState, TreeNode
+from hicache.transfer import Ack, Direction
+from hicache.types import Ticket
+from hicache.write_policy import make_write_policy
+
+
+@dataclass
+class TransferRecord:
+    ticket: Ticket
+    direction: Direction
+    nodes: list[TreeNode]  # nodes whose io state this copy owns; grows when one is split
+    locked: list[TreeNode]  # nodes holding one device lock each until the ack
+    tokens: int  # tokens copied
+    evict_on_ack: bool = False  # backup for eviction: drop the device pages once acked
+    layers: int = 0  # layers acknowledged (loads), for wait_layer
+    extra: dict = field(default_factory=dict)
+
+
+def _split_pages(pages: np.ndarray, nodes: list[TreeNode], page_size: int) -> list[np.ndarray]:
+    bounds = np.cumsum([n.num_tokens // page_size for n in nodes])[:-1]
+    return np.split(pages, bounds)
+
+
+class TransferBookMixin:
+    def _init_transfers(self) -> None:
+        self.write_policy = make_write_policy(self.config)
+        self.records: dict[Ticket, TransferRecord] = {}
+
+    # ---- backup ---------------------------------------------------------------------------
+    def _backup_hot(self, nodes: list[TreeNode]) -> None:
+        """Back up the device nodes whose hits reached the policy's threshold."""
+        if self.host_alloc is None:
+            return
+        wants = self.write_policy.wants_backup
+        hot = [
+            n
+            for n in nodes
+            if n.host_pages is None and n.device_pages is not None and wants(n.hit_count)
+        ]
+        if hot:
+            self._backup(hot, evict_on_ack=False)
+
+    def _backup(self, nodes: list[TreeNode], evict_on_ack: bool) -> bool:
+        """Start one copy of ``nodes`` to fresh host pages; False (nothing changed) when the
+        host pool is full even after host eviction."""
+        ps = self.page_size
+        tokens = sum(n.num_tokens for n in nodes)
+        host = self._alloc_host(tokens // ps)
+        if host is None:
+            self.counters.backup_failed_tokens += tokens
+            return False
+        device = np.concatenate([n.device_pages for n in nodes])
+        ticket = self.engine.submit(Direction.BACKUP, device, host)
+        locked = [] if evict_on_ack else list(nodes)
+        record = TransferRecord(ticket, Direction.BACKUP, list(nodes), locked, tokens, evict_on_ack)
+        for node, pages in zip(nodes, _split_pages(host, nodes, ps), strict=True):
+            node.host_pages, node.io, node.transfer = pages, IOState.BACKUP, record
+        for node in locked:
+            self.tree.inc_lock(node)
+        self.records[ticket] = record
+        return True
+
+    # ---- load-back ------------------------------------------------------------------------
+    def load_back(self, node: TreeNode, mem_quota: int | None = None) -> torch.Tensor | None:
+        """Start loading the host-only chain that ends at ``node`` back to the device.
+
+        All or nothing: returns the device slots of the whole chain (in token order), or None
+        when the chain is shorter than load_back_threshold, longer than ``mem_quota`` tokens, or
+        the device cannot make room. An empty tensor when ``node`` already is on the device.
+        The chain stays locked, and its host pages protected, until the ack; wait_load(node)
+        before reading the slots.
+        """
+        if node.parent is None:
+            return torch.empty(0, dtype=torch.int64)
+        if not self.tree.in_tree(node):
+            raise ValueError(f"load_back: {node!r} is not a node of this cache")
+        self.counters.load_back_calls += 1
+        chain, anchor = [], node
+        while anchor.parent is not None and anchor.device_pages is None:
+            chain.append(anchor)
+            anchor = anchor.parent
+        if not chain:
+            return torch.empty(0, dtype=torch.int64)
+        chain.reverse()
+        tokens = sum(n.num_tokens for n in chain)
+        if tokens < self.config.load_back_threshold or (
+            mem_quota is not None and tokens > mem_quota
+        ):
+            return None
+        return self._start_load(chain, anchor, tokens)
+
+    def _start_load(
+        self, chain: list[TreeNode], anchor: TreeNode, tokens: int
+    ) -> torch.Tensor | None:
+        for n in chain:  # protect the host pages first: making room may evict on both tiers
+            n.host_ref += 1
+        self.tree.inc_lock(anchor)
+        device = self._alloc_device(tokens // self.page_size, PageState.TREE)
+        self.tree.dec_lock(anchor)
+        if device is None:
+            for n in chain:
+                n.host_ref -= 1
+            self._push_device(anchor)
+            return None
+        host = np.concatenate([n.host_pages for n in chain])
+        ticket = self.engine.submit(Direction.LOAD, device, host)
+        record = TransferRecord(ticket, Direction.LOAD, list(chain), [chain[-1]], tokens)
+        for n, pages in zip(chain, _split_pages(device, chain, self.page_size), strict=True):
+            self.tree.set_device(n, pages)
+            n.io, n.transfer = IOState.LOAD, record
+        self.tree.inc_lock(chain[-1])
+        self.records[ticket] = record
+        return torch.from_numpy(self.device_alloc.slots_of_pages(device))
+
+    def load_ticket(self, node: TreeNode) -> Ticket | None:
+        """Ticket of the load still writing ``node`` or an ancestor (the deepest), if any."""
+        while node.parent is not None:
+            if node.io is IOState.LOAD:
+                return node.transfer.ticket  # type: ignore[union-attr]
+            node = node.parent
+        return None
+
+    def wait_load(self, node: TreeNode, timeout: float | None = None) -> bool:
+        """Block until no load is writing ``node`` or its ancestors; processes acks."""
+        tickets = set()
+        while node.parent is not None:
+            if node.io is IOState.LOAD:
+                tickets.add(node.transfer.ticket)  # type: ignore[union-attr]
+            node = node.parent
+        if not tickets:
+            return True
+        done = self.engine.wait(tickets, timeout)
+        self.poll()
+        return done
+
+    # ---- acknowledgements ---------------------------------------------------------------------
+    def poll(self) -> int:
+        """Process every ack the transfer engine has; returns how many."""
+        if self.engine is None:
+            return 0
+        acks = self.engine.poll()
+        for ack in acks:
+            self._on_ack(ack)
+        return len(acks)
+
+    def _on_ack(self, ack: Ack) -> None:
+        record = self.records.pop(ack.ticket)
+        for node in record.nodes:
+            node.io, node.transfer = IOState.NONE, None
+        if not ack.ok:
+            self.counters.transfer_errors += 1
+        if record.direction is Direction.BACKUP:
+            self._backup_done(record, ack.ok)
+        else:
+            self._load_done(record, ack.ok)
+
+    def _backup_done(self, record: TransferRecord, ok: bool) -> None:
+        for node in record.locked:
+            self.tree.dec_lock(node)
+        if not ok:  # the host copy is garbage: forget it, the device copy is intact
+            for node in record.nodes:
+                self.host_alloc.release(node.host_pages)
+                node.host_pages = None
+            self.counters.backup_failed_tokens += record.tokens
+        else:
+            self.counters.backup_tokens += record.tokens
+            self.counters.backup_bytes += record.tokens * self.config.token_bytes
+        for node in sorted(record.nodes, key=lambda n: -self._depth(n)):
+            if ok and record.evict_on_ack and self._device_candidate(node):
+                self.counters.evicted_device_tokens += self._drop_device(node)
+            else:
+                self._push_device(node)
+
+    def _load_done(self, record: TransferRecord, ok: bool) -> None:
+        for node in record.nodes:
+            node.host_ref -= 1
+        for node in record.locked:
+            self.tree.dec_lock(node)
+        if ok:
+            self.counters.load_tokens += record.tokens
+            self.counters.load_bytes += record.tokens * self.config.token_bytes
+        else:  # the device copy is garbage: drop it where nobody holds it
+            for node in sorted(record.nodes, key=lambda n: -self._depth(n)):
+                if self._device_candidate(node):
+                    self._drop_device(node)
+        for node in record.nodes:
+            self._push_device(node)
+
+    @staticmethod
+    def _depth(node: TreeNode) -> int:
+        depth = 0
+        while node.parent is not None:
+            depth, node = depth + 1, node.parent
+        return depth

@@ -1,0 +1,8 @@
+"""Copy kernels between KV pools: a torch reference (the oracle and the CPU path).
+
+Imports nothing from hicache: callers hand in plain tensors and index tensors.
+"""
+
+from hicache.kernels.reference import copy_pages_all_layers, copy_pages_one_layer
+
+__all__ = ["copy_pages_all_layers", "copy_pages_one_layer"]
