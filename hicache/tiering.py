@@ -70,21 +70,23 @@ class TieringMixin:
         """Evict at least ``num_tokens`` device tokens if candidates allow (whole nodes, so it
         may free more). ``pending`` tokens are freed when their backup is acknowledged."""
         freed = pending = 0
-        backups: list[TreeNode] = []
+        backups: dict[TreeNode, None] = {}  # ordered set: stays a candidate until issued
         while freed + pending < num_tokens:
             node = self.device_heap.pop(self._device_candidate)
             if node is None:
                 break
+            if node in backups:
+                continue
             if node.host_pages is not None:
                 freed += self._drop_device(node)
             elif self.host_alloc is not None and (
                 self.write_policy.backup_on_evict or node.children
             ):
-                backups.append(node)
+                backups[node] = None
                 pending += node.num_tokens
             else:
                 freed += self._delete_device_leaf(node)
-        if backups and not self._backup(backups, evict_on_ack=True):
+        if backups and not self._backup(list(backups), evict_on_ack=True):
             for node in backups:  # the host is full: fall back to dropping them
                 self._drop_host_subtrees(node)
                 freed += self._delete_device_leaf(node)

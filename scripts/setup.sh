@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install hicache with its test extras.
+# Without a GPU, the CPU build of torch (torch==2.13.0, on this machine's local package cache) is
+# installed first, so that resolving "torch" never pulls the multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+pip() { .venv/bin/python -m pip "$@" --disable-pip-version-check -q; }
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip install torch
+  else
+    pip install torch==2.13.0
+  fi
+fi
+pip install -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import hicache, hicache.kernels" # fails loudly if the install did not work

@@ -1,0 +1,234 @@
+"""Random interleavings of every cache operation against the naive reference model.
+
+Copies run only when a rule completes them (ManualTransferEngine), in random order, so any use
+of pages before their ack shows up as wrong KV values. check_integrity() runs after every step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hicache import HiCacheConfig, HiRadixCache, InvalidIndicesError
+from hicache.transfer_manual import ManualTransferEngine
+from tests.reference import ReferenceCache, expected_kv, read_kv, write_kv
+
+NAMESPACES = (None, "tenant-b")
+
+
+class CacheMachine(RuleBasedStateMachine):
+    page_size = 1
+    write_policy = "write_through"
+    eviction_policy = "lru"
+
+    def __init__(self) -> None:
+        super().__init__()
+        ps = self.page_size
+        self.config = HiCacheConfig(
+            num_layers=2,
+            num_kv_heads=1,
+            head_dim=2,
+            dtype="float32",
+            page_size=ps,
+            device_tokens=24 * ps if ps == 1 else 8 * ps,
+            host_tokens=64 * ps if ps == 1 else 20 * ps,
+            write_policy=self.write_policy,
+            eviction_policy=self.eviction_policy,
+            load_back_threshold=0,
+            write_through_threshold=2,
+        )
+        self.cache = HiRadixCache(self.config, transfer_engine=ManualTransferEngine)
+        self.engine: ManualTransferEngine = self.cache.engine  # type: ignore[assignment]
+        self.pool = self.cache.device_pool
+        self.ref = ReferenceCache(ps)
+        self.seqs: list[tuple[np.ndarray, object]] = []
+        self.locks: list = []
+        self.owned: list[torch.Tensor] = []
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def draw_seq(self, data) -> tuple[np.ndarray, object]:  # noqa: ANN001
+        ps = self.page_size
+        vocab = 3 if ps == 1 else 2
+        extra = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3 * ps))
+        if self.seqs and data.draw(st.booleans()):
+            base, ns = self.seqs[data.draw(st.integers(0, len(self.seqs) - 1))]
+            base = base[: data.draw(st.integers(0, len(base)))]
+        else:
+            base, ns = np.empty(0, np.int32), data.draw(st.sampled_from(NAMESPACES))
+        return np.concatenate([base, np.array(extra, np.int32)]).astype(np.int32), ns
+
+    def nothing_lost(self) -> bool:
+        s = self.cache.stats()
+        return s.evicted_device_tokens == 0 and s.evicted_host_tokens == 0
+
+    def check_match(self, seq: np.ndarray, ns: object, m) -> None:  # noqa: ANN001
+        dev = m.device_hit_length
+        total = dev + m.host_hit_length
+        assert total % self.page_size == 0
+        assert self.ref.contains(seq[:total], ns), "matched a prefix that was never inserted"
+        if m.loading:
+            self.cache.wait_load(m.last_device_node)
+        got = read_kv(self.pool, m.device_indices)
+        want = expected_kv(seq[:dev], self.config.num_kv, self.config.num_layers)
+        assert torch.equal(got, want), "device slots hold another prefix's KV"
+        if self.nothing_lost():
+            assert total == self.ref.longest(seq, ns), "a cached prefix was not found"
+
+    # ---- rules --------------------------------------------------------------------------------
+    @rule(data=st.data(), load=st.booleans(), wait=st.booleans())
+    def serve_request(self, data, load, wait) -> None:  # noqa: ANN001
+        """The engine loop: match, load back, lock, allocate the rest, write KV, insert."""
+        seq, ns = self.draw_seq(data)
+        m = self.cache.match_prefix(seq, namespace=ns)
+        self.check_match(seq, ns, m)
+        lock, prefix = m.last_device_node, m.device_indices
+        if load and m.host_hit_length:
+            loaded = self.cache.load_back(m.last_host_node)
+            if loaded is not None:
+                lock, prefix = m.last_host_node, torch.cat([prefix, loaded])
+                if wait:
+                    self.cache.wait_load(lock)
+        self.cache.inc_lock_ref(lock)
+        new = self.cache.alloc(len(seq) - len(prefix))
+        if new is not None:
+            write_kv(self.pool, new, seq, len(prefix), seq)
+            self.cache.insert(seq, torch.cat([prefix, new]), namespace=ns)
+            self.ref.insert(seq, ns)
+            self.seqs.append((seq, ns))
+        self.cache.dec_lock_ref(lock)
+
+    @rule(data=st.data())
+    def insert_fresh(self, data) -> None:  # noqa: ANN001
+        """Insert with fresh slots for every token: duplicates must be freed by insert."""
+        seq, ns = self.draw_seq(data)
+        slots = self.cache.alloc(len(seq))
+        if slots is not None:
+            write_kv(self.pool, slots, seq, 0, seq)
+            self.cache.insert(seq, slots, namespace=ns)
+            self.ref.insert(seq, ns)
+            self.seqs.append((seq, ns))
+
+    @rule(data=st.data())
+    def match_and_lock(self, data) -> None:  # noqa: ANN001
+        seq, ns = self.draw_seq(data)
+        m = self.cache.match_prefix(seq, namespace=ns)
+        self.check_match(seq, ns, m)
+        if m.last_device_node.parent is not None:
+            self.cache.inc_lock_ref(m.last_device_node)
+            self.locks.append(m.last_device_node)
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data) -> None:  # noqa: ANN001
+        node = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
+        self.cache.dec_lock_ref(node)
+
+    @rule(data=st.data())
+    def load_back_and_verify(self, data) -> None:  # noqa: ANN001
+        seq, ns = self.draw_seq(data)
+        m = self.cache.match_prefix(seq, namespace=ns)
+        if not m.host_hit_length:
+            return
+        loaded = self.cache.load_back(m.last_host_node)
+        if loaded is None:
+            return
+        self.cache.wait_load(m.last_host_node)
+        start = m.device_hit_length
+        got = read_kv(self.pool, loaded)
+        want = expected_kv(seq[: start + len(loaded)], self.config.num_kv, self.config.num_layers)
+        assert torch.equal(got, want[:, :, start:]), "loaded-back KV differs from what was inserted"
+
+    @rule(n=st.integers(1, 40))
+    def evict_device(self, n: int) -> None:
+        self.cache.evict(n)
+
+    @rule(n=st.integers(1, 40))
+    def evict_host(self, n: int) -> None:
+        self.cache.evict_host(n)
+
+    @precondition(lambda self: self.engine.queued())
+    @rule(data=st.data())
+    def complete_transfer(self, data) -> None:  # noqa: ANN001
+        self.engine.complete(data.draw(st.sampled_from(self.engine.queued())))
+
+    @rule()
+    def poll(self) -> None:
+        self.cache.poll()
+
+    @rule(n=st.integers(0, 20))
+    def alloc_owned(self, n: int) -> None:
+        slots = self.cache.alloc(n)
+        if slots is not None:
+            self.owned.append(slots)
+
+    @precondition(lambda self: self.owned)
+    @rule(data=st.data())
+    def free_owned(self, data) -> None:  # noqa: ANN001
+        slots = self.owned.pop(data.draw(st.integers(0, len(self.owned) - 1)))
+        self.cache.free(slots)
+        if len(slots):
+            with pytest.raises(InvalidIndicesError):
+                self.cache.free(slots)  # double free changes nothing
+
+    @rule(data=st.data())
+    def bad_insert(self, data) -> None:  # noqa: ANN001
+        seq, ns = self.draw_seq(data)
+        before = self.cache.stats()
+        with pytest.raises(ValueError):
+            self.cache.insert(seq, torch.zeros(len(seq) + 1, dtype=torch.int64), namespace=ns)
+        with pytest.raises(ValueError):
+            self.cache.match_prefix(np.array([1, -2, 3]))
+        after = self.cache.stats()
+        assert (after.device_free_tokens, after.device_cached_tokens) == (
+            before.device_free_tokens,
+            before.device_cached_tokens,
+        )
+
+    @invariant()
+    def integrity(self) -> None:
+        self.cache.check_integrity()
+
+    def teardown(self) -> None:
+        for node in self.locks:
+            self.cache.dec_lock_ref(node)
+        self.engine.complete_all()
+        self.cache.poll()
+        self.cache.check_integrity()
+        for slots in self.owned:
+            self.cache.free(slots)
+        s = self.cache.stats()
+        assert s.device_protected_tokens == 0 and s.device_owned_tokens == 0
+        assert s.device_free_tokens + s.device_cached_tokens == s.device_capacity_tokens
+        self.cache.close()
+
+
+SETTINGS = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+def _machine(ps: int, policy: str, eviction: str) -> type[CacheMachine]:
+    name = f"Machine_{policy}_{ps}_{eviction}"
+    attrs = {"page_size": ps, "write_policy": policy, "eviction_policy": eviction}
+    return type(name, (CacheMachine,), attrs)
+
+
+CASES = [
+    (ps, policy, "lfu" if (ps, policy) == (4, "write_back") else "lru")
+    for policy in ("write_through", "write_through_selective", "write_back")
+    for ps in (1, 4, 16)
+]
+
+
+@pytest.mark.parametrize(("ps", "policy", "eviction"), CASES)
+def test_random_interleavings(ps: int, policy: str, eviction: str) -> None:
+    machine = _machine(ps, policy, eviction)
+    machine.TestCase.settings = SETTINGS
+    machine.TestCase().runTest()
