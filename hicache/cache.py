@@ -57,7 +57,11 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         self.host_alloc: PagedAllocator | None = None
         self.engine: TransferEngine | None = None
         if config.host_enabled:
-            self.host_pool = HostPool(config, host_backing)
+            try:
+                self.host_pool = HostPool(config, host_backing)
+            except BaseException:
+                self.device_pool.close()
+                raise
             self.host_alloc = PagedAllocator(self.host_pool.num_pages, ps)
             self.engine = transfer_engine(self.device_pool, self.host_pool)
         priority = make_priority(config)

@@ -42,12 +42,10 @@ class RadixTree:
 
     def root(self, namespace: Namespace, create: bool = False) -> TreeNode | None:
         """The root of ``namespace`` (created on demand when ``create``)."""
+        if not isinstance(namespace, (str, int, bytes, type(None))) or isinstance(namespace, bool):
+            raise ValueError(f"namespace must be str, int, bytes or None, got {namespace!r}")
         root = self._roots.get(namespace)
         if root is None and create:
-            if not isinstance(namespace, (str, int, bytes, type(None))) or isinstance(
-                namespace, bool
-            ):
-                raise ValueError(f"namespace must be str, int, bytes or None, got {namespace!r}")
             root = self._roots[namespace] = self._new_node(b"", None, namespace)
         return root
 

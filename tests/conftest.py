@@ -1,0 +1,52 @@
+import numpy as np
+import pytest
+import torch
+
+from hicache import HiCacheConfig, HiRadixCache
+from hicache.transfer_manual import ManualTransferEngine
+
+
+def make_cache(manual=True, **overrides) -> HiRadixCache:
+    fields = dict(
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype="float32",
+        page_size=1,
+        device_tokens=32,
+        host_tokens=96,
+        load_back_threshold=0,
+    )
+    fields.update(overrides)
+    engine = ManualTransferEngine if manual else None
+    kwargs = {"transfer_engine": engine} if engine else {}
+    return HiRadixCache(HiCacheConfig(**fields), **kwargs)
+
+
+def put(cache: HiRadixCache, tokens, namespace=None) -> torch.Tensor:
+    """Allocate, write a value per token (token * 10 + position), insert; returns the slots."""
+    tokens = np.asarray(tokens, dtype=np.int32)
+    slots = cache.alloc(len(tokens))
+    values = torch.tensor(tokens * 10 + np.arange(len(tokens)), dtype=torch.float32)
+    cache.device_pool.layers[:, :, slots] = values[None, None, :, None, None]
+    cache.insert(tokens, slots, namespace=namespace)
+    return slots
+
+
+def values_at(cache: HiRadixCache, slots: torch.Tensor) -> torch.Tensor:
+    return cache.device_pool.layers[:, :, slots, 0, 0]
+
+
+def settle(cache: HiRadixCache) -> None:
+    """Run every queued copy and process the acks."""
+    if cache.engine is not None:
+        cache.engine.wait(list(cache.records))
+    cache.poll()
+
+
+@pytest.fixture
+def cache():
+    c = make_cache()
+    yield c
+    c.check_integrity()
+    c.close()
