@@ -48,15 +48,15 @@ def test_host_layouts_place_pages_where_their_order_says(layout, shape):
     hd = heads * dim
     if layout == "layer_first":
         buf = flat.view(kv, L, P * ps, hd)
-        expect = lambda k, l, p, s: buf[k, l, p * ps + s]  # noqa: E731
+        expect = lambda k, ly, p, s: buf[k, ly, p * ps + s]  # noqa: E731
     elif layout == "page_first":
         buf = flat.view(kv, P * ps, L, hd)
-        expect = lambda k, l, p, s: buf[k, p * ps + s, l]  # noqa: E731
+        expect = lambda k, ly, p, s: buf[k, p * ps + s, ly]  # noqa: E731
     else:
         buf = flat.view(kv, P, L, ps, hd)
-        expect = lambda k, l, p, s: buf[k, p, l, s]  # noqa: E731
-    for k, l, p, s in [(0, 0, 0, 0), (kv - 1, L - 1, P - 1, ps - 1), (0, 1, 3, 2)]:
-        assert torch.equal(pool.page_view[k, l, p, s], expect(k, l, p, s))
+        expect = lambda k, ly, p, s: buf[k, p, ly, s]  # noqa: E731
+    for k, ly, p, s in [(0, 0, 0, 0), (kv - 1, L - 1, P - 1, ps - 1), (0, 1, 3, 2)]:
+        assert torch.equal(pool.page_view[k, ly, p, s], expect(k, ly, p, s))
 
 
 def test_shared_memory_backing_is_private_mappable_and_removed(tmp_path):
