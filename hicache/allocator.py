@@ -36,7 +36,9 @@ def as_int64(values: IntArrayLike, name: str) -> np.ndarray:
     if isinstance(values, torch.Tensor):
         if values.dtype.is_floating_point or values.dtype == torch.bool:
             raise InvalidIndicesError(f"{name}: expected integers, got {values.dtype}")
-        values = values.detach().to("cpu").numpy()
+        if values.device.type != "cpu" or values.requires_grad:
+            values = values.detach().cpu()
+        values = values.numpy()
     arr = np.asarray(values)
     if arr.size == 0:
         return np.empty(0, dtype=np.int64)
@@ -64,6 +66,8 @@ class PagedAllocator:
         self._stack = np.arange(num_pages - 1, reserved_pages - 1, -1, dtype=np.int64)
         self._top = len(self._stack)
         self._group: list[np.ndarray] | None = None  # pages freed inside free_group_begin/end
+        self._scratch = np.zeros(num_pages, dtype=np.int64)  # for has_duplicates
+        self._order = np.arange(num_pages, dtype=np.int64)
 
     # ---- queries ------------------------------------------------------------------------
     @property
@@ -105,8 +109,24 @@ class PagedAllocator:
             raise DoubleFreeError("page is already free (double free or never allocated)")
         if expected is not None and (states != expected).any():
             raise InvalidIndicesError(f"pages are not {expected.name.lower()}")
-        if len(np.unique(pages)) != len(pages):
+        if self.has_duplicates(pages):
             raise DoubleFreeError("the same page is freed twice in one call")
+
+    def check_owned(self, pages: np.ndarray, state: PageState = PageState.OWNED) -> None:
+        """Fast path of check_pages for in-range pages: all in ``state`` and distinct."""
+        if len(pages) and (self.state[pages] != state).any():
+            self.check_pages(pages, state)  # raises with the precise reason
+        if self.has_duplicates(pages):
+            raise DoubleFreeError("the same page is passed twice")
+
+    def has_duplicates(self, pages: np.ndarray) -> bool:
+        """Whether ``pages`` (in range) repeats a page. O(n), no sort: each position writes its
+        own index into a scratch array; a repeated page keeps only its last writer's."""
+        if len(pages) < 64:  # a set beats three numpy calls on small inputs
+            return len(set(pages.tolist())) != len(pages)
+        order = self._order[: len(pages)]
+        self._scratch[pages] = order
+        return not np.array_equal(self._scratch[pages], order)
 
     def free_pages_checked(self, pages: np.ndarray, expected: PageState | None = None) -> None:
         """Return pages to the free list after check_pages. Mutates state and stack."""
@@ -143,8 +163,10 @@ class PagedAllocator:
 
     # ---- slots --------------------------------------------------------------------------
     def check_slot_range(self, slots: np.ndarray) -> None:
+        """Raise unless every slot is in [0, pool size). One reduction: negatives wrap around
+        to huge unsigned values."""
         limit = self.num_pages * self.page_size
-        if slots.size and (int(slots.min()) < 0 or int(slots.max()) >= limit):
+        if slots.size and int(slots.view(np.uint64).max()) >= limit:
             raise InvalidIndicesError(f"slot outside the pool [0, {limit})")
 
     def pages_of_slots(self, slots: np.ndarray) -> np.ndarray:

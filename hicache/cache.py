@@ -152,7 +152,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             return MatchResult(_EMPTY, node, 0, node, False)
         path, covered = self.tree.walk(root, tokens[:aligned].tobytes())
         n_dev = 0
-        while n_dev < len(path) and path[n_dev].device_pages is not None:
+        while n_dev < len(path) and path[n_dev].device_slots is not None:
             n_dev += 1
         dev, host = path[:n_dev], path[n_dev:]
         for node in path:
@@ -175,19 +175,16 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
     def _slots(self, nodes: list[TreeNode]) -> torch.Tensor:
         if not nodes:
             return _EMPTY
-        pages = (
-            nodes[0].device_pages
-            if len(nodes) == 1
-            else np.concatenate([n.device_pages for n in nodes])
-        )
-        return torch.from_numpy(self.device_alloc.slots_of_pages(pages))
+        if len(nodes) == 1:  # a copy: callers must never write into the tree's arrays
+            return torch.from_numpy(nodes[0].device_slots.copy())
+        return torch.from_numpy(np.concatenate([n.device_slots for n in nodes]))
 
     # ---- locks -------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> int:
         """Lock a device node and its ancestors against eviction. Returns the evictable delta."""
         if node.parent is None:
             return 0  # a root: nothing to protect
-        if not self.tree.in_tree(node) or node.device_pages is None:
+        if not self.tree.in_tree(node) or node.device_slots is None:
             raise ValueError(f"inc_lock_ref: {node!r} is not a device node of this cache")
         self.user_locks[node] += 1
         return self.tree.inc_lock(node)

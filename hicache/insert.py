@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.allocator import PageState
-from hicache.node import TreeNode
+from hicache.errors import InvalidIndicesError
+from hicache.node import TreeNode, node_pages
 from hicache.radix_tree import Namespace
 from hicache.tokens import pages_of_aligned
 
@@ -27,43 +28,71 @@ class InsertMixin:
     def _insert(self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace) -> int:
         ps, alloc = self.page_size, self.device_alloc
         aligned = len(tokens) // ps * ps
-        tail_pages = alloc.pages_of_slots(slots[aligned:]) if aligned < len(slots) else _NO_PAGES
         alloc.check_slot_range(slots)
-        pages = pages_of_aligned(slots[:aligned], ps)
-        alloc.check_pages(pages)  # distinct, allocated, not the padding page
+        slots = slots.copy()  # the tree keeps slices: never alias the caller's memory
         root = self.tree.root(namespace, create=True)
-        key = tokens[:aligned].tobytes()
+        key = tokens.tobytes() if aligned == len(tokens) else tokens[:aligned].tobytes()
         path, covered = self.tree.walk(root, key)
-        to_free, adopt, pos = [tail_pages], [], 0
-        for node in path:
-            mine = pages[pos : pos + node.num_tokens // ps]
-            pos += len(mine)
-            if node.device_pages is None:
-                adopt.append((node, mine))
-            elif not np.array_equal(node.device_pages, mine):
-                to_free.append(mine)
-        new = pages[pos:]
+        dup, adopt = self._classify(path, slots)
+        new = slots[covered >> 2 : aligned]
         try:
-            alloc.check_pages(
-                np.concatenate([*to_free, *(p for _, p in adopt), new]), PageState.OWNED
-            )
+            theirs = [*dup, *(m for _, m in adopt), new]
+            theirs = pages_of_aligned(np.concatenate(theirs) if len(theirs) > 1 else new, ps)
+            tail = self._tail_page(slots[aligned:])
+            alloc.check_owned(np.concatenate([theirs, tail]) if len(tail) else theirs)
         except Exception:
             self._drop_empty_root(root)
             raise
         for node, mine in adopt:
-            alloc.state[mine] = PageState.TREE
+            alloc.state[node_pages(mine, ps)] = PageState.TREE
             self.tree.set_device(node, mine)
         touched: list[TreeNode] = list(path)
         if len(new):
-            alloc.state[new] = PageState.TREE
+            alloc.state[node_pages(new, ps)] = PageState.TREE
             touched.append(self.tree.add_leaf(path[-1] if path else root, key[covered:], new))
-        alloc.release(np.concatenate(to_free))
+        if dup or len(tail):
+            alloc.release(np.concatenate([*(node_pages(d, ps) for d in dup), tail]))
         if touched:
             self._push_device(touched[-1])
             self._backup_hot(touched)
         else:
             self._drop_empty_root(root)
-        return covered // 4
+        return covered >> 2
+
+    @staticmethod
+    def _classify(path: list[TreeNode], slots: np.ndarray) -> tuple[list, list]:
+        """Split the covered part of ``slots`` into duplicates of device nodes (to free) and
+        pages for host-only nodes (to adopt); slots equal to the tree's own are neither."""
+        if not path:
+            return [], []
+        if all(n.device_slots is not None for n in path):  # fast path: one comparison
+            own = (
+                path[0].device_slots
+                if len(path) == 1
+                else np.concatenate([n.device_slots for n in path])
+            )
+            if own.tobytes() == slots[: len(own)].tobytes():
+                return [], []
+        dup, adopt, pos = [], [], 0
+        for node in path:
+            mine = slots[pos : pos + node.num_tokens]
+            pos += node.num_tokens
+            if node.device_slots is None:
+                adopt.append((node, mine))
+            elif node.device_slots.tobytes() != mine.tobytes():
+                dup.append(mine)
+        return dup, adopt
+
+    def _tail_page(self, tail: np.ndarray) -> np.ndarray:
+        """The page of an unaligned tail (fewer than page_size slots): it must be the first
+        slots of one page, in order, as alloc and alloc_extend hand them out."""
+        if not len(tail):
+            return _NO_PAGES
+        ps = self.page_size
+        first = int(tail[0])
+        if first % ps or tail.tolist() != list(range(first, first + len(tail))):
+            raise InvalidIndicesError("device_indices: the unaligned tail must start a page")
+        return np.array([first // ps], dtype=np.int64)
 
     def _drop_empty_root(self, root: TreeNode) -> None:
         if not root.children and root.namespace is not None:
