@@ -68,6 +68,7 @@ class PagedAllocator:
         self._group: list[np.ndarray] | None = None  # pages freed inside free_group_begin/end
         self._scratch = np.zeros(num_pages, dtype=np.int64)  # for has_duplicates
         self._order = np.arange(num_pages, dtype=np.int64)
+        self._offsets = np.arange(page_size, dtype=np.int64)  # slot offsets within a page
 
     # ---- queries ------------------------------------------------------------------------
     @property
@@ -112,9 +113,29 @@ class PagedAllocator:
         if self.has_duplicates(pages):
             raise DoubleFreeError("the same page is freed twice in one call")
 
+    def whole_pages(self, slots: np.ndarray) -> np.ndarray:
+        """Page ids of ``slots``, which must fill whole pages of this pool in order.
+
+        At page_size 4, slots [8, 9, 10, 11, 20, 21, 22, 23] are pages [2, 5]; [8, 9, 11, 10]
+        and [9, 10, 11, 12] are rejected. Four numpy calls whatever the length: numpy's
+        per-call cost, not the data, dominates these checks.
+        """
+        ps = self.page_size
+        if len(slots) % ps:
+            raise InvalidIndicesError(f"device_indices: {len(slots)} slots are not whole pages")
+        rows = slots.reshape(-1, ps)
+        pages = rows[:, 0] // ps
+        if len(pages) and int(pages.view(np.uint64).max()) >= self.num_pages:
+            raise InvalidIndicesError("device_indices: slot outside the pool")
+        if ps > 1 and (pages[:, None] * ps + self._offsets).tobytes() != rows.tobytes():
+            raise InvalidIndicesError(
+                f"device_indices: each run of {ps} tokens must fill one page in order"
+            )
+        return pages
+
     def check_owned(self, pages: np.ndarray, state: PageState = PageState.OWNED) -> None:
         """Fast path of check_pages for in-range pages: all in ``state`` and distinct."""
-        if len(pages) and (self.state[pages] != state).any():
+        if self.state[pages].tobytes() != bytes([state]) * len(pages):  # no ufunc needed
             self.check_pages(pages, state)  # raises with the precise reason
         if self.has_duplicates(pages):
             raise DoubleFreeError("the same page is passed twice")

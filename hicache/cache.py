@@ -150,34 +150,34 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             self.counters.miss_tokens += len(tokens)
             node = root or self.tree.root(None)
             return MatchResult(_EMPTY, node, 0, node, False)
-        path, covered = self.tree.walk(root, tokens[:aligned].tobytes())
+        key = tokens.tobytes() if aligned == len(tokens) else tokens[:aligned].tobytes()
+        path, covered = self.tree.walk(root, key)
         n_dev = 0
-        while n_dev < len(path) and path[n_dev].device_slots is not None:
-            n_dev += 1
-        dev, host = path[:n_dev], path[n_dev:]
         for node in path:
             node.hit_count += 1
+            if node.device_slots is not None:
+                n_dev += 1  # device residency is prefix-closed: these come first
+        dev, host = path[:n_dev], path[n_dev:]
         last_dev = dev[-1] if dev else root
         self._touched(last_dev, host[-1] if host else None)
-        for node in host:  # keep the host part alive while a backup may evict host leaves
-            node.host_ref += 1
-        self._backup_hot(dev)
-        for node in host:
-            node.host_ref -= 1
-        slots = self._slots(dev)
-        host_len = (covered >> 2) - len(slots)
-        self.counters.hit_device_tokens += len(slots)
-        self.counters.hit_host_tokens += host_len
-        self.counters.miss_tokens += len(tokens) - (covered >> 2)
-        loading = any(n.io is IOState.LOAD for n in dev)
-        return MatchResult(slots, last_dev, host_len, host[-1] if host else last_dev, loading)
-
-    def _slots(self, nodes: list[TreeNode]) -> torch.Tensor:
-        if not nodes:
-            return _EMPTY
-        if len(nodes) == 1:  # a copy: callers must never write into the tree's arrays
-            return torch.from_numpy(nodes[0].device_slots.copy())
-        return torch.from_numpy(np.concatenate([n.device_slots for n in nodes]))
+        if self.write_policy.backup_threshold is not None and self.host_alloc is not None:
+            for node in host:  # keep the host part alive while a backup may evict host leaves
+                node.host_ref += 1
+            self._backup_hot(dev)
+            for node in host:
+                node.host_ref -= 1
+        # one join of immutable bytes; the bytearray makes a tensor the caller owns
+        joined = bytearray(b"".join([n.device_slots for n in dev]))
+        slots = torch.frombuffer(joined, dtype=torch.int64) if joined else _EMPTY
+        dev_len, covered = len(joined) >> 3, covered >> 2
+        counters = self.counters
+        counters.hit_device_tokens += dev_len
+        counters.hit_host_tokens += covered - dev_len
+        counters.miss_tokens += len(tokens) - covered
+        loading = bool(self.records) and any(n.io is IOState.LOAD for n in dev)
+        return MatchResult(
+            slots, last_dev, covered - dev_len, host[-1] if host else last_dev, loading
+        )
 
     # ---- locks -------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> int:

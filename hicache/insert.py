@@ -19,7 +19,6 @@ from hicache.allocator import PageState
 from hicache.errors import InvalidIndicesError
 from hicache.node import TreeNode, node_pages
 from hicache.radix_tree import Namespace
-from hicache.tokens import pages_of_aligned
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 
@@ -28,30 +27,31 @@ class InsertMixin:
     def _insert(self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace) -> int:
         ps, alloc = self.page_size, self.device_alloc
         aligned = len(tokens) // ps * ps
-        alloc.check_slot_range(slots)
-        slots = slots.copy()  # the tree keeps slices: never alias the caller's memory
+        raw = slots.astype("<i8", copy=False).tobytes()  # 8 bytes per slot, like node values
         root = self.tree.root(namespace, create=True)
         key = tokens.tobytes() if aligned == len(tokens) else tokens[:aligned].tobytes()
         path, covered = self.tree.walk(root, key)
-        dup, adopt = self._classify(path, slots)
-        new = slots[covered >> 2 : aligned]
+        dup, adopt = self._classify(path, raw)
+        new = raw[2 * covered : 8 * aligned]
         try:
-            theirs = [*dup, *(m for _, m in adopt), new]
-            theirs = pages_of_aligned(np.concatenate(theirs) if len(theirs) > 1 else new, ps)
+            # Only slots that are not the tree's own (at their own place) need checking: they
+            # must be the caller's whole pages, distinct. Tree pages are TREE, so they fail.
+            theirs = b"".join([*dup, *(m for _, m in adopt), new]) if dup or adopt else new
+            pages = alloc.whole_pages(np.frombuffer(theirs, np.int64))
             tail = self._tail_page(slots[aligned:])
-            alloc.check_owned(np.concatenate([theirs, tail]) if len(tail) else theirs)
+            alloc.check_owned(np.concatenate([pages, tail]) if len(tail) else pages)
         except Exception:
             self._drop_empty_root(root)
             raise
         for node, mine in adopt:
-            alloc.state[node_pages(mine, ps)] = PageState.TREE
+            alloc.state[self._pages_of(mine)] = PageState.TREE
             self.tree.set_device(node, mine)
         touched: list[TreeNode] = list(path)
-        if len(new):
-            alloc.state[node_pages(new, ps)] = PageState.TREE
+        if new:
+            alloc.state[self._pages_of(new)] = PageState.TREE
             touched.append(self.tree.add_leaf(path[-1] if path else root, key[covered:], new))
         if dup or len(tail):
-            alloc.release(np.concatenate([*(node_pages(d, ps) for d in dup), tail]))
+            alloc.release(np.concatenate([*(self._pages_of(d) for d in dup), tail]))
         if touched:
             self._push_device(touched[-1])
             self._backup_hot(touched)
@@ -59,27 +59,26 @@ class InsertMixin:
             self._drop_empty_root(root)
         return covered >> 2
 
+    def _pages_of(self, raw: bytes) -> np.ndarray:
+        return node_pages(np.frombuffer(raw, dtype=np.int64), self.page_size)
+
     @staticmethod
-    def _classify(path: list[TreeNode], slots: np.ndarray) -> tuple[list, list]:
-        """Split the covered part of ``slots`` into duplicates of device nodes (to free) and
-        pages for host-only nodes (to adopt); slots equal to the tree's own are neither."""
+    def _classify(path: list[TreeNode], raw: bytes) -> tuple[list[bytes], list]:
+        """Split the covered part of ``raw`` (slot bytes) into duplicates of device nodes (to
+        free) and slots for host-only nodes (to adopt); the tree's own slots are neither."""
         if not path:
             return [], []
         if all(n.device_slots is not None for n in path):  # fast path: one comparison
-            own = (
-                path[0].device_slots
-                if len(path) == 1
-                else np.concatenate([n.device_slots for n in path])
-            )
-            if own.tobytes() == slots[: len(own)].tobytes():
+            own = b"".join([n.device_slots for n in path])
+            if own == raw[: len(own)]:
                 return [], []
         dup, adopt, pos = [], [], 0
         for node in path:
-            mine = slots[pos : pos + node.num_tokens]
-            pos += node.num_tokens
+            mine = raw[pos : pos + 8 * node.num_tokens]
+            pos += len(mine)
             if node.device_slots is None:
                 adopt.append((node, mine))
-            elif node.device_slots.tobytes() != mine.tobytes():
+            elif node.device_slots != mine:
                 dup.append(mine)
         return dup, adopt
 
@@ -88,9 +87,9 @@ class InsertMixin:
         slots of one page, in order, as alloc and alloc_extend hand them out."""
         if not len(tail):
             return _NO_PAGES
-        ps = self.page_size
-        first = int(tail[0])
-        if first % ps or tail.tolist() != list(range(first, first + len(tail))):
+        ps, first = self.page_size, int(tail[0])
+        in_pool = 0 <= first and first + len(tail) <= self.device_alloc.num_pages * ps
+        if not in_pool or first % ps or tail.tolist() != list(range(first, first + len(tail))):
             raise InvalidIndicesError("device_indices: the unaligned tail must start a page")
         return np.array([first // ps], dtype=np.int64)
 

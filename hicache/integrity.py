@@ -35,8 +35,8 @@ def _check_node_shape(cache: HiRadixCache, node: TreeNode) -> None:
         _fail(f"{node}: namespace differs from its parent's")
     if node.host_pages is not None and len(node.host_pages) * ps != node.num_tokens:
         _fail(f"{node}: host pages do not cover its key")
-    slots = node.device_slots
-    if slots is not None:
+    if node.device_slots is not None:
+        slots = node.slot_array()
         if len(slots) != node.num_tokens:
             _fail(f"{node}: {len(slots)} device slots for {node.num_tokens} tokens")
         pages = node.device_page_ids(ps)

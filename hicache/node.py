@@ -65,7 +65,9 @@ class TreeNode:
         self.children: dict[bytes, TreeNode] = {}
         self.parent = parent  # None for roots and for nodes removed from the tree
         self.namespace = namespace  # the namespace of the root this node hangs under
-        self.device_slots: np.ndarray | None = None  # int64 device slots, one per token
+        # device slots, one per token, as int64 little-endian bytes: immutable, so it can be
+        # compared and joined without numpy calls, and never aliases a caller's array
+        self.device_slots: bytes | None = None
         self.host_pages: np.ndarray | None = None  # int64 host page ids, one per key page
         self.lock_ref = 0  # locks held on this node or on any descendant (device protection)
         self.host_ref = 0  # loads reading this node's host pages (host protection)
@@ -96,11 +98,17 @@ class TreeNode:
         """The node's token ids as a read-only int32 array (zero-copy view of the key)."""
         return np.frombuffer(self.key, dtype=np.int32)
 
+    def slot_array(self) -> np.ndarray:
+        """The device slots as a read-only int64 array (zero-copy)."""
+        return np.frombuffer(self.device_slots, dtype=np.int64)
+
     def device_page_ids(self, page_size: int) -> np.ndarray:
         """Device page ids of the node (its slots are whole pages, in order)."""
-        return node_pages(self.device_slots, page_size)
+        return node_pages(self.slot_array(), page_size)
 
     def has_device_child(self) -> bool:
+        if not self.children:
+            return False
         return any(c.device_slots is not None for c in self.children.values())
 
     def __repr__(self) -> str:

@@ -79,7 +79,7 @@ class RadixTree:
             if child is None:
                 break
             size = len(child.key)
-            if key[pos : pos + size] != child.key:
+            if not key.startswith(child.key, pos):
                 # Diverges (or the key ends) inside this node: cut it at the last shared page.
                 child = self.split(child, self._common_bytes(child.key, key, pos))
                 child.last_access = now
@@ -115,8 +115,8 @@ class RadixTree:
             setattr(upper, field, getattr(node, field))
         if node.device_slots is not None:
             upper.device_slots, node.device_slots = (
-                node.device_slots[: nbytes >> 2],
-                node.device_slots[nbytes >> 2 :],
+                node.device_slots[: 2 * nbytes],  # 8 slot bytes per 4 key bytes
+                node.device_slots[2 * nbytes :],
             )
         if node.host_pages is not None:
             upper.host_pages, node.host_pages = node.host_pages[:pages], node.host_pages[pages:]
@@ -131,7 +131,7 @@ class RadixTree:
         return upper
 
     # ---- adding and removing ----------------------------------------------------------------
-    def add_leaf(self, parent: TreeNode, key: bytes, device_slots: np.ndarray) -> TreeNode:
+    def add_leaf(self, parent: TreeNode, key: bytes, device_slots: bytes) -> TreeNode:
         """A new unlocked device leaf under ``parent``. Counts its tokens as evictable."""
         leaf = self._new_node(key, parent, parent.namespace)
         leaf.device_slots = device_slots
@@ -153,7 +153,7 @@ class RadixTree:
             del self._roots[parent.namespace]
 
     # ---- device residency and locks ---------------------------------------------------------
-    def set_device(self, node: TreeNode, slots: np.ndarray | None) -> None:
+    def set_device(self, node: TreeNode, slots: bytes | None) -> None:
         """Attach or drop a node's device slots, keeping the size counters exact."""
         had = node.device_slots is not None
         node.device_slots = slots

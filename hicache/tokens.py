@@ -53,20 +53,3 @@ def as_slots(indices: object, name: str = "device_indices") -> np.ndarray:
     if indices is None:
         raise InvalidIndicesError(f"{name}: missing")
     return as_int64(indices, name)  # type: ignore[arg-type]
-
-
-def pages_of_aligned(slots: np.ndarray, page_size: int) -> np.ndarray:
-    """Page ids of page-aligned ``slots``, checking each page's slots are whole and in order.
-
-    At page_size 4, slots [8, 9, 10, 11, 20, 21, 22, 23] are pages [2, 5]; [8, 9, 11, 10] is
-    rejected, because the tree stores one page id per page of tokens.
-    """
-    if page_size == 1:
-        return slots
-    rows = slots.reshape(-1, page_size)
-    pages = rows[:, 0] // page_size
-    if not np.array_equal(rows, pages[:, None] * page_size + np.arange(page_size)):
-        raise InvalidIndicesError(
-            f"{'device_indices'}: each run of {page_size} tokens must fill one page in order"
-        )
-    return pages

@@ -128,7 +128,7 @@ class TransferBookMixin:
         record = TransferRecord(ticket, Direction.LOAD, list(chain), [chain[-1]], tokens)
         slots = self.device_alloc.slots_of_pages(device)
         for n, mine in zip(chain, _split_pages(slots, chain, 1), strict=True):
-            self.tree.set_device(n, mine)
+            self.tree.set_device(n, mine.tobytes())
             n.io, n.transfer = IOState.LOAD, record
         self.tree.inc_lock(chain[-1])
         self.records[ticket] = record

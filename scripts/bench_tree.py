@@ -106,10 +106,10 @@ def compare(trace: list[Request], page_size: int) -> dict:
     print(
         f"page_size={page_size:<3} requests={len(trace)} hit_ratio={row['hit_ratio']:.3f} "
         f"same_hits={row['same_hits']}\n"
-        f"  sglang  match {row['sglang_match_us']:8.1f} us  insert {row['sglang_insert_us']:8.1f} us"
-        f"  total {sg_us:8.1f} us/request\n"
-        f"  hicache match {row['ours_match_us']:8.1f} us  insert {row['ours_insert_us']:8.1f} us"
-        f"  total {ours_us:8.1f} us/request\n"
+        f"  sglang  match {row['sglang_match_us']:8.1f} us  "
+        f"insert {row['sglang_insert_us']:8.1f} us  total {sg_us:8.1f} us/request\n"
+        f"  hicache match {row['ours_match_us']:8.1f} us  "
+        f"insert {row['ours_insert_us']:8.1f} us  total {ours_us:8.1f} us/request\n"
         f"  speedup {row['speedup']:.1f}x"
     )
     return row
