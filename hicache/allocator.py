@@ -34,6 +34,9 @@ IntArrayLike = torch.Tensor | np.ndarray | Sequence[int]
 def as_int64(values: IntArrayLike, name: str) -> np.ndarray:
     """A 1-D int64 numpy array from a tensor, array or sequence; raises on anything else."""
     if isinstance(values, torch.Tensor):
+        if values.dtype is torch.int64 and values.is_cpu and not values.requires_grad:
+            if values.dim() == 1:
+                return values.numpy()
         if values.dtype.is_floating_point or values.dtype == torch.bool:
             raise InvalidIndicesError(f"{name}: expected integers, got {values.dtype}")
         if values.device.type != "cpu" or values.requires_grad:
@@ -166,6 +169,11 @@ class PagedAllocator:
 
     def _push(self, pages: np.ndarray) -> None:
         n = len(pages)
+        if n <= 4:  # scalar stores beat slicing for the usual single tail page
+            for page in pages.tolist()[::-1]:
+                self._stack[self._top] = page
+                self._top += 1
+            return
         self._stack[self._top : self._top + n] = pages[::-1]
         self._top += n
 

@@ -44,8 +44,11 @@ class LeafHeap:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def push(self, node: TreeNode) -> None:
-        heapq.heappush(self._heap, (self._priority(node), node.id, node))
+    def push(self, node: TreeNode) -> int:
+        """Add an entry for ``node``; returns the heap size (live entries and garbage)."""
+        heap = self._heap
+        heapq.heappush(heap, (self._priority(node), node.id, node))
+        return len(heap)
 
     def pop(self, is_candidate: Callable[[TreeNode], bool]) -> TreeNode | None:
         """The lowest-priority live candidate, removed from the heap; None when none is left."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.allocator import PageState
-from hicache.errors import InvalidIndicesError
+from hicache.fastpath import caller_pages
 from hicache.node import TreeNode, node_pages
 from hicache.radix_tree import Namespace
 
@@ -35,11 +35,13 @@ class InsertMixin:
         new = raw[2 * covered : 8 * aligned]
         try:
             # Only slots that are not the tree's own (at their own place) need checking: they
-            # must be the caller's whole pages, distinct. Tree pages are TREE, so they fail.
-            theirs = b"".join([*dup, *(m for _, m in adopt), new]) if dup or adopt else new
-            pages = alloc.whole_pages(np.frombuffer(theirs, np.int64))
-            tail = self._tail_page(slots[aligned:])
-            alloc.check_owned(np.concatenate([pages, tail]) if len(tail) else pages)
+            # must be the caller's whole pages (plus one partial tail page), distinct. Tree
+            # pages are TREE, not OWNED, so passing them anywhere else fails here.
+            pages = caller_pages(
+                alloc,
+                b"".join([*dup, *(m for _, m in adopt), new, raw[8 * aligned :]]),
+                PageState.OWNED,
+            )
         except Exception:
             self._drop_empty_root(root)
             raise
@@ -47,11 +49,16 @@ class InsertMixin:
             alloc.state[self._pages_of(mine)] = PageState.TREE
             self.tree.set_device(node, mine)
         touched: list[TreeNode] = list(path)
+        n_dup = sum(len(d) for d in dup) // (8 * ps)
+        n_adopt = sum(len(m) for _, m in adopt) // (8 * ps)
         if new:
-            alloc.state[self._pages_of(new)] = PageState.TREE
+            alloc.state[pages[n_dup + n_adopt : n_dup + n_adopt + len(new) // (8 * ps)]] = (
+                PageState.TREE
+            )
             touched.append(self.tree.add_leaf(path[-1] if path else root, key[covered:], new))
-        if dup or len(tail):
-            alloc.release(np.concatenate([*(self._pages_of(d) for d in dup), tail]))
+        if dup or aligned < len(tokens):  # duplicates and the partial tail page go back
+            tail = pages[len(pages) - 1 :] if aligned < len(tokens) else pages[:0]
+            alloc.release(np.concatenate([pages[:n_dup], tail]))
         if touched:
             self._push_device(touched[-1])
             self._backup_hot(touched)
@@ -68,30 +75,19 @@ class InsertMixin:
         free) and slots for host-only nodes (to adopt); the tree's own slots are neither."""
         if not path:
             return [], []
-        if all(n.device_slots is not None for n in path):  # fast path: one comparison
-            own = b"".join([n.device_slots for n in path])
-            if own == raw[: len(own)]:
-                return [], []
         dup, adopt, pos = [], [], 0
         for node in path:
+            own = node.device_slots
+            if own is not None and raw.startswith(own, pos):  # the tree's own slots: no copy
+                pos += len(own)
+                continue
             mine = raw[pos : pos + 8 * node.num_tokens]
             pos += len(mine)
-            if node.device_slots is None:
+            if own is None:
                 adopt.append((node, mine))
-            elif node.device_slots != mine:
+            else:
                 dup.append(mine)
         return dup, adopt
-
-    def _tail_page(self, tail: np.ndarray) -> np.ndarray:
-        """The page of an unaligned tail (fewer than page_size slots): it must be the first
-        slots of one page, in order, as alloc and alloc_extend hand them out."""
-        if not len(tail):
-            return _NO_PAGES
-        ps, first = self.page_size, int(tail[0])
-        in_pool = 0 <= first and first + len(tail) <= self.device_alloc.num_pages * ps
-        if not in_pool or first % ps or tail.tolist() != list(range(first, first + len(tail))):
-            raise InvalidIndicesError("device_indices: the unaligned tail must start a page")
-        return np.array([first // ps], dtype=np.int64)
 
     def _drop_empty_root(self, root: TreeNode) -> None:
         if not root.children and root.namespace is not None:

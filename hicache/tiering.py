@@ -48,15 +48,13 @@ class TieringMixin:
 
     def _push_device(self, node: TreeNode | None) -> None:
         if node is not None and self._device_candidate(node):
-            self.device_heap.push(node)
-            if len(self.device_heap) > HEAP_GARBAGE_FACTOR * self.tree.num_nodes + 64:
+            if self.device_heap.push(node) > HEAP_GARBAGE_FACTOR * self.tree.num_nodes + 64:
                 nodes = self.tree.iter_nodes()
                 self.device_heap.rebuild(n for n in nodes if self._device_candidate(n))
 
     def _push_host(self, node: TreeNode | None) -> None:
         if node is not None and self.host_alloc is not None and self._host_candidate(node):
-            self.host_heap.push(node)
-            if len(self.host_heap) > HEAP_GARBAGE_FACTOR * self.tree.num_nodes + 64:
+            if self.host_heap.push(node) > HEAP_GARBAGE_FACTOR * self.tree.num_nodes + 64:
                 nodes = self.tree.iter_nodes()
                 self.host_heap.rebuild(n for n in nodes if self._host_candidate(n))
 

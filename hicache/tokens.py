@@ -9,6 +9,7 @@ import torch
 
 from hicache.allocator import as_int64
 from hicache.errors import InvalidIndicesError
+from hicache.fastpath import min_token
 
 INT32_MAX = 2**31 - 1
 
@@ -21,7 +22,14 @@ def as_tokens(token_ids: TokenIds) -> np.ndarray:
     Raises ValueError for floats, bools, nested or ragged input, negative ids and ids that do
     not fit int32.
     """
-    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int32:
+    if type(token_ids) is np.ndarray and token_ids.dtype == np.int32 and token_ids.ndim == 1:
+        if token_ids.flags.c_contiguous:  # the wire format: validate and use as it is
+            lowest = min_token(token_ids)
+            if lowest < 0:
+                raise ValueError(f"token_ids: negative id {lowest}")
+            return token_ids
+        arr = token_ids
+    elif isinstance(token_ids, np.ndarray) and token_ids.dtype == np.int32:
         arr = token_ids
     elif isinstance(token_ids, torch.Tensor):
         if token_ids.dtype.is_floating_point or token_ids.dtype in (torch.bool, torch.complex64):

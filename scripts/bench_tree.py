@@ -1,7 +1,8 @@
 """Tree benchmark: our HiRadixCache against SGLang's RadixCache on a multi-turn chat trace.
 
 Each request is matched, then its finished sequence inserted. SGLang gets Python lists (as its
-scheduler holds them), ours int32 arrays (as the daemon decodes them from the wire). Slot
+scheduler holds them), ours int32 arrays (as the daemon decodes them from the wire); slot
+indices go to SGLang as a torch tensor and to ours as an int64 array (again the wire form). Slot
 allocation and building the index tensors are outside the timed region on both sides; the host
 tier is off, so both sides do the same work: a device radix cache.
 
@@ -46,7 +47,8 @@ def replay_ours(trace: list[Request], page_size: int) -> tuple[list[int], list[f
         m = cache.match_prefix(req.prompt)
         t1 = time.perf_counter_ns()
         prefix = m.device_indices
-        slots = torch.cat([prefix, cache.alloc(len(req.finished) - len(prefix))])
+        # slots as the daemon decodes them from the wire: an int64 array
+        slots = torch.cat([prefix, cache.alloc(len(req.finished) - len(prefix))]).numpy()
         t2 = time.perf_counter_ns()
         cache.insert(req.finished, slots)
         t3 = time.perf_counter_ns()

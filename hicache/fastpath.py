@@ -1,0 +1,65 @@
+"""One-pass checks for the match/insert hot path: C helpers when built, numpy otherwise.
+
+Both paths accept and reject exactly the same input (the tests run both); the C one exists
+because numpy's per-call cost, not the data, dominated these checks. Set HICACHE_NO_C=1 to use
+the fallback.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from hicache.allocator import PagedAllocator, PageState
+from hicache.errors import DoubleFreeError, InvalidIndicesError
+
+try:
+    from hicache import _fast
+except ImportError:  # built without a C compiler
+    _fast = None
+
+USE_C = _fast is not None and not os.environ.get("HICACHE_NO_C")
+
+
+def min_token(tokens: np.ndarray) -> int:
+    """Smallest id of a contiguous int32 array, or 0 when none is negative."""
+    if USE_C:
+        return _fast.min_int32(tokens)
+    return min(int(tokens.min()), 0) if len(tokens) else 0
+
+
+def caller_pages(alloc: PagedAllocator, raw: bytes, expected: PageState) -> np.ndarray:
+    """Page ids of a caller's slots (int64 bytes), checking everything before any change.
+
+    The slots must fill whole pages in order, except that the last run may be a partial page
+    (its first slots); every page must be in range, in state ``expected`` and appear once.
+    Raises InvalidIndicesError (DoubleFreeError for a repeated page). Reads only.
+    """
+    if USE_C:
+        out = _fast.whole_pages(alloc.state, raw, alloc.page_size, alloc.num_pages, expected)
+        if isinstance(out, bytes):
+            return np.frombuffer(out, dtype=np.int64)
+    pages = _caller_pages_numpy(alloc, np.frombuffer(raw, dtype=np.int64), expected)
+    if USE_C:  # numpy accepted what C refused: never silently
+        raise InvalidIndicesError(f"device_indices: rejected (code {out})")
+    return pages
+
+
+def _caller_pages_numpy(alloc: PagedAllocator, slots: np.ndarray, expected: PageState):
+    ps = alloc.page_size
+    whole = len(slots) // ps * ps
+    pages = alloc.whole_pages(slots[:whole])
+    tail = slots[whole:]
+    if len(tail):
+        first = int(tail[0])
+        if first < 0 or first // ps >= alloc.num_pages:
+            raise InvalidIndicesError("device_indices: slot outside the pool")
+        if first % ps or tail.tolist() != list(range(first, first + len(tail))):
+            raise InvalidIndicesError("device_indices: a partial page must be its first slots")
+        pages = np.append(pages, first // ps)
+    if len(pages):
+        alloc.check_pages(pages, expected)
+    if alloc.has_duplicates(pages):
+        raise DoubleFreeError("the same page is passed twice")
+    return pages
