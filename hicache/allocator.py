@@ -28,11 +28,15 @@ class PageState(IntEnum):
     RESERVED = 3  # the device padding page: never allocated, never freed
 
 
+FREE, OWNED, TREE, RESERVED = PageState.FREE, PageState.OWNED, PageState.TREE, PageState.RESERVED
+
 IntArrayLike = torch.Tensor | np.ndarray | Sequence[int]
 
 
 def as_int64(values: IntArrayLike, name: str) -> np.ndarray:
     """A 1-D int64 numpy array from a tensor, array or sequence; raises on anything else."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == 1:
+        return values  # the wire form
     if isinstance(values, torch.Tensor):
         if values.dtype is torch.int64 and values.is_cpu and not values.requires_grad:
             if values.dim() == 1:
@@ -159,6 +163,12 @@ class PagedAllocator:
 
     def release(self, pages: np.ndarray) -> None:
         """Return pages known to be allocated (internal fast path, no checks)."""
+        if len(pages) == 1 and self._group is None:  # the usual partial tail page
+            page = int(pages[0])
+            self.state[page] = FREE
+            self._stack[self._top] = page
+            self._top += 1
+            return
         if pages.size == 0:
             return
         self.state[pages] = PageState.FREE

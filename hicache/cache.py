@@ -22,7 +22,7 @@ from hicache.config import HiCacheConfig
 from hicache.eviction_policy import LeafHeap, make_priority
 from hicache.insert import InsertMixin
 from hicache.integrity import check_cache_integrity
-from hicache.node import IOState, TreeNode
+from hicache.node import IO_LOAD, TreeNode
 from hicache.pools import DevicePool, HostPool
 from hicache.radix_tree import Namespace, RadixTree
 from hicache.stats import CacheStats, Counters
@@ -167,14 +167,14 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             for node in host:
                 node.host_ref -= 1
         # one join of immutable bytes; the bytearray makes a tensor the caller owns
-        joined = bytearray(b"".join([n.device_slots for n in dev]))
+        joined = bytearray().join([n.device_slots for n in dev])
         slots = torch.frombuffer(joined, dtype=torch.int64) if joined else _EMPTY
         dev_len, covered = len(joined) >> 3, covered >> 2
         counters = self.counters
         counters.hit_device_tokens += dev_len
         counters.hit_host_tokens += covered - dev_len
         counters.miss_tokens += len(tokens) - covered
-        loading = bool(self.records) and any(n.io is IOState.LOAD for n in dev)
+        loading = bool(self.records) and any(n.io is IO_LOAD for n in dev)
         return MatchResult(
             slots, last_dev, covered - dev_len, host[-1] if host else last_dev, loading
         )

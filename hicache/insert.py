@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hicache.allocator import PageState
+from hicache.allocator import OWNED, TREE
 from hicache.fastpath import caller_pages
 from hicache.node import TreeNode, node_pages
 from hicache.radix_tree import Namespace
@@ -40,25 +40,23 @@ class InsertMixin:
             pages = caller_pages(
                 alloc,
                 b"".join([*dup, *(m for _, m in adopt), new, raw[8 * aligned :]]),
-                PageState.OWNED,
+                OWNED,
             )
         except Exception:
             self._drop_empty_root(root)
             raise
         for node, mine in adopt:
-            alloc.state[self._pages_of(mine)] = PageState.TREE
+            alloc.state[self._pages_of(mine)] = TREE
             self.tree.set_device(node, mine)
         touched: list[TreeNode] = list(path)
         n_dup = sum(len(d) for d in dup) // (8 * ps)
         n_adopt = sum(len(m) for _, m in adopt) // (8 * ps)
         if new:
-            alloc.state[pages[n_dup + n_adopt : n_dup + n_adopt + len(new) // (8 * ps)]] = (
-                PageState.TREE
-            )
+            alloc.state[pages[n_dup + n_adopt : n_dup + n_adopt + len(new) // (8 * ps)]] = TREE
             touched.append(self.tree.add_leaf(path[-1] if path else root, key[covered:], new))
         if dup or aligned < len(tokens):  # duplicates and the partial tail page go back
             tail = pages[len(pages) - 1 :] if aligned < len(tokens) else pages[:0]
-            alloc.release(np.concatenate([pages[:n_dup], tail]))
+            alloc.release(np.concatenate([pages[:n_dup], tail]) if dup else tail)
         if touched:
             self._push_device(touched[-1])
             self._backup_hot(touched)

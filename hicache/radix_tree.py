@@ -31,7 +31,11 @@ class RadixTree:
         self.evictable_tokens = 0  # device tokens in nodes with lock_ref == 0
         self.protected_tokens = 0  # device tokens in nodes with lock_ref > 0
         self.num_nodes = 0  # nodes in the tree, roots excluded
-        self.root(None, create=True)
+        self.version = 0  # bumped by every structural change (split, add, remove)
+        # The last walk: (version, root, key bytes covered, path). An engine inserts right
+        # after matching the same prefix; the insert's walk resumes where the match stopped.
+        self._memo: tuple | None = None
+        self._default_root = self._roots[None] = self._new_node(b"", None, None)
 
     # ---- nodes ----------------------------------------------------------------------------
     def _new_node(self, key: bytes, parent: TreeNode | None, namespace: Namespace) -> TreeNode:
@@ -42,6 +46,8 @@ class RadixTree:
 
     def root(self, namespace: Namespace, create: bool = False) -> TreeNode | None:
         """The root of ``namespace`` (created on demand when ``create``)."""
+        if namespace is None:
+            return self._default_root
         if not isinstance(namespace, (str, int, bytes, type(None))) or isinstance(namespace, bool):
             raise ValueError(f"namespace must be str, int, bytes or None, got {namespace!r}")
         root = self._roots.get(namespace)
@@ -71,15 +77,22 @@ class RadixTree:
         ``key`` must be page-aligned. A node matched only in part is split first, so the path
         always ends on a node boundary. Mutates: splits and access times (not hit counts).
         """
-        self.clock += 1
-        now, step, path = self.clock, self.page_bytes, []
-        node, pos, end = root, 0, len(key)
+        self.clock = now = self.clock + 1
+        step, path, node, pos, end = self.page_bytes, [], root, 0, len(key)
+        memo = self._memo
+        if memo is not None and memo[0] == self.version and memo[1] is root:
+            if len(memo[2]) <= end and key.startswith(memo[2]):
+                path = memo[3][:]
+                for n in path:
+                    n.last_access = now
+                pos = len(memo[2])
+                node = path[-1] if path else root
         while pos < end:
             child = node.children.get(key[pos : pos + step])
             if child is None:
                 break
-            size = len(child.key)
-            if not key.startswith(child.key, pos):
+            ckey = child.key
+            if not key.startswith(ckey, pos):
                 # Diverges (or the key ends) inside this node: cut it at the last shared page.
                 child = self.split(child, self._common_bytes(child.key, key, pos))
                 child.last_access = now
@@ -88,8 +101,9 @@ class RadixTree:
                 break
             child.last_access = now
             path.append(child)
-            pos += size
+            pos += len(ckey)
             node = child
+        self._memo = (self.version, root, key[:pos], path[:])
         return path, pos
 
     def _common_bytes(self, node_key: bytes, key: bytes, pos: int) -> int:
@@ -128,6 +142,7 @@ class RadixTree:
         node.parent = upper
         upper.children[node.key[: self.page_bytes]] = node
         self.num_nodes += 1
+        self.version += 1
         return upper
 
     # ---- adding and removing ----------------------------------------------------------------
@@ -139,6 +154,7 @@ class RadixTree:
         parent.children[key[: self.page_bytes]] = leaf
         self.evictable_tokens += leaf.num_tokens
         self.num_nodes += 1
+        self.version += 1
         return leaf
 
     def remove_leaf(self, node: TreeNode) -> None:
@@ -149,6 +165,7 @@ class RadixTree:
         del parent.children[node.key[: self.page_bytes]]
         node.parent = None
         self.num_nodes -= 1
+        self.version += 1
         if parent.parent is None and not parent.children and parent.namespace is not None:
             del self._roots[parent.namespace]
 

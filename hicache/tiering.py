@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.allocator import PageState
-from hicache.node import IOState, TreeNode
+from hicache.node import IO_NONE, TreeNode
 from hicache.types import EvictResult
 
 # Rebuild a heap when it holds this many times more entries than the tree has nodes.
@@ -32,7 +32,7 @@ class TieringMixin:
             node.parent is not None
             and node.device_slots is not None
             and node.lock_ref == 0
-            and node.io is IOState.NONE
+            and node.io is IO_NONE
             and not node.has_device_child()
         )
 
