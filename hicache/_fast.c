@@ -3,7 +3,7 @@
  * numpy costs several microseconds per call on small arrays; validating a caller's slots took
  * about ten such calls per insert. These functions do each check in one pass instead.
  * They only read, except whole_pages, which marks pages while scanning (to find repeats) and
- * restores every byte it touched before returning.
+ * then sets every page it accepted to ``claim`` (or restores them all when it refuses).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -24,18 +24,20 @@ static PyObject *min_int32(PyObject *self, PyObject *args) {
     return PyLong_FromLong(lo);
 }
 
-/* whole_pages(state, slots, page_size, num_pages, expected) -> bytes | int
+/* whole_pages(state, slots, page_size, num_pages, expected, claim) -> bytes | int
  *
  * ``slots`` (int64 bytes) must be whole pages in order, except that the last run may be a
  * partial page (its first slots). Every page must be in [0, num_pages), have state ``expected``
- * and appear once. Returns the page ids as int64 bytes, or an error code:
+ * and appear once. Then all of them get state ``claim``. Returns the page ids as int64 bytes, or
+ * an error code (and changes nothing):
  * 1 slot out of range, 2 not page-shaped, 3 wrong state, 4 repeated page.
  */
 static PyObject *whole_pages(PyObject *self, PyObject *args) {
     Py_buffer st, raw;
     Py_ssize_t ps, num_pages;
-    int expected;
-    if (!PyArg_ParseTuple(args, "w*y*nni", &st, &raw, &ps, &num_pages, &expected)) return NULL;
+    int expected, claim;
+    if (!PyArg_ParseTuple(args, "w*y*nnii", &st, &raw, &ps, &num_pages, &expected, &claim))
+        return NULL;
     int8_t *state = (int8_t *)st.buf;
     const int64_t *s = (const int64_t *)raw.buf;
     Py_ssize_t n = raw.len / 8, count = (n + ps - 1) / ps, done = 0;
@@ -57,7 +59,7 @@ static PyObject *whole_pages(PyObject *self, PyObject *args) {
         pages[i] = p;
         done = i + 1;
     }
-    for (Py_ssize_t i = 0; i < done; i++) state[pages[i]] = (int8_t)expected;
+    for (Py_ssize_t i = 0; i < done; i++) state[pages[i]] = (int8_t)(err ? expected : claim);
     if (err) {
         Py_DECREF(out);
         out = PyLong_FromLong(err);

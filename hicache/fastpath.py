@@ -29,20 +29,24 @@ def min_token(tokens: np.ndarray) -> int:
     return min(int(tokens.min()), 0) if len(tokens) else 0
 
 
-def caller_pages(alloc: PagedAllocator, raw: bytes, expected: PageState) -> np.ndarray:
-    """Page ids of a caller's slots (int64 bytes), checking everything before any change.
+def claim_pages(
+    alloc: PagedAllocator, raw: bytes, expected: PageState, claim: PageState
+) -> np.ndarray:
+    """Move a caller's pages from ``expected`` to ``claim``; returns their ids.
 
-    The slots must fill whole pages in order, except that the last run may be a partial page
-    (its first slots); every page must be in range, in state ``expected`` and appear once.
-    Raises InvalidIndicesError (DoubleFreeError for a repeated page). Reads only.
+    ``raw`` holds the slots (int64 bytes). They must fill whole pages in order, except that the
+    last run may be a partial page (its first slots); every page must be in range, in state
+    ``expected`` and appear once. Otherwise raises InvalidIndicesError (DoubleFreeError for a
+    repeated page) and changes nothing.
     """
     if USE_C:
-        out = _fast.whole_pages(alloc.state, raw, alloc.page_size, alloc.num_pages, expected)
+        out = _fast.whole_pages(alloc.state, raw, alloc.page_size, alloc.num_pages, expected, claim)
         if isinstance(out, bytes):
             return np.frombuffer(out, dtype=np.int64)
     pages = _caller_pages_numpy(alloc, np.frombuffer(raw, dtype=np.int64), expected)
     if USE_C:  # numpy accepted what C refused: never silently
         raise InvalidIndicesError(f"device_indices: rejected (code {out})")
+    alloc.state[pages] = claim
     return pages
 
 

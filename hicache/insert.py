@@ -16,11 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.allocator import OWNED, TREE
-from hicache.fastpath import caller_pages
-from hicache.node import TreeNode, node_pages
+from hicache.fastpath import claim_pages
+from hicache.node import TreeNode
 from hicache.radix_tree import Namespace
-
-_NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 class InsertMixin:
@@ -36,26 +34,25 @@ class InsertMixin:
         try:
             # Only slots that are not the tree's own (at their own place) need checking: they
             # must be the caller's whole pages (plus one partial tail page), distinct. Tree
-            # pages are TREE, not OWNED, so passing them anywhere else fails here.
-            pages = caller_pages(
+            # pages are TREE, not OWNED, so passing them anywhere else fails here. All of them
+            # become TREE now; the duplicates and the tail page are released just below.
+            pages = claim_pages(
                 alloc,
                 b"".join([*dup, *(m for _, m in adopt), new, raw[8 * aligned :]]),
                 OWNED,
+                TREE,
             )
         except Exception:
             self._drop_empty_root(root)
             raise
         for node, mine in adopt:
-            alloc.state[self._pages_of(mine)] = TREE
             self.tree.set_device(node, mine)
         touched: list[TreeNode] = list(path)
-        n_dup = sum(len(d) for d in dup) // (8 * ps)
-        n_adopt = sum(len(m) for _, m in adopt) // (8 * ps)
         if new:
-            alloc.state[pages[n_dup + n_adopt : n_dup + n_adopt + len(new) // (8 * ps)]] = TREE
             touched.append(self.tree.add_leaf(path[-1] if path else root, key[covered:], new))
         if dup or aligned < len(tokens):  # duplicates and the partial tail page go back
             tail = pages[len(pages) - 1 :] if aligned < len(tokens) else pages[:0]
+            n_dup = sum(len(d) for d in dup) // (8 * ps)
             alloc.release(np.concatenate([pages[:n_dup], tail]) if dup else tail)
         if touched:
             self._push_device(touched[-1])
@@ -63,9 +60,6 @@ class InsertMixin:
         else:
             self._drop_empty_root(root)
         return covered >> 2
-
-    def _pages_of(self, raw: bytes) -> np.ndarray:
-        return node_pages(np.frombuffer(raw, dtype=np.int64), self.page_size)
 
     @staticmethod
     def _classify(path: list[TreeNode], raw: bytes) -> tuple[list[bytes], list]:

@@ -134,14 +134,17 @@ def build_tree(n_tokens: int, page_size: int, seq_len: int, rng: np.random.Gener
     return cache, seqs
 
 
-def match_latency(cache: HiRadixCache, seqs: list[np.ndarray], rng: np.random.Generator) -> float:
-    """Median match time (us) of 400 probes: a cached sequence's prefix plus a fresh suffix."""
+def match_latency(
+    cache: HiRadixCache, seqs: list[np.ndarray], rng: np.random.Generator, cut: float
+) -> float:
+    """Median match time (us) of 400 probes: the first ``cut`` of a cached sequence plus 256
+    fresh tokens. cut=1.0 is the chat case (the whole history plus a new turn: pure lookup);
+    cut<1 ends inside a node, so every probe also splits one."""
     times = []
     for i in rng.integers(0, len(seqs), 400):
         seq = seqs[i]
-        probe = np.concatenate(
-            [seq[: len(seq) * 3 // 4], rng.integers(1, 32000, 256, dtype=np.int32)]
-        )
+        head = seq[: int(len(seq) * cut) // 16 * 16]
+        probe = np.concatenate([head, rng.integers(1, 32000, 256, dtype=np.int32)])
         t0 = time.perf_counter_ns()
         cache.match_prefix(probe)
         times.append(time.perf_counter_ns() - t0)
@@ -154,15 +157,20 @@ def scaling(page_size: int, small: int, large: int) -> dict:
     for label, n in (("small", small), ("large", large)):
         cache, seqs = build_tree(n, page_size, 2048, rng)
         gc.collect()
-        out[label] = match_latency(cache, seqs, rng)
+        out[label] = match_latency(cache, seqs, rng, 1.0)
+        out[f"{label}_split"] = match_latency(cache, seqs, rng, 0.75)
         out[f"{label}_tokens"] = cache.stats().device_cached_tokens
         del cache, seqs
         gc.collect()
     out["growth"] = out["large"] / out["small"]
+    out["growth_split"] = out["large_split"] / out["small_split"]
     print(
-        f"match latency page_size={page_size}: {out['small_tokens']:,} tokens "
-        f"{out['small']:.1f} us, {out['large_tokens']:,} tokens {out['large']:.1f} us, "
-        f"growth {out['growth']:.2f}x"
+        f"match latency page_size={page_size}, history + new turn: "
+        f"{out['small_tokens']:,} tokens {out['small']:.1f} us, "
+        f"{out['large_tokens']:,} tokens {out['large']:.1f} us, growth {out['growth']:.2f}x\n"
+        f"match latency page_size={page_size}, ending inside a node (splits): "
+        f"{out['small_split']:.1f} us, {out['large_split']:.1f} us, "
+        f"growth {out['growth_split']:.2f}x"
     )
     return out
 
@@ -217,6 +225,7 @@ def main() -> None:
                 "speedup_page16": round(rows[16]["speedup"], 2),
                 "same_hits": rows[1]["same_hits"] and rows[16]["same_hits"],
                 "match_growth_100k_to_10m": round(grow["growth"], 3),
+                "match_growth_with_split": round(grow["growth_split"], 3),
                 "metadata_bytes_per_token": round(meta, 2),
             }
         )

@@ -1,0 +1,80 @@
+"""The C helpers and their numpy fallback accept and reject exactly the same input."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache import fastpath
+from hicache.allocator import PagedAllocator, PageState
+from hicache.errors import DoubleFreeError, InvalidIndicesError
+
+needs_c = pytest.mark.skipif(fastpath._fast is None, reason="C helpers not built")
+
+
+def outcome(fn):
+    try:
+        return ("ok", fn().tolist())
+    except DoubleFreeError:
+        return ("double", None)
+    except InvalidIndicesError:
+        return ("invalid", None)
+
+
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 4]),
+    states=st.lists(st.sampled_from([0, 1, 2]), min_size=2, max_size=12),
+    slots=st.lists(st.integers(-3, 60), max_size=14),
+)
+def test_c_and_numpy_agree_on_claim_pages(ps, states, slots):
+    alloc = PagedAllocator(num_pages=len(states) + 1, page_size=ps, reserved_pages=1)
+    alloc.state[1:] = states
+    raw = np.array(slots, dtype=np.int64).tobytes()
+    before = alloc.state.copy()
+    with_c = outcome(lambda: fastpath.claim_pages(alloc, raw, PageState.OWNED, PageState.OWNED))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastpath, "USE_C", False)
+        without = outcome(
+            lambda: fastpath.claim_pages(alloc, raw, PageState.OWNED, PageState.OWNED)
+        )
+    assert with_c == without
+    assert np.array_equal(alloc.state, before)  # reads only
+
+
+def test_whole_pages_and_partial_tail(monkeypatch):
+    for use_c in [True, False] if fastpath._fast else [False]:
+        monkeypatch.setattr(fastpath, "USE_C", use_c)
+        alloc = PagedAllocator(num_pages=6, page_size=4, reserved_pages=1)
+        pages = alloc.alloc_pages(3)
+        slots = np.concatenate(
+            [np.arange(p * 4, p * 4 + 4) for p in pages[:2]]
+            + [np.arange(pages[2] * 4, pages[2] * 4 + 2)]
+        )
+        got = fastpath.claim_pages(alloc, slots.tobytes(), PageState.OWNED, PageState.TREE)
+        assert got.tolist() == pages.tolist()
+        assert (alloc.state[pages] == PageState.TREE).all()
+        alloc.state[pages] = PageState.OWNED
+        with pytest.raises(InvalidIndicesError, match="pool"):
+            fastpath.claim_pages(
+                alloc, np.array([400], np.int64).tobytes(), PageState.OWNED, PageState.TREE
+            )
+        with pytest.raises(DoubleFreeError):
+            fastpath.claim_pages(
+                alloc,
+                np.concatenate([slots[:4], slots[:4]]).tobytes(),
+                PageState.OWNED,
+                PageState.TREE,
+            )
+        assert (alloc.state[pages] == PageState.OWNED).all()  # refused: nothing changed
+
+
+@pytest.mark.parametrize("use_c", [True, False])
+def test_min_token(monkeypatch, use_c):
+    if use_c and fastpath._fast is None:
+        pytest.skip("C helpers not built")
+    monkeypatch.setattr(fastpath, "USE_C", use_c)
+    assert fastpath.min_token(np.array([5, 3, 9], np.int32)) == 0
+    assert fastpath.min_token(np.array([5, -3, -9], np.int32)) == -9
+    assert fastpath.min_token(np.array([], np.int32)) == 0
