@@ -70,7 +70,24 @@ release:
     return out;
 }
 
+/* common_bytes(a, b, offset) -> int: how many leading bytes of a and b[offset:] are equal */
+static PyObject *common_bytes(PyObject *self, PyObject *args) {
+    Py_buffer a, b;
+    Py_ssize_t offset;
+    if (!PyArg_ParseTuple(args, "y*y*n", &a, &b, &offset)) return NULL;
+    Py_ssize_t n = 0, limit = b.len - offset < a.len ? b.len - offset : a.len;
+    const unsigned char *x = (const unsigned char *)a.buf;
+    const unsigned char *y = (const unsigned char *)b.buf + (offset > 0 ? offset : 0);
+    if (offset < 0 || limit < 0) limit = 0;
+    while (n + 8 <= limit && *(const uint64_t *)(x + n) == *(const uint64_t *)(y + n)) n += 8;
+    while (n < limit && x[n] == y[n]) n++;
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&b);
+    return PyLong_FromSsize_t(n);
+}
+
 static PyMethodDef methods[] = {
+    {"common_bytes", common_bytes, METH_VARARGS, "Length of the common prefix of a, b[offset:]."},
     {"min_int32", min_int32, METH_VARARGS, "Smallest int32 of a buffer (0 if none is negative)."},
     {"whole_pages", whole_pages, METH_VARARGS, "Validate page-shaped slots; page ids or code."},
     {NULL, NULL, 0, NULL},

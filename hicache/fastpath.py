@@ -29,6 +29,17 @@ def min_token(tokens: np.ndarray) -> int:
     return min(int(tokens.min()), 0) if len(tokens) else 0
 
 
+def common_tokens(node_key: bytes, key: bytes, pos: int) -> int:
+    """How many leading int32 tokens ``node_key`` and ``key[pos:]`` share."""
+    if USE_C:
+        return _fast.common_bytes(node_key, key, pos) >> 2
+    a = np.frombuffer(node_key, dtype=np.int32)
+    b = np.frombuffer(key, dtype=np.int32, offset=pos)
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
 def claim_pages(
     alloc: PagedAllocator, raw: bytes, expected: PageState, claim: PageState
 ) -> np.ndarray:

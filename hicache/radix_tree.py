@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import numpy as np
-
+from hicache.fastpath import common_tokens
 from hicache.node import TreeNode
 
 Namespace = str | int | bytes | None
@@ -108,12 +107,7 @@ class RadixTree:
 
     def _common_bytes(self, node_key: bytes, key: bytes, pos: int) -> int:
         """Bytes of whole pages that ``node_key`` and ``key[pos:]`` share (>= one page)."""
-        a = np.frombuffer(node_key, dtype=np.int32)
-        b = np.frombuffer(key, dtype=np.int32, offset=pos)
-        n = min(len(a), len(b))
-        diff = np.flatnonzero(a[:n] != b[:n])
-        same = int(diff[0]) if len(diff) else n
-        return same // self.page_size * self.page_bytes
+        return common_tokens(node_key, key, pos) // self.page_size * self.page_bytes
 
     def split(self, node: TreeNode, nbytes: int) -> TreeNode:
         """Cut ``node`` after ``nbytes`` of key; returns the new upper half (its new parent).

@@ -78,3 +78,24 @@ def test_min_token(monkeypatch, use_c):
     assert fastpath.min_token(np.array([5, 3, 9], np.int32)) == 0
     assert fastpath.min_token(np.array([5, -3, -9], np.int32)) == -9
     assert fastpath.min_token(np.array([], np.int32)) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    a=st.lists(st.integers(-2, 2), max_size=12),
+    b=st.lists(st.integers(-2, 2), max_size=12),
+    pos=st.integers(0, 4),
+)
+def test_common_tokens_agree(a, b, pos):
+    ka = np.array(a, np.int32).tobytes()
+    kb = np.array(b, np.int32).tobytes()
+    pos = min(pos, len(b)) * 4
+    want = 0
+    while want < len(a) and want < len(b) - pos // 4 and a[want] == b[pos // 4 + want]:
+        want += 1
+    results = set()
+    for use_c in [True, False] if fastpath._fast else [False]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fastpath, "USE_C", use_c)
+            results.add(fastpath.common_tokens(ka, kb, pos))
+    assert results == {want}
