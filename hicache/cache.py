@@ -159,7 +159,9 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
                 n_dev += 1  # device residency is prefix-closed: these come first
         dev, host = path[:n_dev], path[n_dev:]
         last_dev = dev[-1] if dev else root
-        self._touched(last_dev, host[-1] if host else None)
+        self._push_device(last_dev)
+        if host:
+            self._push_host(host[-1])
         if self.write_policy.backup_threshold is not None and self.host_alloc is not None:
             for node in host:  # keep the host part alive while a backup may evict host leaves
                 node.host_ref += 1

@@ -36,29 +36,27 @@ class InsertMixin:
             # must be the caller's whole pages (plus one partial tail page), distinct. Tree
             # pages are TREE, not OWNED, so passing them anywhere else fails here. All of them
             # become TREE now; the duplicates and the tail page are released just below.
-            pages = claim_pages(
-                alloc,
-                b"".join([*dup, *(m for _, m in adopt), new, raw[8 * aligned :]]),
-                OWNED,
-                TREE,
-            )
+            theirs = raw[2 * covered :]  # the new whole pages, then the partial tail page
+            if dup or adopt:
+                theirs = b"".join([*dup, *(m for _, m in adopt), theirs])
+            pages = claim_pages(alloc, theirs, OWNED, TREE)
         except Exception:
             self._drop_empty_root(root)
             raise
         for node, mine in adopt:
             self.tree.set_device(node, mine)
-        touched: list[TreeNode] = list(path)
-        if new:
-            touched.append(self.tree.add_leaf(path[-1] if path else root, key[covered:], new))
+        leaf = self.tree.add_leaf(path[-1] if path else root, key[covered:], new) if new else None
         if dup or aligned < len(tokens):  # duplicates and the partial tail page go back
             tail = pages[len(pages) - 1 :] if aligned < len(tokens) else pages[:0]
             n_dup = sum(len(d) for d in dup) // (8 * ps)
             alloc.release(np.concatenate([pages[:n_dup], tail]) if dup else tail)
-        if touched:
-            self._push_device(touched[-1])
-            self._backup_hot(touched)
-        else:
+        last = leaf or (path[-1] if path else None)
+        if last is None:
             self._drop_empty_root(root)
+            return 0
+        self._push_device(last)
+        if self.host_alloc is not None:
+            self._backup_hot(path + [leaf] if leaf else path)
         return covered >> 2
 
     @staticmethod

@@ -58,11 +58,6 @@ class TieringMixin:
                 nodes = self.tree.iter_nodes()
                 self.host_heap.rebuild(n for n in nodes if self._host_candidate(n))
 
-    def _touched(self, last_device: TreeNode, last_host: TreeNode | None) -> None:
-        """Re-queue the nodes whose priority a match changed (only leaves can be candidates)."""
-        self._push_device(last_device)
-        self._push_host(last_host)
-
     # ---- device ---------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> EvictResult:
         """Evict at least ``num_tokens`` device tokens if candidates allow (whole nodes, so it

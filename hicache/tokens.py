@@ -12,6 +12,7 @@ from hicache.errors import InvalidIndicesError
 from hicache.fastpath import min_token
 
 INT32_MAX = 2**31 - 1
+_INT32 = np.dtype(np.int32)  # numpy caches builtin dtypes: an identity test is enough
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -22,7 +23,7 @@ def as_tokens(token_ids: TokenIds) -> np.ndarray:
     Raises ValueError for floats, bools, nested or ragged input, negative ids and ids that do
     not fit int32.
     """
-    if type(token_ids) is np.ndarray and token_ids.dtype == np.int32 and token_ids.ndim == 1:
+    if type(token_ids) is np.ndarray and token_ids.dtype is _INT32 and token_ids.ndim == 1:
         if token_ids.flags.c_contiguous:  # the wire format: validate and use as it is
             lowest = min_token(token_ids)
             if lowest < 0:
