@@ -93,7 +93,6 @@ class TransferEngine(ABC):
         else:
             copy_pages_one_layer(host, dev, job.host_pages, job.device_pages, layer)
 
-    @abstractmethod
     def submit(
         self,
         direction: Direction,
@@ -102,6 +101,13 @@ class TransferEngine(ABC):
         after: Iterable[Ticket] = (),
     ) -> Ticket:
         """Enqueue a copy of ``device_pages[i] <-> host_pages[i]``; returns at once."""
+        job = self._new_job(direction, device_pages, host_pages, after)
+        self._enqueue(job)
+        return job.ticket
+
+    @abstractmethod
+    def _enqueue(self, job: CopyJob) -> None:
+        """Hand a new job to the backend (it runs later; its ack comes from poll)."""
 
     @abstractmethod
     def poll(self) -> list[Ack]:

@@ -11,10 +11,8 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 
-import numpy as np
-
 from hicache.pools import DevicePool, HostPool
-from hicache.transfer import Ack, CopyJob, Direction, TransferEngine
+from hicache.transfer import Ack, CopyJob, TransferEngine
 from hicache.types import Ticket
 
 
@@ -29,19 +27,11 @@ class ThreadTransferEngine(TransferEngine):
         self._thread = threading.Thread(target=self._work, name="hicache-transfer", daemon=True)
         self._thread.start()
 
-    def submit(
-        self,
-        direction: Direction,
-        device_pages: np.ndarray,
-        host_pages: np.ndarray,
-        after: Iterable[Ticket] = (),
-    ) -> Ticket:
-        job = self._new_job(direction, device_pages, host_pages, after)
+    def _enqueue(self, job: CopyJob) -> None:
         with self._cond:
             self._jobs[job.ticket] = job
             self._unfinished.add(job.ticket)
         self._queue.put(job)
-        return job.ticket
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:

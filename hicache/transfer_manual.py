@@ -11,10 +11,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-import numpy as np
-
 from hicache.pools import DevicePool, HostPool
-from hicache.transfer import Ack, CopyJob, Direction, TransferEngine
+from hicache.transfer import Ack, CopyJob, TransferEngine
 from hicache.types import Ticket
 
 
@@ -27,19 +25,11 @@ class ManualTransferEngine(TransferEngine):
         self._acks: deque[Ack] = deque()
         self._fail: set[Ticket] = set()  # tickets whose copy will "raise"
 
-    def submit(
-        self,
-        direction: Direction,
-        device_pages: np.ndarray,
-        host_pages: np.ndarray,
-        after: Iterable[Ticket] = (),
-    ) -> Ticket:
-        job = self._new_job(direction, device_pages, host_pages, after)
+    def _enqueue(self, job: CopyJob) -> None:
         self._queued[job.ticket] = job
         self._unacked.add(job.ticket)
         if self.auto:
             self.complete(job.ticket)
-        return job.ticket
 
     def queued(self) -> list[Ticket]:
         """Tickets submitted but not run yet, oldest first."""
