@@ -1,0 +1,182 @@
+"""The wire schema shared by hicache-daemon and its clients. Schema only: no sockets here.
+
+A message is a multipart frame list:
+
+    request:  [header, array frame, array frame, ...]
+    reply:    [header, array frame, array frame, ...]
+
+The header is msgpack. Requests: ``[version, op, request_id, session, fields]``; replies:
+``[version, status, request_id, boot_epoch, fields]`` where status 0 is success and anything
+else an ErrorCode (``fields["message"]`` says why). Arrays never travel inside msgpack: token
+ids are raw int32 little-endian frames, slot indices raw int64 little-endian frames, in the
+order the op defines. Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+# Liveness (seconds). A session's lease is renewed by any message; clients heartbeat at
+# HEARTBEAT_INTERVAL_S, so a lease survives LEASE_S / HEARTBEAT_INTERVAL_S missed beats.
+HEARTBEAT_INTERVAL_S = 2.0
+DEFAULT_LEASE_S = 10.0
+DEFAULT_TIMEOUT_S = 30.0  # a client gives up on a reply after this long
+
+MAX_HEADER_BYTES = 1 << 20  # a header larger than this is refused (TOO_LARGE)
+MAX_FRAME_BYTES = 64 << 20  # one array frame: 16M token ids or 8M slots
+MAX_BATCH = 1024  # sequences in one batched match or insert
+
+
+class Op(IntEnum):
+    HELLO = 1  # fields: client, pid -> session, boot_epoch, config, pools
+    HEARTBEAT = 2
+    GOODBYE = 3
+    MATCH = 4  # frames: token ids per sequence; fields: namespaces -> slots frames, results
+    LOAD_BACK = 5  # fields: match ids -> slots frames
+    ALLOC = 6  # fields: num_tokens -> slots frame
+    ALLOC_EXTEND = 7  # frames: prefix_lens, seq_lens, last_loc (int64) -> slots frame
+    ALLOC_DECODE = 8  # frames: seq_lens, last_loc (int64) -> slots frame
+    FREE = 9  # frames: slots
+    INSERT = 10  # frames: (token ids, slots) per sequence; fields: namespaces -> prefix lens
+    LOCK = 11
+    RELEASE = 12  # fields: match ids
+    EVICT = 13  # fields: device_tokens, host_tokens
+    FLUSH = 14
+    STATS = 15
+    TREE = 16  # fields: max_nodes -> a bounded dump
+    PING = 17
+
+
+class ErrorCode(IntEnum):
+    OK = 0
+    UNKNOWN_OP = 1
+    BAD_FIELD = 2
+    WRONG_VERSION = 3
+    NOT_OWNED = 4
+    OUT_OF_MEMORY = 5
+    UNKNOWN_SESSION = 6
+    TOO_LARGE = 7
+    INTERNAL = 8  # a bug in the daemon; the daemon keeps serving
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this schema. ``code`` is the ErrorCode to reply with."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Request:
+    op: Op
+    request_id: int  # echoed in the reply, so a client matches replies to requests
+    session: int  # 0 before hello
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: ErrorCode  # OK or the error
+    request_id: int
+    boot_epoch: int  # changes when the daemon restarts: slot indices from another epoch are void
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status is ErrorCode.OK
+
+
+def encode_request(req: Request) -> bytes:
+    return msgpack.packb([PROTOCOL_VERSION, int(req.op), req.request_id, req.session, req.fields])
+
+
+def encode_reply(reply: Reply) -> bytes:
+    return msgpack.packb(
+        [PROTOCOL_VERSION, int(reply.status), reply.request_id, reply.boot_epoch, reply.fields]
+    )
+
+
+def _unpack(frame: bytes | memoryview, what: str) -> list:
+    if len(frame) > MAX_HEADER_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{what} header of {len(frame)} bytes")
+    try:
+        head = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header is not msgpack: {exc}") from None
+    if not isinstance(head, list) or len(head) != 5:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header must be a 5-element array")
+    if head[0] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.WRONG_VERSION, f"protocol version {head[0]!r}, expected {PROTOCOL_VERSION}"
+        )
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in head[1:4]):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header: op, id and session are ints")
+    if not isinstance(head[4], dict):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header: fields must be a map")
+    return head
+
+
+def decode_request(frame: bytes | memoryview) -> Request:
+    _, op, request_id, session, fields = _unpack(frame, "request")
+    try:
+        op = Op(op)
+    except ValueError:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op}") from None
+    return Request(op, request_id, session, fields)
+
+
+def decode_reply(frame: bytes | memoryview) -> Reply:
+    _, status, request_id, epoch, fields = _unpack(frame, "reply")
+    try:
+        status = ErrorCode(status)
+    except ValueError:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"unknown status {status}") from None
+    return Reply(status, request_id, epoch, fields)
+
+
+# ---- array frames ---------------------------------------------------------------------------
+_TOKEN = np.dtype("<i4")
+_SLOT = np.dtype("<i8")
+
+
+def array_frame(values: Any, dtype: np.dtype) -> memoryview:
+    """A contiguous little-endian buffer of ``values`` (zero-copy when already so)."""
+    arr = np.ascontiguousarray(np.asarray(values), dtype=dtype)
+    return memoryview(arr).cast("B")
+
+
+def tokens_frame(token_ids: Any) -> memoryview:
+    return array_frame(token_ids, _TOKEN)
+
+
+def slots_frame(slots: Any) -> memoryview:
+    return array_frame(slots, _SLOT)
+
+
+def _decode_array(frame: bytes | memoryview, dtype: np.dtype, what: str) -> np.ndarray:
+    size = len(frame)
+    if size > MAX_FRAME_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{what} frame of {size} bytes")
+    if size % dtype.itemsize:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"{what} frame of {size} bytes is not whole {dtype.name} values"
+        )
+    return np.frombuffer(frame, dtype=dtype)
+
+
+def decode_tokens(frame: bytes | memoryview) -> np.ndarray:
+    """Token ids (read-only int32 view of the frame; keep the frame alive while in use)."""
+    return _decode_array(frame, _TOKEN, "token ids")
+
+
+def decode_slots(frame: bytes | memoryview) -> np.ndarray:
+    """Slot indices (read-only int64 view of the frame)."""
+    return _decode_array(frame, _SLOT, "slot indices")

@@ -1,0 +1,79 @@
+"""The wire schema: round trips, and every malformed header mapped to a stable error code."""
+
+import msgpack
+import numpy as np
+import pytest
+
+from hicache import HiCacheConfig, HiRadixCache
+from hicache.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Op,
+    ProtocolError,
+    Reply,
+    Request,
+    decode_reply,
+    decode_request,
+    decode_slots,
+    decode_tokens,
+    encode_reply,
+    encode_request,
+    slots_frame,
+    tokens_frame,
+)
+
+
+def test_request_and_reply_round_trip():
+    req = Request(Op.MATCH, 7, 42, {"namespaces": [None, "a"]})
+    assert decode_request(encode_request(req)) == req
+    reply = Reply(ErrorCode.NOT_OWNED, 7, 123456789, {"message": "slot 5 is not yours"})
+    back = decode_reply(encode_reply(reply))
+    assert back == reply and not back.ok and back.status is ErrorCode.NOT_OWNED
+
+
+def test_arrays_travel_as_raw_little_endian_frames():
+    tokens = np.array([1, 2, 2**31 - 1], dtype=np.int32)
+    frame = tokens_frame(tokens)
+    assert bytes(frame) == tokens.astype("<i4").tobytes()
+    assert decode_tokens(bytes(frame)).tolist() == tokens.tolist()
+    assert decode_slots(bytes(slots_frame([5, 6]))).tolist() == [5, 6]
+    assert decode_tokens(b"").tolist() == []
+
+
+def test_decoded_tokens_take_the_cache_fast_path():
+    cache = HiRadixCache(
+        HiCacheConfig(num_layers=1, num_kv_heads=1, head_dim=1, device_tokens=16, host_tokens=0)
+    )
+    wire = decode_tokens(bytes(tokens_frame([3, 4, 5])))
+    slots = decode_slots(bytes(slots_frame(cache.alloc(3))))
+    assert cache.insert(wire, slots) == 0
+    assert cache.match_prefix(wire).device_hit_length == 3
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        (b"\xc1garbage", ErrorCode.BAD_FIELD),
+        (msgpack.packb({"op": 1}), ErrorCode.BAD_FIELD),
+        (msgpack.packb([PROTOCOL_VERSION + 1, 1, 0, 0, {}]), ErrorCode.WRONG_VERSION),
+        (msgpack.packb([PROTOCOL_VERSION, 999, 0, 0, {}]), ErrorCode.UNKNOWN_OP),
+        (msgpack.packb([PROTOCOL_VERSION, "match", 0, 0, {}]), ErrorCode.BAD_FIELD),
+        (msgpack.packb([PROTOCOL_VERSION, 1, 0, 0, [1, 2]]), ErrorCode.BAD_FIELD),
+        (msgpack.packb([PROTOCOL_VERSION, 1, True, 0, {}]), ErrorCode.BAD_FIELD),
+        (b"\x00" * (2 << 20), ErrorCode.TOO_LARGE),
+    ],
+)
+def test_malformed_headers_get_a_stable_code(frame, code):
+    with pytest.raises(ProtocolError) as err:
+        decode_request(frame)
+    assert err.value.code is code
+
+
+def test_malformed_array_frames():
+    with pytest.raises(ProtocolError) as err:
+        decode_tokens(b"\x01\x02\x03")
+    assert err.value.code is ErrorCode.BAD_FIELD
+    with pytest.raises(ProtocolError) as err:
+        decode_slots(memoryview(bytearray(MAX_FRAME_BYTES + 8)))
+    assert err.value.code is ErrorCode.TOO_LARGE
