@@ -119,7 +119,9 @@ class SharedMemoryBacking(Backing):
         finally:
             os.close(fd)
         self.nbytes = nbytes
-        buf = torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes)
+        # through a memoryview: closing the mmap then fails while tensors still view it, instead
+        # of leaving them pointing at unmapped memory
+        buf = torch.frombuffer(memoryview(self._mm), dtype=torch.uint8, count=nbytes)
         self._pinned = register_pinned(buf)
         return buf
 
@@ -142,6 +144,35 @@ class SharedMemoryBacking(Backing):
             pass
 
 
+class AttachedSharedMemory(Backing):
+    """An existing shared-memory file mapped read-write (the engine side). close() unmaps and
+    never unlinks: the daemon that created the file owns it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._mm: mmap.mmap | None = None
+        self._pinned: int | None = None
+
+    def allocate(self, nbytes: int, what: str) -> torch.Tensor:
+        size = os.stat(self.path).st_size
+        if size < nbytes:
+            raise ValueError(f"{what}: {self.path} holds {size} bytes, expected {nbytes}")
+        self._mm, buf = attach_shared_memory(self.path, nbytes)
+        self._pinned = register_pinned(buf)
+        return buf
+
+    def close(self) -> None:
+        if self._pinned is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned)
+            self._pinned = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # views still exist; the mapping goes when they do
+            self._mm = None
+
+
 def register_pinned(buf: torch.Tensor) -> int | None:
     """Page-lock a CPU buffer with CUDA when a GPU is present; returns the registered address."""
     if not torch.cuda.is_available() or buf.numel() == 0:
@@ -157,4 +188,4 @@ def attach_shared_memory(path: str, nbytes: int) -> tuple[mmap.mmap, torch.Tenso
         mm = mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
-    return mm, torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+    return mm, torch.frombuffer(memoryview(mm), dtype=torch.uint8, count=nbytes)

@@ -10,19 +10,19 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 
 import torch
 
 
-class KVFormat(str, Enum):
+class KVFormat(StrEnum):
     """How a model stores KV per token and layer."""
 
     MHA = "mha"  # separate K and V, each [num_kv_heads, head_dim]
     MLA = "mla"  # one latent row of kv_lora_rank + qk_rope_head_dim (DeepSeek style)
 
 
-class HostLayout(str, Enum):
+class HostLayout(StrEnum):
     """Order of the host pool's dimensions; the device pool is always layer-first."""
 
     LAYER_FIRST = "layer_first"  # [kv, layer, token, ...]: same as the device pool
@@ -30,7 +30,7 @@ class HostLayout(str, Enum):
     PAGE_FIRST_DIRECT = "page_first_direct"  # [kv, page, layer, page_size, ...]
 
 
-class WritePolicyName(str, Enum):
+class WritePolicyName(StrEnum):
     """When device KV is backed up to the host pool (strategies live in write_policy.py)."""
 
     WRITE_THROUGH = "write_through"
@@ -38,7 +38,7 @@ class WritePolicyName(str, Enum):
     WRITE_BACK = "write_back"
 
 
-class EvictionPolicyName(str, Enum):
+class EvictionPolicyName(StrEnum):
     """Which leaf goes first (strategies live in eviction_policy.py)."""
 
     LRU = "lru"

@@ -1,0 +1,210 @@
+"""HiCacheClient: what an engine uses to talk to hicache-daemon.
+
+    with HiCacheClient(name="my-engine") as hc:
+        pools = hc.attach()                       # k_buffer / v_buffer (or kv_buffer) tensors
+        m = hc.match_prefix(prompt)               # locked for this session until release
+        loaded = hc.load_back(m)                  # host part on the device, or None
+        new = hc.alloc(len(seq) - m.cached)       # slots this session owns
+        ...write KV for the new tokens into pools.k_buffer[layer][new]...
+        hc.insert(seq, torch.cat([m.device_indices, loaded, new]))
+        hc.release(m)
+
+Every method raises DaemonError (with a stable .code), EpochChanged or DaemonTimeout.
+A background thread heartbeats so that a live engine keeps its session; when the process dies,
+the daemon takes back its locks and slots once the lease runs out.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from hicache.client.connection import Connection
+
+from hicache.backing import AttachedSharedMemory
+from hicache.config import HiCacheConfig
+from hicache.endpoints import env_endpoint
+from hicache.pools import DevicePool, HostPool
+from hicache.protocol import (
+    DEFAULT_TIMEOUT_S,
+    HEARTBEAT_INTERVAL_S,
+    Op,
+    decode_slots,
+    slots_frame,
+    tokens_frame,
+)
+
+
+@dataclass(frozen=True)
+class Match:
+    device_indices: torch.Tensor  # int64 slots of the device-resident prefix
+    device_hit_length: int  # tokens cached on the device
+    host_hit_length: int  # tokens after those, cached on the host only (see load_back)
+    lock_id: int  # the session's lock on this prefix (0: not locked)
+
+
+@dataclass
+class AttachedPools:
+    """The daemon's pools mapped into this process (shared memory on the CPU)."""
+
+    config: HiCacheConfig
+    device: DevicePool
+    host: HostPool | None
+
+    def __getattr__(self, name: str) -> Any:  # k_buffer, v_buffer, kv_buffer, layers
+        return getattr(self.device, name)
+
+    def close(self) -> None:
+        self.device.close()
+        if self.host is not None:
+            self.host.close()
+
+
+def _slots(frame: Any) -> torch.Tensor:
+    return torch.from_numpy(decode_slots(frame.buffer).copy())
+
+
+class HiCacheClient:
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        name: str = "engine",
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        heartbeat: bool = True,
+    ):
+        self.endpoint = endpoint or env_endpoint()
+        self.conn = Connection(self.endpoint, timeout_s)
+        reply, _ = self.conn.call(Op.HELLO, {"client": name, "pid": os.getpid()})
+        self.session = self.conn.session = reply.fields["session"]
+        self.info = reply.fields
+        self.pools: AttachedPools | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        if heartbeat:
+            self._beat = threading.Thread(
+                target=self._heartbeat, daemon=True, name="hicache-heartbeat"
+            )
+            self._beat.start()
+
+    def _heartbeat(self) -> None:
+        conn = Connection(self.endpoint, timeout_s=HEARTBEAT_INTERVAL_S * 2)
+        conn.session, conn.epoch = self.session, self.conn.epoch
+        try:
+            while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+                try:
+                    conn.call(Op.HEARTBEAT)
+                except Exception:  # the main thread sees the same failure on its next call
+                    pass
+        finally:
+            conn.close()
+
+    # ---- pools ----
+    @property
+    def config(self) -> HiCacheConfig:
+        names = {f.name for f in fields(HiCacheConfig)}
+        return HiCacheConfig(**{k: v for k, v in self.info["config"].items() if k in names})
+
+    def attach(self) -> AttachedPools:
+        """Map the daemon's pools into this process as tensors (same memory, no copy)."""
+        if self.pools is None:
+            pools, cfg = self.info["pools"], self.config
+            if pools["device"].get("kind") != "shm":
+                raise RuntimeError("attach: only shared-memory (CPU) pools can be mapped so far")
+            device = DevicePool(cfg, AttachedSharedMemory(pools["device"]["path"]))
+            host = pools.get("host")
+            host_pool = HostPool(cfg, AttachedSharedMemory(host["path"])) if host else None
+            self.pools = AttachedPools(cfg, device, host_pool)
+        return self.pools
+
+    # ---- cache operations ----
+    def match_prefix(self, token_ids: Any, namespace: Any = None, lock: bool = True) -> Match:
+        return self.match_batch([token_ids], [namespace], lock)[0]
+
+    def match_batch(
+        self, batch: list, namespaces: list | None = None, lock: bool = True
+    ) -> list[Match]:
+        frames = [tokens_frame(t) for t in batch]
+        reply, out = self.conn.call(
+            Op.MATCH, {"namespaces": namespaces or [None] * len(batch), "lock": lock}, frames
+        )
+        return [
+            Match(_slots(f), dev, host, lock_id)
+            for f, (dev, host, lock_id) in zip(out, reply.fields["results"], strict=True)
+        ]
+
+    def load_back(self, match: Match) -> torch.Tensor | None:
+        """Load the host part of a locked match; returns its device slots once they hold the
+        data (the lock then covers them too), or None when it stays on the host."""
+        if not match.host_hit_length:
+            return None
+        reply, out = self.conn.call(Op.LOAD_BACK, {"lock_id": match.lock_id})
+        return _slots(out[0]) if reply.fields["loaded"] else None
+
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        return _slots(self.conn.call(Op.ALLOC, {"num_tokens": num_tokens})[1][0])
+
+    def alloc_extend(self, prefix_lens: Any, seq_lens: Any, last_loc: Any) -> torch.Tensor:
+        frames = [slots_frame(x) for x in (prefix_lens, seq_lens, last_loc)]
+        return _slots(self.conn.call(Op.ALLOC_EXTEND, None, frames)[1][0])
+
+    def alloc_decode(self, seq_lens: Any, last_loc: Any) -> torch.Tensor:
+        frames = [slots_frame(seq_lens), slots_frame(last_loc)]
+        return _slots(self.conn.call(Op.ALLOC_DECODE, None, frames)[1][0])
+
+    def free(self, slots: Any) -> None:
+        self.conn.call(Op.FREE, None, [slots_frame(slots)])
+
+    def insert(self, token_ids: Any, slots: Any, namespace: Any = None) -> int:
+        return self.insert_batch([(token_ids, slots)], [namespace])[0]
+
+    def insert_batch(self, pairs: list, namespaces: list | None = None) -> list[int]:
+        frames = [f for t, s in pairs for f in (tokens_frame(t), slots_frame(s))]
+        reply, _ = self.conn.call(
+            Op.INSERT, {"namespaces": namespaces or [None] * len(pairs)}, frames
+        )
+        return reply.fields["prefix_lens"]
+
+    def release(self, *matches: Match) -> None:
+        ids = [m.lock_id for m in matches if m.lock_id]
+        if ids:
+            self.conn.call(Op.RELEASE, {"lock_ids": ids})
+
+    def evict(self, device_tokens: int = 0, host_tokens: int = 0) -> dict:
+        return self.conn.call(
+            Op.EVICT, {"device_tokens": device_tokens, "host_tokens": host_tokens}
+        )[0].fields
+
+    def flush(self) -> dict:
+        return self.conn.call(Op.FLUSH)[0].fields
+
+    def stats(self, check: bool = False) -> dict:
+        return self.conn.call(Op.STATS, {"check": check})[0].fields
+
+    def tree(self, max_nodes: int = 1000) -> dict:
+        return self.conn.call(Op.TREE, {"max_nodes": max_nodes})[0].fields
+
+    def ping(self) -> dict:
+        return self.conn.call(Op.PING)[0].fields
+
+    # ---- lifetime ----
+    def close(self) -> None:
+        """Say goodbye (the daemon frees what this session still holds) and disconnect."""
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+        try:
+            self.conn.call(Op.GOODBYE)
+        except Exception:
+            pass  # the daemon is gone or restarted: nothing left to give back
+        if self.pools is not None:
+            self.pools.close()
+        self.conn.close()
+
+    def __enter__(self) -> HiCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,5 @@
+import sys
+
+from hicache.daemon.main import main
+
+sys.exit(main())

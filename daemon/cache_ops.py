@@ -1,0 +1,149 @@
+"""Handlers of the cache operations (a mixin of Handlers), with per-session ownership.
+
+A session may pass, free or insert only pages it owns (or, for insert, the tree's own pages
+at their place, which the cache itself checks). Every check happens before the cache changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hicache.daemon.sessions import Session
+
+from hicache.allocator import OWNED
+from hicache.protocol import (
+    MAX_BATCH,
+    ErrorCode,
+    ProtocolError,
+    decode_slots,
+    decode_tokens,
+    slots_frame,
+)
+
+Frames = list[Any]
+Result = tuple[dict[str, Any], Frames]
+
+
+def _need_frames(frames: Frames, count: int, op: str) -> None:
+    if len(frames) != count:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"{op}: expected {count} frames, got {len(frames)}"
+        )
+
+
+class CacheOpsMixin:
+    # ---- helpers ----
+    def _pages(self, slots: np.ndarray) -> list[int]:
+        self.cache.device_alloc.check_slot_range(slots)
+        return np.unique(slots // self.cache.page_size).tolist()
+
+    def _grant(self, session: Session, slots: np.ndarray | None) -> Result:
+        if slots is None:
+            raise ProtocolError(ErrorCode.OUT_OF_MEMORY, "the device pool is full of locked data")
+        session.owned.update(self._pages(slots))
+        return {"num_tokens": len(slots)}, [slots_frame(slots)]
+
+    def _check_partial(self, session: Session, filled: np.ndarray, last_loc: np.ndarray) -> None:
+        partial = filled % self.cache.page_size != 0
+        if partial.any():
+            session.check_owned(self._pages(last_loc[partial]))
+
+    # ---- allocation ----
+    def alloc(self, session: Session, fields: dict, frames: Frames) -> Result:
+        n = self._int(fields, "num_tokens", 0, self.cache.config.device_tokens)
+        slots = self.cache.alloc(n)
+        return self._grant(session, None if slots is None else slots.numpy())
+
+    def alloc_extend(self, session: Session, fields: dict, frames: Frames) -> Result:
+        _need_frames(frames, 3, "alloc_extend")
+        prefix, seq, last = (decode_slots(f) for f in frames)
+        if not len(prefix) == len(seq) == len(last) or (prefix > seq).any() or (prefix < 0).any():
+            raise ProtocolError(ErrorCode.BAD_FIELD, "alloc_extend: need 0 <= prefix <= seq")
+        self._check_partial(session, prefix, last)
+        out = self.cache.alloc_extend(prefix, seq, last)
+        return self._grant(session, None if out is None else out.numpy())
+
+    def alloc_decode(self, session: Session, fields: dict, frames: Frames) -> Result:
+        _need_frames(frames, 2, "alloc_decode")
+        seq, last = (decode_slots(f) for f in frames)
+        if len(seq) != len(last) or (seq < 1).any():
+            raise ProtocolError(ErrorCode.BAD_FIELD, "alloc_decode: need seq_len >= 1")
+        self._check_partial(session, seq - 1, last)
+        out = self.cache.alloc_decode(seq, last)
+        return self._grant(session, None if out is None else out.numpy())
+
+    def free(self, session: Session, fields: dict, frames: Frames) -> Result:
+        _need_frames(frames, 1, "free")
+        slots = decode_slots(frames[0])
+        pages = self._pages(slots)
+        session.check_owned(pages)
+        self.cache.free(slots)
+        session.owned.difference_update(pages)
+        return {}, []
+
+    # ---- match, load, insert ----
+    def match(self, session: Session, fields: dict, frames: Frames) -> Result:
+        if len(frames) > MAX_BATCH:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"more than {MAX_BATCH} sequences")
+        spaces = self._namespaces(fields, len(frames))
+        lock = fields.get("lock", True) is not False
+        batch = [decode_tokens(f) for f in frames]  # every frame checked before any match
+        results, out = [], []
+        for tokens, space in zip(batch, spaces, strict=True):
+            m = self.cache.match_prefix(tokens, namespace=space)
+            lock_id = 0
+            if lock:
+                self.cache.inc_lock_ref(m.last_device_node)
+                lock_id = session.add_lock(self.LockRecord(m.last_device_node, m.last_host_node))
+            results.append([m.device_hit_length, m.host_hit_length, lock_id])
+            out.append(slots_frame(m.device_indices))
+        return {"results": results}, out
+
+    def load_back(self, session: Session, fields: dict, frames: Frames) -> Result:
+        lock_id = self._int(fields, "lock_id", 1)
+        record = session.locks.get(lock_id)
+        if record is None:
+            raise ProtocolError(ErrorCode.NOT_OWNED, f"lock {lock_id} is not held")
+        loaded = self.cache.load_back(record.host_node)
+        if loaded is None or not len(loaded):
+            return {"loaded": 0}, [slots_frame(np.empty(0, np.int64))]
+        self.cache.wait_load(record.host_node)  # the CPU copy is quick; layer-wise comes later
+        self.cache.inc_lock_ref(record.host_node)
+        self.cache.dec_lock_ref(record.node)
+        record.node = record.host_node
+        return {"loaded": len(loaded)}, [slots_frame(loaded)]
+
+    def insert(self, session: Session, fields: dict, frames: Frames) -> Result:
+        if len(frames) % 2 or len(frames) > 2 * MAX_BATCH:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "insert: frames come in (tokens, slots) pairs")
+        spaces = self._namespaces(fields, len(frames) // 2)
+        prefix_lens = []
+        state = self.cache.device_alloc.state
+        for i, space in enumerate(spaces):
+            tokens, slots = decode_tokens(frames[2 * i]), decode_slots(frames[2 * i + 1])
+            pages = np.asarray(self._pages(slots), dtype=np.int64)
+            mine = pages[state[pages] == OWNED].tolist() if len(pages) else []
+            session.check_owned(mine)  # never another session's pages
+            prefix_lens.append(self.cache.insert(tokens, slots, namespace=space))
+            session.owned.difference_update(mine)
+        return {"prefix_lens": prefix_lens}, []
+
+    # ---- locks ----
+    def lock(self, session: Session, fields: dict, frames: Frames) -> Result:
+        record = session.locks.get(self._int(fields, "lock_id", 1))
+        if record is None:
+            raise ProtocolError(ErrorCode.NOT_OWNED, "lock is not held")
+        self.cache.inc_lock_ref(record.node)
+        return {"lock_id": session.add_lock(self.LockRecord(record.node, record.host_node))}, []
+
+    def release(self, session: Session, fields: dict, frames: Frames) -> Result:
+        ids = fields.get("lock_ids")
+        if not isinstance(ids, list) or len(set(map(repr, ids))) != len(ids):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "release: lock_ids must be distinct ints")
+        missing = [i for i in ids if i not in session.locks]
+        if missing:
+            raise ProtocolError(ErrorCode.NOT_OWNED, f"locks {missing} are not held")
+        for lock_id in ids:
+            self.cache.dec_lock_ref(session.pop_lock(lock_id).node)
+        return {}, []

@@ -1,0 +1,30 @@
+"""hicache-daemon: command-line entry point."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from hicache.daemon.settings import build_parser, resolve
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = resolve(args)
+    except (ValueError, OSError) as exc:
+        print(f"hicache-daemon: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(settings.as_dict(), indent=2))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    from hicache.daemon.server import run  # zmq and the pools only when serving
+
+    run(settings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
