@@ -90,10 +90,12 @@ class HiCacheClient:
             self._beat.start()
 
     def _heartbeat(self) -> None:
-        conn = Connection(self.endpoint, timeout_s=HEARTBEAT_INTERVAL_S * 2)
+        # at least three beats per lease, so that one lost beat never ends a live session
+        interval = min(HEARTBEAT_INTERVAL_S, float(self.info["lease_s"]) / 3)
+        conn = Connection(self.endpoint, timeout_s=interval * 2)
         conn.session, conn.epoch = self.session, self.conn.epoch
         try:
-            while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            while not self._stop.wait(interval):
                 try:
                     conn.call(Op.HEARTBEAT)
                 except Exception:  # the main thread sees the same failure on its next call

@@ -153,10 +153,18 @@ class Handlers(CacheOpsMixin):
         return {"pong": True, "pid": os.getpid()}, []
 
     # ---- maintenance ----
+    def _settle(self) -> None:
+        """Wait for in-flight copies and process their acks (admin ops act on settled data)."""
+        if self.cache.engine is not None:
+            self.cache.engine.wait(list(self.cache.records))
+        self.cache.poll()
+
     def evict(self, session: Session, fields: dict, frames: Frames) -> Result:
         device = self._int(fields, "device_tokens") if "device_tokens" in fields else 0
         host = self._int(fields, "host_tokens") if "host_tokens" in fields else 0
+        self._settle()
         result = self.cache.evict(device) if device else None
+        self._settle()
         freed_host = self.cache.evict_host(host) if host else 0
         return {
             "device_freed": result.freed if result else 0,
@@ -166,11 +174,9 @@ class Handlers(CacheOpsMixin):
 
     def flush(self, session: Session, fields: dict, frames: Frames) -> Result:
         """Evict every unlocked token from both tiers (locked data stays)."""
-        everything = self.cache.config.device_tokens
-        result = self.cache.evict(everything)
-        if self.cache.engine is not None:
-            self.cache.engine.wait(list(self.cache.records))
-            self.cache.poll()
+        self._settle()
+        result = self.cache.evict(self.cache.config.device_tokens)
+        self._settle()
         freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens)
         return {"device_freed": result.freed + result.pending, "host_freed": freed_host}, []
 

@@ -1,0 +1,175 @@
+"""The daemon and its clients in separate processes, over ipc:// in a temporary folder."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import stat
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+from hicache.client import DaemonError, EpochChanged, HiCacheClient
+
+from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply, slots_frame
+from tests.daemon_helpers import (
+    busy_engine,
+    hold_and_wait,
+    kv_value,
+    start_daemon,
+    stop_daemon,
+    write_sequence,
+)
+
+SPAWN = mp.get_context("spawn")
+
+
+@pytest.fixture
+def endpoint(tmp_path):
+    ep = f"ipc://{tmp_path}/hicache.sock"
+    proc = start_daemon(ep)
+    yield ep
+    if proc.poll() is None:
+        stop_daemon(proc)
+
+
+def wait_until(predicate, timeout=20.0):
+    """Poll ``predicate`` (a daemon query) until true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_socket_is_private_and_shutdown_cleans_up(tmp_path):
+    ep = f"ipc://{tmp_path}/d.sock"
+    proc = start_daemon(ep)
+    assert stat.S_IMODE(os.stat(tmp_path / "d.sock").st_mode) == 0o600
+    segments = [
+        n for n in os.listdir("/dev/shm") if n.startswith(f"hicache-{os.getuid()}-{proc.pid}-")
+    ]
+    assert len(segments) == 2
+    assert "stopped" in stop_daemon(proc)
+    assert not (tmp_path / "d.sock").exists()
+    assert not any(os.path.exists(f"/dev/shm/{n}") for n in segments)
+
+
+def test_another_process_reads_the_bytes_an_engine_wrote(endpoint):
+    tokens = list(range(1, 29))  # 7 pages of 4
+    with SPAWN.Pool(1) as pool:
+        pool.apply(write_sequence, (endpoint, tokens))
+    want = kv_value(np.array(tokens))
+    with HiCacheClient(endpoint, name="reader") as hc:
+        pools = hc.attach()
+        m = hc.match_prefix(tokens)
+        assert m.device_hit_length == 28
+        for layer in range(2):
+            assert torch.equal(pools.k_buffer[layer][m.device_indices][:, 0, 0], want + layer)
+            assert torch.equal(pools.v_buffer[layer][m.device_indices][:, 1, 3], -want - layer)
+        hc.release(m)
+        hc.evict(device_tokens=1 << 20)  # forced: the prefix now lives on the host only
+        m = hc.match_prefix(tokens)
+        assert (m.device_hit_length, m.host_hit_length) == (0, 28)
+        loaded = hc.load_back(m)
+        assert torch.equal(pools.k_buffer[1][loaded][:, 0, 0], want + 1)
+        assert hc.stats(check=True)["integrity"] == "ok"
+        hc.release(m)
+
+
+def test_many_engines_under_eviction_pressure_leak_nothing(tmp_path):
+    ep = f"ipc://{tmp_path}/busy.sock"
+    proc = start_daemon(ep, "--device-tokens", "1024", "--host-tokens", "4096")
+    try:
+        with SPAWN.Pool(8) as pool:
+            recomputed = pool.starmap(busy_engine, [(ep, seed, 30) for seed in range(8)])
+        assert all(r > 0 for r in recomputed)
+        with HiCacheClient(ep, name="auditor") as hc:
+            s = hc.stats(check=True)
+        assert s["integrity"] == "ok" and s["sessions"] == 1
+        assert s["device_owned_tokens"] == 0 and s["device_protected_tokens"] == 0
+        assert s["evicted_device_tokens"] > 0  # there was pressure
+        assert s["device_free_tokens"] + s["device_cached_tokens"] == s["device_capacity_tokens"]
+    finally:
+        stop_daemon(proc)
+
+
+def test_a_killed_engine_gives_everything_back_after_its_lease(endpoint, tmp_path):
+    write_sequence(endpoint, list(range(1, 41)))
+    ready = tmp_path / "ready"
+    victim = SPAWN.Process(target=hold_and_wait, args=(endpoint, str(ready)))
+    victim.start()
+    with HiCacheClient(endpoint, name="watcher") as hc:
+        wait_until(ready.exists)
+        s = hc.stats()
+        assert s["device_owned_tokens"] == 20 and s["device_protected_tokens"] == 40
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join()
+        wait_until(lambda: hc.stats()["sessions"] == 1)  # only the watcher is left
+        s = hc.stats(check=True)
+        assert s["device_owned_tokens"] == 0 and s["device_protected_tokens"] == 0
+        assert s["integrity"] == "ok"
+
+
+def raw_call(sock: zmq.Socket, header: bytes, *frames) -> tuple[int, dict]:
+    sock.send_multipart([header, *frames])
+    assert sock.poll(10_000)
+    reply = decode_reply(sock.recv_multipart()[0])
+    return reply.status, reply.fields
+
+
+def test_bad_input_gets_error_replies_and_changes_nothing(endpoint):
+    with HiCacheClient(endpoint, name="owner") as owner, HiCacheClient(endpoint) as other:
+        mine = owner.alloc(8)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(endpoint)
+        hdr = lambda op, fields, session=other.session: msgpack.packb(  # noqa: E731
+            [PROTOCOL_VERSION, op, 1, session, fields]
+        )
+        cases = [
+            ((b"\xc1not msgpack",), ErrorCode.BAD_FIELD),
+            ((hdr(999, {}),), ErrorCode.UNKNOWN_OP),
+            ((msgpack.packb([PROTOCOL_VERSION + 1, Op.PING, 1, 0, {}]),), ErrorCode.WRONG_VERSION),
+            ((hdr(Op.ALLOC, {"num_tokens": "many"}),), ErrorCode.BAD_FIELD),
+            ((hdr(Op.ALLOC, {"num_tokens": 10**9}),), ErrorCode.BAD_FIELD),
+            ((hdr(Op.FREE, {}), bytes(slots_frame([10**9]))), ErrorCode.NOT_OWNED),
+            ((hdr(Op.FREE, {}), bytes(slots_frame(mine))), ErrorCode.NOT_OWNED),  # foreign
+            ((hdr(Op.FREE, {}), b"\x01\x02\x03"), ErrorCode.BAD_FIELD),
+            ((hdr(Op.MATCH, {}), b"\x01\x02"), ErrorCode.BAD_FIELD),
+            ((hdr(Op.INSERT, {}), bytes(slots_frame([1]))), ErrorCode.BAD_FIELD),
+            ((hdr(Op.RELEASE, {"lock_ids": [12345]}),), ErrorCode.NOT_OWNED),
+            ((hdr(Op.PING, {}, session=0),), ErrorCode.OK),
+            ((hdr(Op.ALLOC, {"num_tokens": 4}, session=777),), ErrorCode.UNKNOWN_SESSION),
+        ]
+        for frames, code in cases:
+            status, fields = raw_call(sock, *frames)
+            assert status == code, (frames[0][:20], fields)
+        sock.close()
+        with pytest.raises(DaemonError) as err:  # inserting another session's slots
+            other.insert(list(range(8)), mine)
+        assert err.value.code is ErrorCode.NOT_OWNED
+        owner.free(mine)
+        with pytest.raises(DaemonError) as err:
+            owner.free(mine)  # double free
+        assert err.value.code is ErrorCode.NOT_OWNED
+        s = owner.stats(check=True)
+        assert s["integrity"] == "ok" and s["device_owned_tokens"] == 0
+        assert owner.ping()["pong"]
+
+
+def test_a_restarted_daemon_is_noticed(tmp_path):
+    ep = f"ipc://{tmp_path}/r.sock"
+    proc = start_daemon(ep)
+    hc = HiCacheClient(ep, heartbeat=False)
+    hc.alloc(4)
+    stop_daemon(proc)
+    proc = start_daemon(ep)
+    try:
+        with pytest.raises(EpochChanged):
+            hc.alloc(4)  # never hands out indices of the new daemon to the old session
+        hc.close()
+    finally:
+        stop_daemon(proc)
