@@ -64,7 +64,11 @@ class AttachedPools:
 
 
 def _slots(frame: Any) -> torch.Tensor:
-    return torch.from_numpy(decode_slots(frame.buffer).copy())
+    """The slots in a reply frame as a tensor over the frame's own memory (kept alive by it)."""
+    decode_slots(frame.buffer)  # validates size
+    if not len(frame.buffer):
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(frame.buffer, dtype=torch.int64)
 
 
 class HiCacheClient:

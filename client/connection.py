@@ -48,6 +48,7 @@ class Connection:
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)  # recv raises zmq.Again after it
         self.sock.connect(endpoint)
         self.session = 0  # set by hello
         self.epoch = 0  # the daemon's boot epoch, learned from the first reply
@@ -63,11 +64,13 @@ class Connection:
             raise RuntimeError("a Connection cannot be used after fork; make a new one")
         request_id = next(self._ids)
         header = encode_request(Request(op, request_id, self.session, fields or {}))
-        self.sock.send_multipart([header, *frames], copy=False)
+        small = sum(len(f) for f in frames) < zmq.COPY_THRESHOLD  # memcpy beats zero-copy
+        self.sock.send_multipart([header, *frames], copy=small)
         while True:
-            if not self.sock.poll(self.timeout_ms):
-                raise DaemonTimeout(f"no reply from {self.endpoint} to {op.name}")
-            parts = self.sock.recv_multipart(copy=False)
+            try:
+                parts = self.sock.recv_multipart(copy=False)
+            except zmq.Again:
+                raise DaemonTimeout(f"no reply from {self.endpoint} to {op.name}") from None
             reply = decode_reply(parts[0].buffer)
             if reply.request_id == request_id:
                 break  # anything else answers an earlier request that timed out

@@ -97,7 +97,7 @@ class CacheOpsMixin:
                 self.cache.inc_lock_ref(m.last_device_node)
                 lock_id = session.add_lock(self.LockRecord(m.last_device_node, m.last_host_node))
             results.append([m.device_hit_length, m.host_hit_length, lock_id])
-            out.append(slots_frame(m.device_indices))
+            out.append(m.slot_bytes())  # the nodes' own immutable bytes: no copy
         return {"results": results}, out
 
     def load_back(self, session: Session, fields: dict, frames: Frames) -> Result:

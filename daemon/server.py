@@ -84,30 +84,34 @@ class Daemon:
 
     def serve(self) -> None:
         """Serve until stop() (or a signal) sets ``stopping``."""
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
         next_housekeep = time.monotonic()
         while not self.stopping:
-            if poller.poll(POLL_MS):
-                self._serve_one()
+            try:  # drain what is queued without a poll call per message
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self.sock.poll(POLL_MS)
+                frames = None
+            if frames:
+                self._serve_one(frames)
             if time.monotonic() >= next_housekeep:
                 self.handlers.housekeep()
                 next_housekeep = time.monotonic() + HOUSEKEEP_S
 
-    def _serve_one(self) -> None:
-        try:
-            frames = self.sock.recv_multipart(copy=False)
-        except zmq.ZMQError:
-            return
+    def _serve_one(self, frames: list[zmq.Frame]) -> None:
         identity, rest = frames[0], frames[1:]
         if len(rest) > 1 and len(rest[0]) == 0:  # a REQ peer adds an empty delimiter
             rest = rest[1:]
         header = rest[0].buffer if rest else b""
         reply, out = self.handlers.handle(header, [f.buffer for f in rest[1:]])
         try:
-            self.sock.send_multipart([identity, reply, *out], copy=False)
+            self.sock.send_multipart([identity, reply, *out], copy=self._copy_small(out))
         except zmq.ZMQError as exc:  # the peer went away: nothing to do
             log.debug("reply dropped: %s", exc)
+
+    @staticmethod
+    def _copy_small(frames: list) -> bool:
+        """pyzmq's zero-copy send costs more than a memcpy below its 64 KiB threshold."""
+        return sum(len(f) for f in frames) < zmq.COPY_THRESHOLD
 
     def stop(self, *_: object) -> None:
         self.stopping = True

@@ -34,7 +34,6 @@ from hicache.transfer_cpu import ThreadTransferEngine
 from hicache.types import MatchResult
 
 EngineFactory = Callable[[DevicePool, HostPool], TransferEngine]
-_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
@@ -149,7 +148,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         if root is None or aligned == 0:
             self.counters.miss_tokens += len(tokens)
             node = root or self.tree.root(None)
-            return MatchResult(_EMPTY, node, 0, node, False)
+            return MatchResult([], node, 0, node, False)
         key = tokens.tobytes() if aligned == len(tokens) else tokens[:aligned].tobytes()
         path, covered = self.tree.walk(root, key)
         n_dev = 0
@@ -168,17 +167,15 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             self._backup_hot(dev)
             for node in host:
                 node.host_ref -= 1
-        # one join of immutable bytes; the bytearray makes a tensor the caller owns
-        joined = bytearray().join([n.device_slots for n in dev])
-        slots = torch.frombuffer(joined, dtype=torch.int64) if joined else _EMPTY
-        dev_len, covered = len(joined) >> 3, covered >> 2
+        chunks = [n.device_slots for n in dev]  # immutable: joined only if the caller asks
+        dev_len, covered = sum(len(c) for c in chunks) >> 3, covered >> 2
         counters = self.counters
         counters.hit_device_tokens += dev_len
         counters.hit_host_tokens += covered - dev_len
         counters.miss_tokens += len(tokens) - covered
         loading = bool(self.records) and any(n.io is IO_LOAD for n in dev)
         return MatchResult(
-            slots, last_dev, covered - dev_len, host[-1] if host else last_dev, loading
+            chunks, last_dev, covered - dev_len, host[-1] if host else last_dev, loading
         )
 
     # ---- locks -------------------------------------------------------------------------------

@@ -149,7 +149,9 @@ _SLOT = np.dtype("<i8")
 
 def array_frame(values: Any, dtype: np.dtype) -> memoryview:
     """A contiguous little-endian buffer of ``values`` (zero-copy when already so)."""
-    arr = np.ascontiguousarray(np.asarray(values), dtype=dtype)
+    if hasattr(values, "numpy"):  # a CPU torch tensor: its own memory, not __array__
+        values = values.detach().numpy()
+    arr = np.ascontiguousarray(values, dtype=dtype)
     return memoryview(arr).cast("B")
 
 

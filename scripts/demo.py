@@ -14,15 +14,17 @@ import tempfile
 import time
 
 import torch
-
 from hicache.client import HiCacheClient
+
 from hicache.workload import chat_trace
 
 
 def start(endpoint: str, *flags: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-m", "hicache.daemon", "--endpoint", endpoint, *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     line = proc.stdout.readline()
     if "ready" not in line:
@@ -50,8 +52,13 @@ def serve(endpoint: str, trace) -> dict:  # noqa: ANN001
             host_hits += 0 if loaded is None else len(loaded)
             recomputed += len(req.prompt) - len(prefix)
         stats = hc.stats(check=True)
-    return {"prompt": prompt_tokens, "device": device_hits, "host": host_hits,
-            "recomputed": recomputed, "stats": stats}
+    return {
+        "prompt": prompt_tokens,
+        "device": device_hits,
+        "host": host_hits,
+        "recomputed": recomputed,
+        "stats": stats,
+    }
 
 
 def report(label: str, r: dict, seconds: float) -> None:
@@ -61,8 +68,10 @@ def report(label: str, r: dict, seconds: float) -> None:
     print(f"hit_ratio_device:{r['device'] / r['prompt']:.3f}")
     print(f"hit_ratio_host:{r['host'] / r['prompt']:.3f}")
     print(f"recomputed_tokens:{r['recomputed']}")
-    print(f"backup_tokens:{s['backup_tokens']} load_tokens:{s['load_tokens']} "
-          f"evicted_device_tokens:{s['evicted_device_tokens']}")
+    print(
+        f"backup_tokens:{s['backup_tokens']} load_tokens:{s['load_tokens']} "
+        f"evicted_device_tokens:{s['evicted_device_tokens']}"
+    )
     print(f"integrity:{s['integrity']} seconds:{seconds:.1f}\n")
 
 
@@ -70,8 +79,10 @@ def main() -> None:
     trace = chat_trace(n_systems=2, system_len=1024, n_convs=24, turns=4, seed=1)
     with tempfile.TemporaryDirectory(prefix="hicache-demo-") as tmp:
         results = {}
-        for label, flags in (("hicache (embedded default: write_through, host 4x device)", ()),
-                             ("device only (--host-tokens 0)", ("--host-tokens", "0"))):
+        for label, flags in (
+            ("hicache (embedded default: write_through, host 4x device)", ()),
+            ("device only (--host-tokens 0)", ("--host-tokens", "0")),
+        ):
             endpoint = f"ipc://{os.path.join(tmp, 'demo.sock')}"
             proc = start(endpoint, *flags)
             try:
@@ -82,8 +93,10 @@ def main() -> None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=30)
         on, off = (r["recomputed"] for r in results.values())
-        print(f"recompute_reduction:{off / max(on, 1):.2f}x fewer prompt tokens prefilled "
-              "with the host tier")
+        print(
+            f"recompute_reduction:{off / max(on, 1):.2f}x fewer prompt tokens prefilled "
+            "with the host tier"
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,136 @@
+"""RPC benchmark: match_prefix through hicache-daemon against a raw pyzmq echo of the same bytes.
+
+1. Round trip of one match of a cached 4096-token prompt (lock=False: one message each way),
+   against a ROUTER echo process that returns the same request frames: p50 and p99.
+2. One batched match of 64 such prompts against 8 single matches.
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+from hicache.client import HiCacheClient
+
+from hicache.protocol import PROTOCOL_VERSION, tokens_frame
+
+WARMUP, ROUNDS = 200, 2000
+
+
+def echo_server(endpoint: str) -> None:
+    sock = zmq.Context().socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        if len(frames) == 2 and bytes(frames[1].buffer) == b"stop":
+            return
+        sock.send_multipart(frames, copy=False)
+
+
+def percentiles(samples: list[int]) -> tuple[float, float]:
+    arr = np.array(samples) / 1e3
+    return float(np.percentile(arr, 50)), float(np.percentile(arr, 99))
+
+
+def time_echo(endpoint: str, prompt: np.ndarray) -> list[int]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    header = msgpack.packb([PROTOCOL_VERSION, 4, 1, 1, {"namespaces": [None], "lock": False}])
+    out = []
+    for i in range(WARMUP + ROUNDS):
+        t0 = time.perf_counter_ns()
+        sock.send_multipart([header, tokens_frame(prompt)], copy=False)
+        sock.recv_multipart(copy=False)
+        if i >= WARMUP:
+            out.append(time.perf_counter_ns() - t0)
+    sock.send_multipart([b"stop"])
+    sock.close()
+    return out
+
+
+def time_match(hc: HiCacheClient, prompt: np.ndarray) -> list[int]:
+    out = []
+    for i in range(WARMUP + ROUNDS):
+        t0 = time.perf_counter_ns()
+        hc.match_prefix(prompt, lock=False)
+        if i >= WARMUP:
+            out.append(time.perf_counter_ns() - t0)
+    return out
+
+
+def time_batches(hc: HiCacheClient, prompt: np.ndarray, rounds: int = 50) -> tuple[float, float]:
+    batch = [prompt] * 64
+    singles, batched = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        for _ in range(8):
+            hc.match_prefix(prompt, lock=False)
+        t1 = time.perf_counter_ns()
+        hc.match_batch(batch, lock=False)
+        t2 = time.perf_counter_ns()
+        singles.append(t1 - t0)
+        batched.append(t2 - t1)
+    return float(np.median(singles)) / 1e3, float(np.median(batched)) / 1e3
+
+
+def main() -> None:
+    prompt = np.random.default_rng(0).integers(1, 32000, 4096, dtype=np.int32)
+    with tempfile.TemporaryDirectory(prefix="hicache-rpc-") as tmp:
+        echo_ep, daemon_ep = f"ipc://{tmp}/echo.sock", f"ipc://{tmp}/daemon.sock"
+        echo = mp.get_context("spawn").Process(target=echo_server, args=(echo_ep,))
+        echo.start()
+        echo_ns = time_echo(echo_ep, prompt)
+        echo.join()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hicache.daemon", "--endpoint", daemon_ep],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert "ready" in proc.stdout.readline()
+        try:
+            with HiCacheClient(daemon_ep, name="bench") as hc:
+                m = hc.match_prefix(prompt)
+                hc.insert(prompt, torch.cat([m.device_indices, hc.alloc(len(prompt))]))
+                hc.release(m)
+                match_ns = time_match(hc, prompt)
+                single8_us, batch64_us = time_batches(hc, prompt)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    e50, e99 = percentiles(echo_ns)
+    m50, m99 = percentiles(match_ns)
+    print(f"raw pyzmq echo, 4096 token ids:      p50 {e50:7.1f} us  p99 {e99:7.1f} us")
+    print(
+        f"match_prefix via daemon, 4096 tokens: p50 {m50:7.1f} us  p99 {m99:7.1f} us  "
+        f"({m50 / e50:.2f}x echo)"
+    )
+    print(
+        f"8 single matches {single8_us:8.1f} us; one batch of 64 {batch64_us:8.1f} us "
+        f"({batch64_us / single8_us:.2f}x)"
+    )
+    print(
+        json.dumps(
+            {
+                "rpc_vs_echo_p50": round(m50 / e50, 3),
+                "batch64_vs_single8": round(batch64_us / single8_us, 3),
+                "echo_p50_us": round(e50, 1),
+                "match_p50_us": round(m50, 1),
+                "cpu_count": os.cpu_count(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
