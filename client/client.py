@@ -19,8 +19,9 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from hicache.client.connection import Connection
 
@@ -38,8 +39,7 @@ from hicache.protocol import (
 )
 
 
-@dataclass(frozen=True)
-class Match:
+class Match(NamedTuple):
     device_indices: torch.Tensor  # int64 slots of the device-resident prefix
     device_hit_length: int  # tokens cached on the device
     host_hit_length: int  # tokens after those, cached on the host only (see load_back)
@@ -132,14 +132,18 @@ class HiCacheClient:
     def match_batch(
         self, batch: list, namespaces: list | None = None, lock: bool = True
     ) -> list[Match]:
-        frames = [tokens_frame(t) for t in batch]
-        reply, out = self.conn.call(
-            Op.MATCH, {"namespaces": namespaces or [None] * len(batch), "lock": lock}, frames
-        )
-        return [
-            Match(_slots(f), dev, host, lock_id)
-            for f, (dev, host, lock_id) in zip(out, reply.fields["results"], strict=True)
-        ]
+        arrays = [np.asarray(t, dtype=np.int32) for t in batch]
+        fields = {
+            "lengths": [len(a) for a in arrays],
+            "lock": lock,
+            "namespaces": namespaces or [None] * len(arrays),
+        }
+        reply, out = self.conn.call(Op.MATCH, fields, [tokens_frame(np.concatenate(arrays))])
+        slots, matches, pos = _slots(out[0]), [], 0
+        for dev, host, lock_id in reply.fields["results"]:
+            matches.append(Match(slots[pos : pos + dev], dev, host, lock_id))
+            pos += dev
+        return matches
 
     def load_back(self, match: Match) -> torch.Tensor | None:
         """Load the host part of a locked match; returns its device slots once they hold the
@@ -167,11 +171,14 @@ class HiCacheClient:
         return self.insert_batch([(token_ids, slots)], [namespace])[0]
 
     def insert_batch(self, pairs: list, namespaces: list | None = None) -> list[int]:
-        frames = [f for t, s in pairs for f in (tokens_frame(t), slots_frame(s))]
-        reply, _ = self.conn.call(
-            Op.INSERT, {"namespaces": namespaces or [None] * len(pairs)}, frames
-        )
-        return reply.fields["prefix_lens"]
+        tokens = [np.asarray(t, dtype=np.int32) for t, _ in pairs]
+        slots = [np.asarray(s, dtype=np.int64) for _, s in pairs]
+        fields = {
+            "lengths": [len(t) for t in tokens],
+            "namespaces": namespaces or [None] * len(pairs),
+        }
+        frames = [tokens_frame(np.concatenate(tokens)), slots_frame(np.concatenate(slots))]
+        return self.conn.call(Op.INSERT, fields, frames)[0].fields["prefix_lens"]
 
     def release(self, *matches: Match) -> None:
         ids = [m.lock_id for m in matches if m.lock_id]

@@ -13,12 +13,12 @@ from hicache.daemon.sessions import Session
 
 from hicache.allocator import OWNED
 from hicache.protocol import (
-    MAX_BATCH,
     ErrorCode,
     ProtocolError,
     decode_slots,
     decode_tokens,
     slots_frame,
+    split,
 )
 
 Frames = list[Any]
@@ -84,11 +84,10 @@ class CacheOpsMixin:
 
     # ---- match, load, insert ----
     def match(self, session: Session, fields: dict, frames: Frames) -> Result:
-        if len(frames) > MAX_BATCH:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"more than {MAX_BATCH} sequences")
-        spaces = self._namespaces(fields, len(frames))
+        _need_frames(frames, 1, "match")
+        batch = split(decode_tokens(frames[0]), fields.get("lengths"), "token ids")
+        spaces = self._namespaces(fields, len(batch))
         lock = fields.get("lock", True) is not False
-        batch = [decode_tokens(f) for f in frames]  # every frame checked before any match
         results, out = [], []
         for tokens, space in zip(batch, spaces, strict=True):
             m = self.cache.match_prefix(tokens, namespace=space)
@@ -97,8 +96,8 @@ class CacheOpsMixin:
                 self.cache.inc_lock_ref(m.last_device_node)
                 lock_id = session.add_lock(self.LockRecord(m.last_device_node, m.last_host_node))
             results.append([m.device_hit_length, m.host_hit_length, lock_id])
-            out.append(m.slot_bytes())  # the nodes' own immutable bytes: no copy
-        return {"results": results}, out
+            out.extend(m.slot_chunks)  # the nodes' own immutable bytes
+        return {"results": results}, [out[0] if len(out) == 1 else b"".join(out)]
 
     def load_back(self, session: Session, fields: dict, frames: Frames) -> Result:
         lock_id = self._int(fields, "lock_id", 1)
@@ -115,17 +114,17 @@ class CacheOpsMixin:
         return {"loaded": len(loaded)}, [slots_frame(loaded)]
 
     def insert(self, session: Session, fields: dict, frames: Frames) -> Result:
-        if len(frames) % 2 or len(frames) > 2 * MAX_BATCH:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "insert: frames come in (tokens, slots) pairs")
-        spaces = self._namespaces(fields, len(frames) // 2)
+        _need_frames(frames, 2, "insert")
+        tokens = split(decode_tokens(frames[0]), fields.get("lengths"), "token ids")
+        slots = split(decode_slots(frames[1]), fields.get("lengths"), "slot indices")
+        spaces = self._namespaces(fields, len(tokens))
         prefix_lens = []
         state = self.cache.device_alloc.state
-        for i, space in enumerate(spaces):
-            tokens, slots = decode_tokens(frames[2 * i]), decode_slots(frames[2 * i + 1])
-            pages = np.asarray(self._pages(slots), dtype=np.int64)
+        for seq, seq_slots, space in zip(tokens, slots, spaces, strict=True):
+            pages = np.asarray(self._pages(seq_slots), dtype=np.int64)
             mine = pages[state[pages] == OWNED].tolist() if len(pages) else []
             session.check_owned(mine)  # never another session's pages
-            prefix_lens.append(self.cache.insert(tokens, slots, namespace=space))
+            prefix_lens.append(self.cache.insert(seq, seq_slots, namespace=space))
             session.owned.difference_update(mine)
         return {"prefix_lens": prefix_lens}, []
 

@@ -14,9 +14,8 @@ order the op defines. Nothing is ever pickled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -38,13 +37,15 @@ class Op(IntEnum):
     HELLO = 1  # fields: client, pid -> session, boot_epoch, config, pools
     HEARTBEAT = 2
     GOODBYE = 3
-    MATCH = 4  # frames: token ids per sequence; fields: namespaces -> slots frames, results
+    # A batch travels as one frame per array kind, sequences concatenated, with their lengths in
+    # the header: per-frame costs, not bytes, dominate small messages.
+    MATCH = 4  # frame: token ids; fields: lengths, namespaces, lock -> frame: slots; results
     LOAD_BACK = 5  # fields: match ids -> slots frames
     ALLOC = 6  # fields: num_tokens -> slots frame
     ALLOC_EXTEND = 7  # frames: prefix_lens, seq_lens, last_loc (int64) -> slots frame
     ALLOC_DECODE = 8  # frames: seq_lens, last_loc (int64) -> slots frame
     FREE = 9  # frames: slots
-    INSERT = 10  # frames: (token ids, slots) per sequence; fields: namespaces -> prefix lens
+    INSERT = 10  # frames: token ids, slots; fields: lengths, namespaces -> prefix_lens
     LOCK = 11
     RELEASE = 12  # fields: match ids
     EVICT = 13  # fields: device_tokens, host_tokens
@@ -66,6 +67,10 @@ class ErrorCode(IntEnum):
     INTERNAL = 8  # a bug in the daemon; the daemon keeps serving
 
 
+_OPS = {int(op): op for op in Op}  # a dict lookup: calling an enum class is slow
+_CODES = {int(code): code for code in ErrorCode}
+
+
 class ProtocolError(ValueError):
     """A message that does not follow this schema. ``code`` is the ErrorCode to reply with."""
 
@@ -74,20 +79,18 @@ class ProtocolError(ValueError):
         self.code = code
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):  # NamedTuples: built per message, a frozen dataclass costs 4x
     op: Op
     request_id: int  # echoed in the reply, so a client matches replies to requests
     session: int  # 0 before hello
-    fields: dict[str, Any] = field(default_factory=dict)
+    fields: dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Reply:
+class Reply(NamedTuple):
     status: ErrorCode  # OK or the error
     request_id: int
     boot_epoch: int  # changes when the daemon restarts: slot indices from another epoch are void
-    fields: dict[str, Any] = field(default_factory=dict)
+    fields: dict[str, Any]
 
     @property
     def ok(self) -> bool:
@@ -117,29 +120,27 @@ def _unpack(frame: bytes | memoryview, what: str) -> list:
         raise ProtocolError(
             ErrorCode.WRONG_VERSION, f"protocol version {head[0]!r}, expected {PROTOCOL_VERSION}"
         )
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in head[1:4]):
+    if type(head[1]) is not int or type(head[2]) is not int or type(head[3]) is not int:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header: op, id and session are ints")
-    if not isinstance(head[4], dict):
+    if type(head[4]) is not dict:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header: fields must be a map")
     return head
 
 
 def decode_request(frame: bytes | memoryview) -> Request:
     _, op, request_id, session, fields = _unpack(frame, "request")
-    try:
-        op = Op(op)
-    except ValueError:
-        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op}") from None
-    return Request(op, request_id, session, fields)
+    known = _OPS.get(op)
+    if known is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op}")
+    return Request(known, request_id, session, fields)
 
 
 def decode_reply(frame: bytes | memoryview) -> Reply:
     _, status, request_id, epoch, fields = _unpack(frame, "reply")
-    try:
-        status = ErrorCode(status)
-    except ValueError:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"unknown status {status}") from None
-    return Reply(status, request_id, epoch, fields)
+    known = _CODES.get(status)
+    if known is None:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"unknown status {status}")
+    return Reply(known, request_id, epoch, fields)
 
 
 # ---- array frames ---------------------------------------------------------------------------
@@ -177,6 +178,19 @@ def _decode_array(frame: bytes | memoryview, dtype: np.dtype, what: str) -> np.n
 def decode_tokens(frame: bytes | memoryview) -> np.ndarray:
     """Token ids (read-only int32 view of the frame; keep the frame alive while in use)."""
     return _decode_array(frame, _TOKEN, "token ids")
+
+
+def split(values: np.ndarray, lengths: Any, what: str) -> list[np.ndarray]:
+    """Cut a concatenated array into sequences of ``lengths`` (a msgpack list of ints)."""
+    if (
+        not isinstance(lengths, list)
+        or len(lengths) > MAX_BATCH
+        or not all(type(n) is int and n >= 0 for n in lengths)
+        or sum(lengths) != len(values)
+    ):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"lengths: must be ints summing to the {what}")
+    bounds = np.cumsum(lengths[:-1]) if len(lengths) > 1 else []
+    return np.split(values, bounds) if len(lengths) else []
 
 
 def decode_slots(frame: bytes | memoryview) -> np.ndarray:

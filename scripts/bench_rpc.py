@@ -46,7 +46,9 @@ def percentiles(samples: list[int]) -> tuple[float, float]:
 def time_echo(endpoint: str, prompt: np.ndarray) -> list[int]:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoint)
-    header = msgpack.packb([PROTOCOL_VERSION, 4, 1, 1, {"namespaces": [None], "lock": False}])
+    header = msgpack.packb(
+        [PROTOCOL_VERSION, 4, 1, 1, {"lengths": [len(prompt)], "namespaces": [None], "lock": False}]
+    )
     out = []
     for i in range(WARMUP + ROUNDS):
         t0 = time.perf_counter_ns()
