@@ -65,10 +65,12 @@ class AttachedPools:
 
 def _slots(frame: Any) -> torch.Tensor:
     """The slots in a reply frame as a tensor over the frame's own memory (kept alive by it)."""
-    decode_slots(frame.buffer)  # validates size
-    if not len(frame.buffer):
+    buf = frame.buffer
+    if len(buf) % 8:
+        decode_slots(buf)  # raises with the reason
+    if not len(buf):
         return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(frame.buffer, dtype=torch.int64)
+    return torch.frombuffer(buf, dtype=torch.int64)
 
 
 class HiCacheClient:
@@ -138,9 +140,14 @@ class HiCacheClient:
             "lock": lock,
             "namespaces": namespaces or [None] * len(arrays),
         }
-        reply, out = self.conn.call(Op.MATCH, fields, [tokens_frame(np.concatenate(arrays))])
-        slots, matches, pos = _slots(out[0]), [], 0
-        for dev, host, lock_id in reply.fields["results"]:
+        tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        reply, out = self.conn.call(Op.MATCH, fields, [tokens_frame(tokens)])
+        slots, results = _slots(out[0]), reply.fields["results"]
+        if len(results) == 1:  # no slicing for the usual single match
+            dev, host, lock_id = results[0]
+            return [Match(slots, dev, host, lock_id)]
+        matches, pos = [], 0
+        for dev, host, lock_id in results:
             matches.append(Match(slots[pos : pos + dev], dev, host, lock_id))
             pos += dev
         return matches

@@ -64,8 +64,7 @@ class Connection:
             raise RuntimeError("a Connection cannot be used after fork; make a new one")
         request_id = next(self._ids)
         header = encode_request(Request(op, request_id, self.session, fields or {}))
-        small = sum(len(f) for f in frames) < zmq.COPY_THRESHOLD  # memcpy beats zero-copy
-        self.sock.send_multipart([header, *frames], copy=small)
+        self.sock.send_multipart([header, *frames], copy=False)
         while True:
             try:
                 parts = self.sock.recv_multipart(copy=False)
