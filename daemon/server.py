@@ -66,6 +66,7 @@ class Daemon:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+        self.sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
         self._ipc_path = self._bind(settings.endpoint)
         self.stopping = False
 
@@ -86,11 +87,10 @@ class Daemon:
         """Serve until stop() (or a signal) sets ``stopping``."""
         next_housekeep = time.monotonic()
         while not self.stopping:
-            try:  # drain what is queued without a poll call per message
+            try:  # blocks up to POLL_MS (RCVTIMEO): one call per message, no separate poll
                 # copied: a memcpy of the frames is cheaper than pyzmq's Frame objects
-                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+                frames = self.sock.recv_multipart()
             except zmq.Again:
-                self.sock.poll(POLL_MS)
                 frames = None
             if frames:
                 self._serve_one(frames)
