@@ -173,3 +173,26 @@ def test_a_restarted_daemon_is_noticed(tmp_path):
         hc.close()
     finally:
         stop_daemon(proc)
+
+
+def test_cli_ping_info_and_stats(endpoint):
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HICACHE_ENDPOINT": endpoint}
+    run = lambda *args: (
+        subprocess.run(  # noqa: E731
+            [sys.executable, "-m", "hicache.client.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
+    assert run("ping").startswith("PONG")
+    info = run("info")
+    assert "# Server" in info and "# Hits" in info and "hit_ratio_device:" in info
+    assert run("info", "hits").startswith("# Hits")
+    data = json.loads(run("stats", "--json"))
+    assert data["device_capacity_tokens"] == 256 and data["sessions"] == 0

@@ -1,0 +1,127 @@
+"""Daemon settings precedence, stale segment cleanup, and the CLI's INFO sections."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hicache.client.cli import sections
+from hicache.daemon.segments import remove_stale, segment_name
+from hicache.daemon.settings import build_parser, resolve
+
+
+def settings(argv, environ=None):
+    return resolve(build_parser().parse_args(argv), environ or {})
+
+
+def test_precedence_default_toml_env_flags(tmp_path):
+    toml = tmp_path / "hicache.toml"
+    toml.write_text(
+        'page_size = 8\ndevice_tokens = 512\nwrite_policy = "write_back"\n'
+        'endpoint = "ipc:///tmp/from-toml.sock"\n'
+    )
+    s = settings([])
+    assert s.config.page_size == 16 and s.config.num_layers == 4  # the embedded default
+    s = settings(["--config", str(toml)])
+    assert (s.config.page_size, s.config.device_tokens) == (8, 512)
+    assert s.config.write_policy == "write_back" and s.endpoint == "ipc:///tmp/from-toml.sock"
+    s = settings(["--config", str(toml)], {"HICACHE_DEVICE_TOKENS": "1024"})
+    assert s.config.device_tokens == 1024
+    s = settings(
+        ["--config", str(toml), "--device-tokens", "2048"], {"HICACHE_DEVICE_TOKENS": "1024"}
+    )
+    assert s.config.device_tokens == 2048
+    s = settings([], {"HICACHE_ENDPOINT": "tcp://*:5555", "HICACHE_LEASE_SECONDS": "2.5"})
+    assert s.endpoint == "tcp://*:5555" and s.lease_seconds == 2.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "field"),
+    [
+        (["--page-size", "x"], {}, "page_size"),
+        (["--write-policy", "sometimes"], {}, "write_policy"),
+        ([], {"HICACHE_HOST_RATIO": "0.5"}, "host_ratio"),
+        (["--lease-seconds", "0"], {}, "lease_seconds"),
+    ],
+)
+def test_bad_settings_name_the_field(argv, environ, field):
+    with pytest.raises(ValueError, match=field):
+        settings(argv, environ)
+
+
+def test_print_config_shows_the_result():
+    out = subprocess.run(
+        [sys.executable, "-m", "hicache.daemon", "--print-config", "--num-layers", "7"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(out.stdout)["num_layers"] == 7
+    bad = subprocess.run(
+        [sys.executable, "-m", "hicache.daemon", "--page-size", "0"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "page_size" in bad.stderr
+
+
+def test_stale_segments_of_dead_daemons_are_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / segment_name("device", "abcd", pid=dead.pid)
+    live = tmp_path / segment_name("device", "ef01", pid=os.getpid())
+    other = tmp_path / "hicache-99999-1-zz-device"  # another user's: never touched
+    for path in (stale, live, other):
+        path.write_bytes(b"x")
+    assert remove_stale(str(tmp_path)) == [stale.name]
+    assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_info_sections_group_the_stats():
+    stats = {
+        k: 0
+        for k in (
+            "device_capacity_tokens",
+            "host_capacity_tokens",
+            "page_size",
+            "device_free_tokens",
+            "device_cached_tokens",
+            "device_owned_tokens",
+            "device_protected_tokens",
+            "device_evictable_tokens",
+            "evicted_device_tokens",
+            "host_free_tokens",
+            "host_cached_tokens",
+            "evicted_host_tokens",
+            "backup_tokens",
+            "backup_bytes",
+            "load_tokens",
+            "load_bytes",
+            "inflight_transfers",
+            "backup_failed_tokens",
+            "transfer_errors",
+            "sessions",
+            "uptime_s",
+            "boot_epoch",
+            "pid",
+        )
+    }
+    stats.update(
+        hit_device_tokens=30,
+        hit_host_tokens=10,
+        miss_tokens=60,
+        endpoint="ipc://x",
+        device_capacity_tokens=1024,
+        token_bytes=2048,
+    )
+    info = sections(stats)
+    assert list(info) == [
+        "server",
+        "memory",
+        "device_pool",
+        "host_pool",
+        "hits",
+        "transfers",
+        "sessions",
+    ]
+    assert info["hits"]["hit_ratio_device"] == "0.3000" and info["hits"]["hit_ratio"] == "0.4000"
+    assert info["memory"]["device_capacity_human"] == "2.00M"
