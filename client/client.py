@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from hicache.client.connection import Connection
 
-from hicache.backing import AttachedSharedMemory
+from hicache.backing import AttachedCudaIPC, AttachedSharedMemory
 from hicache.config import HiCacheConfig
 from hicache.endpoints import env_endpoint
 from hicache.pools import DevicePool, HostPool
@@ -119,9 +119,13 @@ class HiCacheClient:
         """Map the daemon's pools into this process as tensors (same memory, no copy)."""
         if self.pools is None:
             pools, cfg = self.info["pools"], self.config
-            if pools["device"].get("kind") != "shm":
-                raise RuntimeError("attach: only shared-memory (CPU) pools can be mapped so far")
-            device = DevicePool(cfg, AttachedSharedMemory(pools["device"]["path"]))
+            desc = pools["device"]
+            backing = (
+                AttachedCudaIPC(desc)
+                if desc.get("kind") == "cuda_ipc"
+                else AttachedSharedMemory(desc["path"])
+            )
+            device = DevicePool(cfg, backing)
             host = pools.get("host")
             host_pool = HostPool(cfg, AttachedSharedMemory(host["path"])) if host else None
             self.pools = AttachedPools(cfg, device, host_pool)

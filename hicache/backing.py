@@ -81,12 +81,68 @@ class PlainBacking(Backing):
 
 
 class CudaBacking(PlainBacking):
-    """GPU memory from torch's allocator; the daemon exports it through CUDA IPC."""
+    """GPU memory from torch's allocator; the daemon exports it through CUDA IPC.
+
+    ``describe`` returns the eight fields of ``UntypedStorage._share_cuda_()`` (plain bytes and
+    ints, so msgpack carries them); an engine on the same machine and the same torch version
+    maps the allocation with AttachedCudaIPC. Untested on this project's CPU-only CI.
+    """
 
     shareable = True
 
     def __init__(self, device: str = "cuda"):
         super().__init__(device)
+        self.buffer: torch.Tensor | None = None
+
+    def allocate(self, nbytes: int, what: str) -> torch.Tensor:
+        self.buffer = super().allocate(nbytes, what)
+        return self.buffer
+
+    def describe(self) -> dict:
+        fields = self.buffer.untyped_storage()._share_cuda_()  # type: ignore[union-attr]
+        names = (
+            "device",
+            "handle",
+            "size_bytes",
+            "offset_bytes",
+            "ref_counter_handle",
+            "ref_counter_offset",
+            "event_handle",
+            "event_sync_required",
+        )
+        return {
+            "kind": "cuda_ipc",
+            "torch": torch.__version__,
+            "nbytes": self.buffer.numel(),
+            **dict(zip(names, fields, strict=True)),
+        }  # type: ignore[union-attr]
+
+
+class AttachedCudaIPC(Backing):
+    """The daemon's CUDA pool opened through its IPC handle (the engine side)."""
+
+    def __init__(self, description: dict):
+        if description.get("torch") != torch.__version__:
+            raise RuntimeError(
+                f"CUDA IPC needs the daemon's torch ({description.get('torch')}) here too, "
+                f"found {torch.__version__}"
+            )
+        self.description = description
+
+    def allocate(self, nbytes: int, what: str) -> torch.Tensor:
+        d = self.description
+        storage = torch.UntypedStorage._new_shared_cuda(
+            d["device"],
+            d["handle"],
+            d["size_bytes"],
+            d["offset_bytes"],
+            d["ref_counter_handle"],
+            d["ref_counter_offset"],
+            d["event_handle"],
+            d["event_sync_required"],
+        )
+        buf = torch.empty(0, dtype=torch.uint8, device=f"cuda:{d['device']}")
+        return buf.set_(storage, 0, (nbytes,), (1,))
 
 
 class SharedMemoryBacking(Backing):
