@@ -146,14 +146,17 @@ class HiCacheClient:
         }
         tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         reply, out = self.conn.call(Op.MATCH, fields, [tokens_frame(tokens)])
-        slots, results = _slots(out[0]), reply.fields["results"]
-        if len(results) == 1:  # no slicing for the usual single match
-            dev, host, lock_id = results[0]
-            return [Match(slots, dev, host, lock_id)]
-        matches, pos = [], 0
-        for dev, host, lock_id in results:
-            matches.append(Match(slots[pos : pos + dev], dev, host, lock_id))
-            pos += dev
+        slots, chunks, pos = _slots(out[0]), [], 0
+        for n in reply.fields["chunk_lengths"]:  # views of the one frame, no copy
+            chunks.append(slots[pos : pos + n])
+            pos += n
+        matches = []
+        for dev, host, lock_id, ids in reply.fields["results"]:
+            if len(ids) == 1:
+                indices = chunks[ids[0]]
+            else:
+                indices = torch.cat([chunks[i] for i in ids]) if ids else slots[:0]
+            matches.append(Match(indices, dev, host, lock_id))
         return matches
 
     def load_back(self, match: Match) -> torch.Tensor | None:

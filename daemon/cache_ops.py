@@ -88,16 +88,23 @@ class CacheOpsMixin:
         batch = split(decode_tokens(frames[0]), fields.get("lengths"), "token ids")
         spaces = self._namespaces(fields, len(batch))
         lock = fields.get("lock", True) is not False
-        results, out = [], []
+        # A node shared by several matches (a system prompt) travels once: the reply frame holds
+        # each distinct node's slots, and each result lists the chunks its prefix is made of.
+        results, chunks, index = [], [], {}
         for tokens, space in zip(batch, spaces, strict=True):
             m = self.cache.match_prefix(tokens, namespace=space)
             lock_id = 0
             if lock:
                 self.cache.inc_lock_ref(m.last_device_node)
                 lock_id = session.add_lock(self.LockRecord(m.last_device_node, m.last_host_node))
-            results.append([m.device_hit_length, m.host_hit_length, lock_id])
-            out.extend(m.slot_chunks)  # the nodes' own immutable bytes
-        return {"results": results}, [out[0] if len(out) == 1 else b"".join(out)]
+            ids = []
+            for chunk in m.slot_chunks:  # the nodes' own immutable bytes, alive meanwhile
+                ids.append(index.setdefault(id(chunk), len(chunks)))
+                if ids[-1] == len(chunks):
+                    chunks.append(chunk)
+            results.append([m.device_hit_length, m.host_hit_length, lock_id, ids])
+        fields = {"results": results, "chunk_lengths": [len(c) >> 3 for c in chunks]}
+        return fields, [chunks[0] if len(chunks) == 1 else b"".join(chunks)]
 
     def load_back(self, session: Session, fields: dict, frames: Frames) -> Result:
         lock_id = self._int(fields, "lock_id", 1)

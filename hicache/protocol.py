@@ -39,7 +39,8 @@ class Op(IntEnum):
     GOODBYE = 3
     # A batch travels as one frame per array kind, sequences concatenated, with their lengths in
     # the header: per-frame costs, not bytes, dominate small messages.
-    MATCH = 4  # frame: token ids; fields: lengths, namespaces, lock -> frame: slots; results
+    MATCH = 4  # frame: token ids; fields: lengths, namespaces, lock -> frame: distinct node
+    # slot chunks; fields: chunk_lengths, results [device_len, host_len, lock_id, chunk ids]
     LOAD_BACK = 5  # fields: match ids -> slots frames
     ALLOC = 6  # fields: num_tokens -> slots frame
     ALLOC_EXTEND = 7  # frames: prefix_lens, seq_lens, last_loc (int64) -> slots frame

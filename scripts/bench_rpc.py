@@ -2,7 +2,8 @@
 
 1. Round trip of one match of a cached 4096-token prompt (lock=False: one message each way),
    against a ROUTER echo process that returns the same request frames: p50 and p99.
-2. One batched match of 64 such prompts against 8 single matches.
+2. One batched match of 64 distinct cached 4096-token prompts (sharing a 2048-token system
+   prompt) against 8 single matches of the same kind.
 The last line is one JSON object.
 """
 
@@ -65,23 +66,38 @@ def match_round_trips(hc: HiCacheClient, prompt: np.ndarray, rounds: int) -> lis
     return out
 
 
-def time_batches(hc: HiCacheClient, prompt: np.ndarray, rounds: int = 50) -> tuple[float, float]:
-    batch = [prompt] * 64
+def time_batches(
+    hc: HiCacheClient, prompts: list[np.ndarray], rounds: int = 30
+) -> tuple[float, float]:
+    """Median cost of 8 single matches against one batch of 64 (distinct prompts)."""
     singles, batched = [], []
-    for _ in range(rounds):
+    for r in range(rounds):
         t0 = time.perf_counter_ns()
-        for _ in range(8):
-            hc.match_prefix(prompt, lock=False)
+        for i in range(8):
+            hc.match_prefix(prompts[(r * 8 + i) % len(prompts)], lock=False)
         t1 = time.perf_counter_ns()
-        hc.match_batch(batch, lock=False)
+        hc.match_batch(prompts, lock=False)
         t2 = time.perf_counter_ns()
         singles.append(t1 - t0)
         batched.append(t2 - t1)
     return float(np.median(singles)) / 1e3, float(np.median(batched)) / 1e3
 
 
+def cache_prompts(hc: HiCacheClient, prompts: list[np.ndarray]) -> None:
+    for p in prompts:
+        m = hc.match_prefix(p)
+        hc.insert(p, torch.cat([m.device_indices, hc.alloc(len(p) - m.device_hit_length)]))
+        hc.release(m)
+
+
 def main() -> None:
-    prompt = np.random.default_rng(0).integers(1, 32000, 4096, dtype=np.int32)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(1, 32000, 4096, dtype=np.int32)
+    # the batch: 64 distinct 4096-token prompts over one shared 2048-token system prompt
+    system = rng.integers(1, 32000, 2048, dtype=np.int32)
+    batch = [
+        np.concatenate([system, rng.integers(1, 32000, 2048, dtype=np.int32)]) for _ in range(64)
+    ]
     with tempfile.TemporaryDirectory(prefix="hicache-rpc-") as tmp:
         echo_ep, daemon_ep = f"ipc://{tmp}/echo.sock", f"ipc://{tmp}/daemon.sock"
         echo = mp.get_context("spawn").Process(target=echo_server, args=(echo_ep,))
@@ -96,16 +112,14 @@ def main() -> None:
         sock.connect(echo_ep)
         try:
             with HiCacheClient(daemon_ep, name="bench") as hc:
-                m = hc.match_prefix(prompt)
-                hc.insert(prompt, torch.cat([m.device_indices, hc.alloc(len(prompt))]))
-                hc.release(m)
+                cache_prompts(hc, [prompt, *batch])
                 echo_round_trips(sock, prompt, WARMUP)
                 match_round_trips(hc, prompt, WARMUP)
                 echo_ns, match_ns = [], []
                 for _ in range(ROUNDS // 100):  # interleaved blocks: both see the same noise
                     echo_ns += echo_round_trips(sock, prompt, 100)
                     match_ns += match_round_trips(hc, prompt, 100)
-                single8_us, batch64_us = time_batches(hc, prompt)
+                single8_us, batch64_us = time_batches(hc, batch)
         finally:
             sock.send_multipart([b"stop"])
             sock.close()
