@@ -185,15 +185,7 @@ class SharedMemoryBacking(Backing):
         return {"kind": "shm", "name": self.name, "path": self.path, "nbytes": self.nbytes}
 
     def close(self) -> None:
-        if self._pinned is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._pinned)
-            self._pinned = None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # views still exist; the mapping goes when they do
-            self._mm = None
+        _unmap(self)
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -218,15 +210,20 @@ class AttachedSharedMemory(Backing):
         return buf
 
     def close(self) -> None:
-        if self._pinned is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._pinned)
-            self._pinned = None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # views still exist; the mapping goes when they do
-            self._mm = None
+        _unmap(self)
+
+
+def _unmap(backing: SharedMemoryBacking | AttachedSharedMemory) -> None:
+    """Unregister a mapping from CUDA, then unmap it (the order cleanup must follow)."""
+    if backing._pinned is not None:
+        torch.cuda.cudart().cudaHostUnregister(backing._pinned)
+        backing._pinned = None
+    if backing._mm is not None:
+        try:
+            backing._mm.close()
+        except BufferError:
+            pass  # views still exist; the mapping goes when they do
+        backing._mm = None
 
 
 def register_pinned(buf: torch.Tensor) -> int | None:
