@@ -41,17 +41,17 @@ class Op(IntEnum):
     # the header: per-frame costs, not bytes, dominate small messages.
     MATCH = 4  # frame: token ids; fields: lengths, namespaces, lock -> frame: distinct node
     # slot chunks; fields: chunk_lengths, results [device_len, host_len, lock_id, chunk ids]
-    LOAD_BACK = 5  # fields: match ids -> slots frames
+    LOAD_BACK = 5  # fields: lock_id (from a match) -> frame: slots of the loaded part
     ALLOC = 6  # fields: num_tokens -> slots frame
     ALLOC_EXTEND = 7  # frames: prefix_lens, seq_lens, last_loc (int64) -> slots frame
     ALLOC_DECODE = 8  # frames: seq_lens, last_loc (int64) -> slots frame
     FREE = 9  # frames: slots
     INSERT = 10  # frames: token ids, slots; fields: lengths, namespaces -> prefix_lens
-    LOCK = 11
-    RELEASE = 12  # fields: match ids
+    LOCK = 11  # fields: lock_id -> a second lock on the same prefix: lock_id
+    RELEASE = 12  # fields: lock_ids
     EVICT = 13  # fields: device_tokens, host_tokens
-    FLUSH = 14
-    STATS = 15
+    FLUSH = 14  # evict every unlocked token from both tiers
+    STATS = 15  # fields: check (run check_integrity) -> the stats fields, sessions
     TREE = 16  # fields: max_nodes -> a bounded dump
     PING = 17
 
