@@ -12,8 +12,16 @@ pytestmark = [
 
 
 def test_device_pool_on_cuda_round_trips_through_pinned_host():
-    cfg = HiCacheConfig(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", page_size=4,
-                        device="cuda", device_tokens=64, load_back_threshold=1)
+    cfg = HiCacheConfig(
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float16",
+        page_size=4,
+        device="cuda",
+        device_tokens=64,
+        load_back_threshold=1,
+    )
     with HiRadixCache(cfg) as cache:
         assert cache.device_pool.buffer.is_cuda and cache.host_pool.buffer.is_pinned()
         slots = cache.alloc(8)
