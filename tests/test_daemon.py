@@ -181,15 +181,16 @@ def test_cli_ping_info_and_stats(endpoint):
     import sys
 
     env = {**os.environ, "HICACHE_ENDPOINT": endpoint}
-    run = lambda *args: (
-        subprocess.run(  # noqa: E731
+
+    def run(*args):
+        return subprocess.run(
             [sys.executable, "-m", "hicache.client.cli", *args],
             env=env,
             capture_output=True,
             text=True,
             check=True,
         ).stdout
-    )
+
     assert run("ping").startswith("PONG")
     info = run("info")
     assert "# Server" in info and "# Hits" in info and "hit_ratio_device:" in info
