@@ -11,7 +11,6 @@ import json
 import sys
 
 from hicache.client.connection import Connection, DaemonError, DaemonTimeout
-
 from hicache.endpoints import env_endpoint
 from hicache.protocol import Op
 

@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from hicache.client.connection import Connection
 
 from hicache.backing import AttachedCudaIPC, AttachedSharedMemory
+from hicache.client.connection import Connection
 from hicache.config import HiCacheConfig
 from hicache.endpoints import env_endpoint
 from hicache.pools import DevicePool, HostPool

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from hicache.daemon.sessions import Session
 
 from hicache.allocator import OWNED
+from hicache.daemon.sessions import Session
 from hicache.protocol import (
     ErrorCode,
     ProtocolError,
@@ -111,6 +111,8 @@ class CacheOpsMixin:
         record = session.locks.get(lock_id)
         if record is None:
             raise ProtocolError(ErrorCode.NOT_OWNED, f"lock {lock_id} is not held")
+        if not self.cache.tree.in_tree(record.host_node):  # host-evicted since the match
+            return {"loaded": 0}, [slots_frame(np.empty(0, np.int64))]
         loaded = self.cache.load_back(record.host_node)
         if loaded is None or not len(loaded):
             return {"loaded": 0}, [slots_frame(np.empty(0, np.int64))]
@@ -121,6 +123,8 @@ class CacheOpsMixin:
         return {"loaded": len(loaded)}, [slots_frame(loaded)]
 
     def insert(self, session: Session, fields: dict, frames: Frames) -> Result:
+        """Insert each sequence in turn; a bad one stops the batch with an error reply, and the
+        sequences before it stay inserted (their pages are the tree's now)."""
         _need_frames(frames, 2, "insert")
         tokens = split(decode_tokens(frames[0]), fields.get("lengths"), "token ids")
         slots = split(decode_slots(frames[1]), fields.get("lengths"), "slot indices")

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from hicache.daemon.cache_ops import CacheOpsMixin
-from hicache.daemon.sessions import Ended, Session, SessionTable
 
 from hicache.cache import HiRadixCache
+from hicache.daemon.cache_ops import CacheOpsMixin
+from hicache.daemon.sessions import Ended, Session, SessionTable
 from hicache.errors import HiCacheError, InvalidIndicesError
 from hicache.node import TreeNode
 from hicache.protocol import ErrorCode, Op, ProtocolError, Reply, decode_request, encode_reply

@@ -14,13 +14,13 @@ import signal
 import time
 
 import zmq
+
+from hicache.backing import CudaBacking, SharedMemoryBacking
+from hicache.cache import HiRadixCache
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.segments import instance_token, remove_stale, segment_name
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
-
-from hicache.backing import CudaBacking, SharedMemoryBacking
-from hicache.cache import HiRadixCache
 from hicache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 
 log = logging.getLogger("hicache.daemon")

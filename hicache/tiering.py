@@ -128,8 +128,11 @@ class TieringMixin:
         return pages
 
     def _make_device_room(self, num_pages: int) -> None:
-        """Evict until ``num_pages`` are free, or nothing more can be evicted."""
+        """Evict until ``num_pages`` are free, or nothing more can be evicted. A request larger
+        than the whole pool evicts nothing: it could never succeed."""
         alloc = self.device_alloc
+        if num_pages > alloc.capacity_pages:
+            return
         while alloc.free_pages < num_pages:
             result = self.evict((num_pages - alloc.free_pages) * self.page_size)
             if alloc.free_pages >= num_pages:

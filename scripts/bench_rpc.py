@@ -22,8 +22,8 @@ import msgpack
 import numpy as np
 import torch
 import zmq
-from hicache.client import HiCacheClient
 
+from hicache.client import HiCacheClient
 from hicache.protocol import PROTOCOL_VERSION, tokens_frame
 
 WARMUP, ROUNDS = 200, 2000

@@ -14,8 +14,8 @@ import tempfile
 import time
 
 import torch
-from hicache.client import HiCacheClient
 
+from hicache.client import HiCacheClient
 from hicache.workload import chat_trace
 
 

@@ -105,3 +105,12 @@ def test_alloc_returns_none_only_when_eviction_cannot_help():
     assert again is not None and cache.stats().device_cached_tokens == 0
     assert cache.alloc(1) is None  # everything owned by the caller now
     assert np.all(cache.device_alloc.state[1:] == PageState.OWNED)
+
+
+def test_a_request_larger_than_the_pool_evicts_nothing():
+    cache = make_cache(ps=4, tokens=32)
+    cache.insert(list(range(16)), cache.alloc(16))
+    assert cache.alloc(36) is None  # more than the pool could ever hold
+    assert cache.alloc_extend([0], [40], [-1]) is None
+    assert cache.stats().device_cached_tokens == 16  # the cache was not flushed for nothing
+    cache.check_integrity()

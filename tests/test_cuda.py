@@ -38,7 +38,6 @@ def test_device_pool_on_cuda_round_trips_through_pinned_host():
 
 def test_daemon_exports_its_cuda_pool(tmp_path):
     from hicache.client import HiCacheClient
-
     from tests.daemon_helpers import start_daemon, stop_daemon
 
     ep = f"ipc://{tmp_path}/cuda.sock"

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from hicache.client import DaemonError, EpochChanged, HiCacheClient
 
+from hicache.client import DaemonError, EpochChanged, HiCacheClient
 from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply, slots_frame
 from tests.daemon_helpers import (
     busy_engine,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from hicache.client.cli import sections
 from hicache.daemon.segments import remove_stale, segment_name
 from hicache.daemon.settings import build_parser, resolve

@@ -1,8 +1,8 @@
 """Session bookkeeping: leases, owned pages and locks given back when a session ends."""
 
 import pytest
-from hicache.daemon.sessions import SessionTable
 
+from hicache.daemon.sessions import SessionTable
 from hicache.protocol import ErrorCode, ProtocolError
 
 
