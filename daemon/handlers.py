@@ -162,23 +162,28 @@ class Handlers(CacheOpsMixin):
     def evict(self, session: Session, fields: dict, frames: Frames) -> Result:
         device = self._int(fields, "device_tokens") if "device_tokens" in fields else 0
         host = self._int(fields, "host_tokens") if "host_tokens" in fields else 0
-        self._settle()
-        result = self.cache.evict(device) if device else None
-        self._settle()
+        freed = self._evict_device(device) if device else 0
         freed_host = self.cache.evict_host(host) if host else 0
-        return {
-            "device_freed": result.freed if result else 0,
-            "device_pending": result.pending if result else 0,
-            "host_freed": freed_host,
-        }, []
+        return {"device_freed": freed, "host_freed": freed_host}, []
+
+    def _evict_device(self, tokens: int) -> int:
+        """Evict and settle until ``tokens`` are freed or nothing moves. Backups started by the
+        eviction free their pages only at the ack, and only then do parents become leaves."""
+        self._settle()
+        freed = 0
+        while freed < tokens:
+            result = self.cache.evict(tokens - freed)
+            self._settle()
+            freed += result.freed + result.pending
+            if not result.freed and not result.pending:
+                return freed
+        return freed
 
     def flush(self, session: Session, fields: dict, frames: Frames) -> Result:
         """Evict every unlocked token from both tiers (locked data stays)."""
-        self._settle()
-        result = self.cache.evict(self.cache.config.device_tokens)
-        self._settle()
+        freed = self._evict_device(self.cache.config.device_tokens)
         freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens)
-        return {"device_freed": result.freed + result.pending, "host_freed": freed_host}, []
+        return {"device_freed": freed, "host_freed": freed_host}, []
 
     def stats(self, _: Session | None, fields: dict, frames: Frames) -> Result:
         out: dict[str, Any] = self.cache.stats().as_dict()

@@ -59,10 +59,13 @@ class InsertMixin:
             self._backup_hot(path + [leaf] if leaf else path)
         return covered >> 2
 
-    @staticmethod
-    def _classify(path: list[TreeNode], raw: bytes) -> tuple[list[bytes], list]:
+    def _classify(self, path: list[TreeNode], raw: bytes) -> tuple[list[bytes], list]:
         """Split the covered part of ``raw`` (slot bytes) into duplicates of device nodes (to
-        free) and slots for host-only nodes (to adopt); the tree's own slots are neither."""
+        free) and slots for host-only nodes (to adopt); the tree's own slots are neither.
+
+        A caller may pass the tree's own slots for part of a node and its own for the rest (an
+        engine that recomputed the last page of a full hit): the check is then page by page.
+        """
         if not path:
             return [], []
         dup, adopt, pos = [], [], 0
@@ -75,8 +78,11 @@ class InsertMixin:
             pos += len(mine)
             if own is None:
                 adopt.append((node, mine))
-            else:
-                dup.append(mine)
+                continue
+            ps = self.page_size
+            theirs = np.frombuffer(mine, dtype=np.int64).reshape(-1, ps)
+            differ = (theirs != np.frombuffer(own, dtype=np.int64).reshape(-1, ps)).any(axis=1)
+            dup.append(theirs[differ].tobytes())
         return dup, adopt
 
     def _drop_empty_root(self, root: TreeNode) -> None:

@@ -118,3 +118,16 @@ def test_dec_lock_ref_without_a_lock_raises():
     assert cache.inc_lock_ref(node) == -2
     assert cache.dec_lock_ref(node) == 2
     cache.check_integrity()
+
+
+def test_insert_accepts_the_tree_slots_for_part_of_a_node():
+    # An engine with a full hit recomputes the last page: it passes the tree's slots for the
+    # first pages of the node and fresh ones for the last page, which insert frees.
+    cache = make_cache(page_size=2, host_tokens=0)
+    tree_slots = put(cache, [1, 2, 3, 4, 5, 6])
+    fresh = cache.alloc(2)
+    assert cache.insert([1, 2, 3, 4, 5, 6], torch.cat([tree_slots[:4], fresh])) == 6
+    s = cache.stats()
+    assert s.device_owned_tokens == 0 and s.device_cached_tokens == 6
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6]).device_indices.tolist() == tree_slots.tolist()
+    cache.check_integrity()
