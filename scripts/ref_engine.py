@@ -9,6 +9,7 @@ daemon reports, so engine and daemon always agree on layers, KV heads, head dim 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,8 @@ class Served:
     computed_from: int  # index of the first computed token (= tokens reused from the cache)
     device_hit: int  # tokens found on the device
     host_hit: int  # tokens loaded back from the host
+    model_s: float = 0.0  # seconds in the model's forward pass
+    daemon_s: float = 0.0  # seconds in daemon calls (match, load back, alloc, insert, release)
 
 
 class ReferenceEngine:
@@ -72,6 +75,7 @@ class ReferenceEngine:
     @torch.no_grad()
     def serve(self, tokens: np.ndarray) -> Served:
         hc, tokens = self.client, np.asarray(tokens, dtype=np.int32)
+        t0 = time.perf_counter()
         m = hc.match_prefix(tokens)
         loaded = hc.load_back(m)
         prefix = m.device_indices if loaded is None else torch.cat([m.device_indices, loaded])
@@ -79,17 +83,24 @@ class ReferenceEngine:
             reuse = len(prefix)
             if reuse == len(tokens):  # a full hit still computes its last page for logits
                 reuse -= self.page_size
+            t1 = time.perf_counter()
             cache = self._cache_from_pool(prefix[:reuse])
             ids = torch.from_numpy(tokens[reuse:].astype(np.int64)).unsqueeze(0)
             positions = torch.arange(reuse, len(tokens)).unsqueeze(0)
             out = self.model(ids, cache=cache, position_ids=positions, use_cache=True)
+            t2 = time.perf_counter()
             new = hc.alloc(len(tokens) - reuse)
+            t3 = time.perf_counter()
             self._write_new_kv(cache, reuse, new)
+            t4 = time.perf_counter()
             hc.insert(tokens, torch.cat([prefix[:reuse], new]))
         finally:
             hc.release(m)
+        t5 = time.perf_counter()
         host = 0 if loaded is None else len(loaded)
-        return Served(out.logits[0], reuse, m.device_hit_length, host)
+        # reading and writing the shared pool is the engine's own work, not the daemon's
+        daemon = (t1 - t0) + (t3 - t2) + (t5 - t4)
+        return Served(out.logits[0], reuse, m.device_hit_length, host, t2 - t1, daemon)
 
     @torch.no_grad()
     def recompute(self, tokens: np.ndarray) -> torch.Tensor:
