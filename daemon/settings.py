@@ -18,12 +18,12 @@ from hicache.config import HiCacheConfig
 from hicache.endpoints import env_endpoint
 from hicache.protocol import DEFAULT_LEASE_S
 
-# A small model that serves on any machine: 4 layers, 4 KV heads of 64, fp16, page 16.
+# A small model that serves on any machine: 4 layers, 4 KV heads of 64, fp32, page 16.
 EMBEDDED_DEFAULT: dict[str, Any] = {
     "num_layers": 4,
     "num_kv_heads": 4,
     "head_dim": 64,
-    "dtype": "float16",
+    "dtype": "float32",  # CPU matmuls in fp16/bf16 are several times slower than fp32
     "page_size": 16,
     "device": "cpu",
     "device_tokens": 16384,

@@ -1,7 +1,7 @@
-"""Demo: start hicache-daemon on its embedded default, drive a multi-turn chat trace through
-the client library as an engine would, print hit ratios by tier; then the same trace against a
-device-only daemon (host tier off) for comparison. Each daemon runs on a private socket and is
-stopped at the end.
+"""Demo: start hicache-daemon on its embedded default and serve a multi-turn chat trace with a
+real (tiny, random) transformer whose KV lives in the daemon's pools; print hit ratios by tier.
+Then the same trace against a device-only daemon (host tier off) for comparison. Each daemon
+runs on a private socket and is stopped at the end.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import sys
 import tempfile
 import time
 
-import torch
-
 from hicache.client import HiCacheClient
 from hicache.workload import chat_trace
+from scripts.ref_engine import ReferenceEngine
 
 
 def start(endpoint: str, *flags: str) -> subprocess.Popen:
@@ -33,24 +32,20 @@ def start(endpoint: str, *flags: str) -> subprocess.Popen:
 
 
 def serve(endpoint: str, trace) -> dict:  # noqa: ANN001
-    """The engine loop: match, load back, allocate, write KV, insert, release."""
+    """A real model (a tiny random Llama) computes only what the cache does not hold."""
     prompt_tokens = device_hits = host_hits = recomputed = 0
+    t_model = 0.0
     with HiCacheClient(endpoint, name="demo-engine") as hc:
-        pools = hc.attach()
+        engine = ReferenceEngine(hc)
         for req in trace:
-            m = hc.match_prefix(req.prompt)
-            loaded = hc.load_back(m)
-            prefix = m.device_indices if loaded is None else torch.cat([m.device_indices, loaded])
-            new = hc.alloc(len(req.finished) - len(prefix))
-            for layer in range(len(pools.k_buffer)):  # "compute" KV for the new tokens
-                pools.k_buffer[layer][new] = 1.0
-                pools.v_buffer[layer][new] = 2.0
-            hc.insert(req.finished, torch.cat([prefix, new]))
-            hc.release(m)
-            prompt_tokens += len(req.prompt)
-            device_hits += m.device_hit_length
-            host_hits += 0 if loaded is None else len(loaded)
-            recomputed += len(req.prompt) - len(prefix)
+            served = engine.serve(req.finished)  # prompt + answer, as if just generated
+            n = len(req.prompt)
+            reused = min(served.computed_from, n)
+            prompt_tokens += n
+            device_hits += min(served.device_hit, n)
+            host_hits += min(served.host_hit, n - min(served.device_hit, n))
+            recomputed += n - reused
+            t_model += served.model_s
         stats = hc.stats(check=True)
     return {
         "prompt": prompt_tokens,
@@ -58,6 +53,7 @@ def serve(endpoint: str, trace) -> dict:  # noqa: ANN001
         "host": host_hits,
         "recomputed": recomputed,
         "stats": stats,
+        "model_s": t_model,
     }
 
 
@@ -72,11 +68,22 @@ def report(label: str, r: dict, seconds: float) -> None:
         f"backup_tokens:{s['backup_tokens']} load_tokens:{s['load_tokens']} "
         f"evicted_device_tokens:{s['evicted_device_tokens']}"
     )
-    print(f"integrity:{s['integrity']} seconds:{seconds:.1f}\n")
+    print(f"model_seconds:{r['model_s']:.1f} integrity:{s['integrity']} seconds:{seconds:.1f}\n")
 
 
 def main() -> None:
-    trace = chat_trace(n_systems=2, system_len=1024, n_convs=24, turns=4, seed=1)
+    # 24 conversations of 4 turns over 2 system prompts: a working set (~30k tokens) larger
+    # than the embedded default's device pool (16k tokens), so the host tier matters.
+    trace = chat_trace(
+        n_systems=2,
+        system_len=1024,
+        n_convs=24,
+        turns=4,
+        user_len=150,
+        answer_len=80,
+        seed=1,
+        vocab=512,
+    )
     with tempfile.TemporaryDirectory(prefix="hicache-demo-") as tmp:
         results = {}
         for label, flags in (
