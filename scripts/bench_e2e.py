@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from hicache.client import HiCacheClient
+from hicache.daemon.launch import start_daemon, stop_daemon
 from scripts import traces
 from scripts.ref_engine import ReferenceEngine
-from tests.daemon_helpers import start_daemon, stop_daemon
 
 # 4 layers, 4 KV heads of 32 (8 query heads): heavy enough that prefill time is real on a CPU.
 MODEL = [

@@ -12,9 +12,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -24,6 +21,7 @@ import torch
 import zmq
 
 from hicache.client import HiCacheClient
+from hicache.daemon.launch import start_daemon, stop_daemon
 from hicache.protocol import PROTOCOL_VERSION, tokens_frame
 
 WARMUP, ROUNDS = 200, 2000
@@ -102,12 +100,20 @@ def main() -> None:
         echo_ep, daemon_ep = f"ipc://{tmp}/echo.sock", f"ipc://{tmp}/daemon.sock"
         echo = mp.get_context("spawn").Process(target=echo_server, args=(echo_ep,))
         echo.start()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hicache.daemon", "--endpoint", daemon_ep],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert "ready" in proc.stdout.readline()
+        # a small KV shape: the RPC is measured, and 65 cached prompts must fit the device pool
+        flags = [
+            "--num-layers",
+            "2",
+            "--num-kv-heads",
+            "1",
+            "--head-dim",
+            "16",
+            "--device-tokens",
+            "262144",
+            "--host-ratio",
+            "2",
+        ]
+        proc = start_daemon(daemon_ep, *flags)
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(echo_ep)
         try:
@@ -124,8 +130,7 @@ def main() -> None:
             sock.send_multipart([b"stop"])
             sock.close()
             echo.join()
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
+            stop_daemon(proc)
     e50, e99 = percentiles(echo_ns)
     m50, m99 = percentiles(match_ns)
     print(f"raw pyzmq echo, 4096 token ids:      p50 {e50:7.1f} us  p99 {e99:7.1f} us")

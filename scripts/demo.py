@@ -7,28 +7,13 @@ runs on a private socket and is stopped at the end.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 
 from hicache.client import HiCacheClient
+from hicache.daemon.launch import start_daemon, stop_daemon
 from hicache.workload import chat_trace
 from scripts.ref_engine import ReferenceEngine
-
-
-def start(endpoint: str, *flags: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hicache.daemon", "--endpoint", endpoint, *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    if "ready" not in line:
-        raise SystemExit(f"daemon failed to start: {line}{proc.stdout.read()}")
-    return proc
 
 
 def serve(endpoint: str, trace) -> dict:  # noqa: ANN001
@@ -91,14 +76,13 @@ def main() -> None:
             ("device only (--host-tokens 0)", ("--host-tokens", "0")),
         ):
             endpoint = f"ipc://{os.path.join(tmp, 'demo.sock')}"
-            proc = start(endpoint, *flags)
+            proc = start_daemon(endpoint, *flags)
             try:
                 t0 = time.perf_counter()
                 results[label] = serve(endpoint, trace)
                 report(label, results[label], time.perf_counter() - t0)
             finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=30)
+                stop_daemon(proc)
         on, off = (r["recomputed"] for r in results.values())
         print(
             f"recompute_reduction:{off / max(on, 1):.2f}x fewer prompt tokens prefilled "

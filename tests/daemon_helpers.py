@@ -4,15 +4,15 @@ but the daemon's pools)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import torch
 
 from hicache.client import HiCacheClient
+from hicache.daemon import launch
+from hicache.daemon.launch import stop_daemon  # noqa: F401  (re-exported for tests)
 
 SMALL = [
     "--num-layers",
@@ -35,29 +35,7 @@ SMALL = [
 
 
 def start_daemon(endpoint: str, *extra: str, lease: float = 3.0) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "hicache.daemon",
-        "--endpoint",
-        endpoint,
-        "--lease-seconds",
-        str(lease),
-        *SMALL,
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = proc.stdout.readline()  # blocks until the daemon says it is ready (or dies)
-    if "ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"daemon did not start: {line}{proc.stdout.read()}")
-    return proc
-
-
-def stop_daemon(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
-    return out
+    return launch.start_daemon(endpoint, "--lease-seconds", str(lease), *SMALL, *extra)
 
 
 def kv_value(tokens: np.ndarray) -> torch.Tensor:
