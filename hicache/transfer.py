@@ -25,9 +25,12 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from hicache.kernels import copy_pages_one_layer
+from hicache.kernels import copy_pages_one_layer, copy_runs_one_layer, page_runs
 from hicache.pools import DevicePool, HostPool
 from hicache.types import Ticket
+
+# Slice copies per run beat one gather + scatter when runs average this many pages or more.
+RUNS_WORTH_IT = 4
 
 
 class Direction(IntEnum):
@@ -53,6 +56,9 @@ class CopyJob:
     device_pages: torch.Tensor  # int64 page ids in the device pool
     host_pages: torch.Tensor  # int64 page ids in the host pool, same length
     after: tuple[Ticket, ...]  # tickets that must complete first
+    # (device_start, host_start, pages) runs consecutive on both sides, when there are few
+    # enough of them that slice copies beat a gather and a scatter; None otherwise
+    runs: list[tuple[int, int, int]] | None = None
     layers_done: int = 0  # layers fully copied so far
 
 
@@ -77,17 +83,27 @@ class TransferEngine(ABC):
             raise ValueError("device_pages and host_pages differ in length")
         ticket = Ticket(self._next_ticket)
         self._next_ticket += 1
+        device_pages = np.ascontiguousarray(device_pages, dtype=np.int64)
+        host_pages = np.ascontiguousarray(host_pages, dtype=np.int64)
+        runs = page_runs(device_pages, host_pages)
         return CopyJob(
             ticket,
             direction,
-            torch.from_numpy(np.ascontiguousarray(device_pages, dtype=np.int64)),
-            torch.from_numpy(np.ascontiguousarray(host_pages, dtype=np.int64)),
+            torch.from_numpy(device_pages),
+            torch.from_numpy(host_pages),
             tuple(after),
+            runs if len(runs) * RUNS_WORTH_IT <= len(device_pages) else None,
         )
 
     def run_layer(self, job: CopyJob, layer: int) -> None:
         """Copy one layer of ``job`` (the CPU path; CUDA engines override submission instead)."""
         dev, host = self.device_pool.page_view, self.host_pool.page_view
+        if job.runs is not None:
+            if job.direction is Direction.BACKUP:
+                copy_runs_one_layer(dev, host, job.runs, layer)
+            else:
+                copy_runs_one_layer(host, dev, [(h, d, n) for d, h, n in job.runs], layer)
+            return
         if job.direction is Direction.BACKUP:
             copy_pages_one_layer(dev, host, job.device_pages, job.host_pages, layer)
         else:

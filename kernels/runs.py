@@ -1,0 +1,38 @@
+"""Copies that coalesce runs of consecutive pages into single slice copies (the CPU backend).
+
+Pages allocated together are usually consecutive on both sides (the free list hands out runs),
+so a backup or load is a handful of large copies instead of a gather and a scatter of every
+page. Works on any page view layout: slices of strided views copy correctly, only slower.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) for maximal runs consecutive on both sides."""
+    n = len(src_pages)
+    if n == 0:
+        return []
+    breaks = np.flatnonzero((np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [n]])
+    return list(
+        zip(
+            src_pages[starts].tolist(),
+            dst_pages[starts].tolist(),
+            (ends - starts).tolist(),
+            strict=True,
+        )
+    )
+
+
+def copy_runs_one_layer(
+    src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, int, int]], layer: int
+) -> None:
+    """dst[:, layer, d:d+n] = src[:, layer, s:s+n] for each run (page views, 5-D)."""
+    src_layer, dst_layer = src[:, layer], dst[:, layer]
+    for s, d, n in runs:
+        dst_layer[:, d : d + n].copy_(src_layer[:, s : s + n])
