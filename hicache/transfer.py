@@ -25,7 +25,12 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from hicache.kernels import copy_pages_one_layer, copy_runs_one_layer, page_runs
+from hicache.kernels import (
+    copy_pages_one_layer,
+    copy_runs_one_layer,
+    gather_scatter_one_layer,
+    page_runs,
+)
 from hicache.pools import DevicePool, HostPool
 from hicache.types import Ticket
 
@@ -105,9 +110,11 @@ class TransferEngine(ABC):
                 copy_runs_one_layer(host, dev, [(h, d, n) for d, h, n in job.runs], layer)
             return
         if job.direction is Direction.BACKUP:
-            copy_pages_one_layer(dev, host, job.device_pages, job.host_pages, layer)
+            src, dst, src_pages, dst_pages = dev, host, job.device_pages, job.host_pages
         else:
-            copy_pages_one_layer(host, dev, job.host_pages, job.device_pages, layer)
+            src, dst, src_pages, dst_pages = host, dev, job.host_pages, job.device_pages
+        if not gather_scatter_one_layer(src, dst, src_pages, dst_pages, layer):
+            copy_pages_one_layer(src, dst, src_pages, dst_pages, layer)
 
     def submit(
         self,

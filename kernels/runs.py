@@ -36,3 +36,33 @@ def copy_runs_one_layer(
     src_layer, dst_layer = src[:, layer], dst[:, layer]
     for s, d, n in runs:
         dst_layer[:, d : d + n].copy_(src_layer[:, s : s + n])
+
+
+def _rows(view: torch.Tensor, kv: int, layer: int) -> torch.Tensor | None:
+    """view[kv, layer] as a [pages, page_size * width] matrix whose rows (one page each) are
+    contiguous, whatever the distance between pages; None when a page is not contiguous."""
+    block = view[kv, layer]  # [pages, page_size, width]
+    pages, ps, width = block.shape
+    if block.stride(2) != 1 or (ps > 1 and block.stride(1) != width):
+        return None
+    return block.as_strided((pages, ps * width), (block.stride(0), 1))
+
+
+def gather_scatter_one_layer(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_pages: torch.Tensor,
+    dst_pages: torch.Tensor,
+    layer: int,
+) -> bool:
+    """Scattered pages as one row gather and one row scatter per K/V buffer; False (nothing
+    copied) when a layout's pages are not contiguous rows (page_first interleaves layers)."""
+    pairs = []
+    for kv in range(src.shape[0]):
+        s, d = _rows(src, kv, layer), _rows(dst, kv, layer)
+        if s is None or d is None:
+            return False
+        pairs.append((s, d))
+    for s, d in pairs:
+        d.index_copy_(0, dst_pages, s.index_select(0, src_pages))
+    return True

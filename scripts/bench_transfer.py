@@ -17,7 +17,12 @@ import numpy as np
 import torch
 
 from hicache import HiCacheConfig
-from hicache.kernels import copy_pages_one_layer, copy_runs_one_layer, page_runs
+from hicache.kernels import (
+    copy_pages_one_layer,
+    copy_runs_one_layer,
+    gather_scatter_one_layer,
+    page_runs,
+)
 from hicache.pools import DevicePool, HostPool
 from hicache.transfer import RUNS_WORTH_IT
 
@@ -54,7 +59,21 @@ def make_paths(dev, host, td, th, runs) -> dict:  # noqa: ANN001
         for layer in range(8):
             copy_runs_one_layer(host.page_view, dev.page_view, back, layer)
 
-    return {"reference": (ref_backup, ref_load), "runs": (runs_backup, runs_load)}
+    def rows_backup() -> None:
+        for layer in range(8):
+            if not gather_scatter_one_layer(dev.page_view, host.page_view, td, th, layer):
+                copy_pages_one_layer(dev.page_view, host.page_view, td, th, layer)
+
+    def rows_load() -> None:
+        for layer in range(8):
+            if not gather_scatter_one_layer(host.page_view, dev.page_view, th, td, layer):
+                copy_pages_one_layer(host.page_view, dev.page_view, th, td, layer)
+
+    return {
+        "reference": (ref_backup, ref_load),
+        "runs": (runs_backup, runs_load),
+        "rows": (rows_backup, rows_load),
+    }
 
 
 def measure(layout: str, ps: int) -> dict:
@@ -88,7 +107,7 @@ def measure(layout: str, ps: int) -> dict:
         for path, (backup, load) in paths.items():
             out[f"{name}/{path}/backup"] = nbytes / best_of(backup) / 1e9
             out[f"{name}/{path}/load"] = nbytes / best_of(load) / 1e9
-        out[f"{name}/engine_path"] = "runs" if len(runs) * RUNS_WORTH_IT <= PAGES else "reference"
+        out[f"{name}/engine_path"] = "runs" if len(runs) * RUNS_WORTH_IT <= PAGES else "rows"
     return out
 
 
@@ -100,7 +119,7 @@ def main() -> None:
             base = r["copy_gbps"]
             print(f"page_size={ps:<3} {layout:18s} plain copy {base:6.2f} GB/s")
             for name in ("consecutive", "scattered"):
-                for path in ("reference", "runs"):
+                for path in ("reference", "runs", "rows"):
                     b, ld = r[f"{name}/{path}/backup"], r[f"{name}/{path}/load"]
                     print(
                         f"    {name:11s} {path:9s} backup {b:6.2f} GB/s ({b / base:.2f}x)  "
