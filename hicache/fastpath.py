@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import torch
 
 from hicache.allocator import PagedAllocator, PageState
 from hicache.errors import DoubleFreeError, InvalidIndicesError
@@ -78,3 +79,31 @@ def _caller_pages_numpy(alloc: PagedAllocator, slots: np.ndarray, expected: Page
     if alloc.has_duplicates(pages):
         raise DoubleFreeError("the same page is passed twice")
     return pages
+
+
+def copy_rows(
+    src: torch.Tensor, dst: torch.Tensor, src_rows: np.ndarray, dst_rows: np.ndarray
+) -> bool:
+    """dst[dst_rows[i]] = src[src_rows[i]] for 2-D CPU views whose rows are contiguous, in one
+    pass (C, without the GIL). False (nothing copied) when the C helpers or the shapes do not
+    allow it; raises IndexError for a row outside either view."""
+    if not USE_C or src.device.type != "cpu" or dst.device.type != "cpu":
+        return False
+    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
+        return False
+    if src.stride(1) != 1 or dst.stride(1) != 1 or len(src_rows) != len(dst_rows):
+        return False
+    for rows, view in ((src_rows, src), (dst_rows, dst)):
+        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= view.shape[0]):
+            raise IndexError("row outside the view")
+    item = src.element_size()
+    _fast.copy_rows(
+        src.data_ptr(),
+        dst.data_ptr(),
+        src.stride(0) * item,
+        dst.stride(0) * item,
+        src.shape[1] * item,
+        np.ascontiguousarray(src_rows, dtype=np.int64),
+        np.ascontiguousarray(dst_rows, dtype=np.int64),
+    )
+    return True

@@ -25,10 +25,12 @@ from enum import IntEnum
 import numpy as np
 import torch
 
+from hicache.fastpath import copy_rows
 from hicache.kernels import (
     copy_pages_one_layer,
     copy_runs_one_layer,
     gather_scatter_one_layer,
+    page_rows,
     page_runs,
 )
 from hicache.pools import DevicePool, HostPool
@@ -113,8 +115,21 @@ class TransferEngine(ABC):
             src, dst, src_pages, dst_pages = dev, host, job.device_pages, job.host_pages
         else:
             src, dst, src_pages, dst_pages = host, dev, job.host_pages, job.device_pages
+        if self._copy_rows_c(src, dst, src_pages, dst_pages, layer):
+            return
         if not gather_scatter_one_layer(src, dst, src_pages, dst_pages, layer):
             copy_pages_one_layer(src, dst, src_pages, dst_pages, layer)
+
+    @staticmethod
+    def _copy_rows_c(src, dst, src_pages, dst_pages, layer: int) -> bool:  # noqa: ANN001
+        """One memcpy per page, in one pass, when pages are contiguous rows (C helpers)."""
+        views = [
+            (page_rows(src, kv, layer), page_rows(dst, kv, layer)) for kv in range(src.shape[0])
+        ]
+        if any(s is None or d is None for s, d in views):
+            return False
+        s_idx, d_idx = src_pages.numpy(), dst_pages.numpy()
+        return all(copy_rows(s, d, s_idx, d_idx) for s, d in views)
 
     def submit(
         self,

@@ -38,7 +38,7 @@ def copy_runs_one_layer(
         dst_layer[:, d : d + n].copy_(src_layer[:, s : s + n])
 
 
-def _rows(view: torch.Tensor, kv: int, layer: int) -> torch.Tensor | None:
+def page_rows(view: torch.Tensor, kv: int, layer: int) -> torch.Tensor | None:
     """view[kv, layer] as a [pages, page_size * width] matrix whose rows (one page each) are
     contiguous, whatever the distance between pages; None when a page is not contiguous."""
     block = view[kv, layer]  # [pages, page_size, width]
@@ -59,7 +59,7 @@ def gather_scatter_one_layer(
     copied) when a layout's pages are not contiguous rows (page_first interleaves layers)."""
     pairs = []
     for kv in range(src.shape[0]):
-        s, d = _rows(src, kv, layer), _rows(dst, kv, layer)
+        s, d = page_rows(src, kv, layer), page_rows(dst, kv, layer)
         if s is None or d is None:
             return False
         pairs.append((s, d))

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import torch
 
-from hicache import HiCacheConfig
+from hicache import HiCacheConfig, fastpath
 from hicache.kernels import (
     copy_pages_one_layer,
     copy_runs_one_layer,
@@ -24,7 +24,7 @@ from hicache.kernels import (
     page_runs,
 )
 from hicache.pools import DevicePool, HostPool
-from hicache.transfer import RUNS_WORTH_IT
+from hicache.transfer import RUNS_WORTH_IT, TransferEngine
 
 PAGES = 1024
 
@@ -69,10 +69,19 @@ def make_paths(dev, host, td, th, runs) -> dict:  # noqa: ANN001
             if not gather_scatter_one_layer(host.page_view, dev.page_view, th, td, layer):
                 copy_pages_one_layer(host.page_view, dev.page_view, th, td, layer)
 
+    def c_rows(src, dst, si, di) -> None:  # noqa: ANN001
+        for layer in range(8):
+            if not TransferEngine._copy_rows_c(src, dst, si, di, layer):
+                copy_pages_one_layer(src, dst, si, di, layer)
+
     return {
         "reference": (ref_backup, ref_load),
         "runs": (runs_backup, runs_load),
         "rows": (rows_backup, rows_load),
+        "c_rows": (
+            lambda: c_rows(dev.page_view, host.page_view, td, th),
+            lambda: c_rows(host.page_view, dev.page_view, th, td),
+        ),
     }
 
 
@@ -107,7 +116,9 @@ def measure(layout: str, ps: int) -> dict:
         for path, (backup, load) in paths.items():
             out[f"{name}/{path}/backup"] = nbytes / best_of(backup) / 1e9
             out[f"{name}/{path}/load"] = nbytes / best_of(load) / 1e9
-        out[f"{name}/engine_path"] = "runs" if len(runs) * RUNS_WORTH_IT <= PAGES else "rows"
+        out[f"{name}/engine_path"] = (
+            "runs" if len(runs) * RUNS_WORTH_IT <= PAGES else "c_rows" if fastpath.USE_C else "rows"
+        )
     return out
 
 
@@ -119,7 +130,7 @@ def main() -> None:
             base = r["copy_gbps"]
             print(f"page_size={ps:<3} {layout:18s} plain copy {base:6.2f} GB/s")
             for name in ("consecutive", "scattered"):
-                for path in ("reference", "runs", "rows"):
+                for path in ("reference", "runs", "rows", "c_rows"):
                     b, ld = r[f"{name}/{path}/backup"], r[f"{name}/{path}/load"]
                     print(
                         f"    {name:11s} {path:9s} backup {b:6.2f} GB/s ({b / base:.2f}x)  "
