@@ -16,6 +16,7 @@ the daemon takes back its locks and slots once the lease runs out.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass, fields
@@ -102,10 +103,9 @@ class HiCacheClient:
         conn.session, conn.epoch = self.session, self.conn.epoch
         try:
             while not self._stop.wait(interval):
-                try:
+                # a failed beat is not fatal: the main thread sees the same failure on its next call
+                with contextlib.suppress(Exception):
                     conn.call(Op.HEARTBEAT)
-                except Exception:  # the main thread sees the same failure on its next call
-                    pass
         finally:
             conn.close()
 
@@ -222,10 +222,8 @@ class HiCacheClient:
         self._stop.set()
         if self._beat is not None:
             self._beat.join()
-        try:
+        with contextlib.suppress(Exception):  # daemon gone or restarted: nothing to give back
             self.conn.call(Op.GOODBYE)
-        except Exception:
-            pass  # the daemon is gone or restarted: nothing left to give back
         if self.pools is not None:
             self.pools.close()
         self.conn.close()

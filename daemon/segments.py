@@ -7,6 +7,7 @@ instance unique even when a pid is reused.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 
@@ -45,9 +46,7 @@ def remove_stale(directory: str = SHM_DIR) -> list[str]:
         except ValueError:
             continue
         if pid != os.getpid() and not _alive(pid):
-            try:
+            with contextlib.suppress(FileNotFoundError):  # another cleaner got there first
                 os.unlink(os.path.join(directory, name))
                 removed.append(name)
-            except FileNotFoundError:
-                pass
     return removed

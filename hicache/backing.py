@@ -16,6 +16,7 @@ InsufficientMemoryError with the numbers, instead of letting the OOM killer answ
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from abc import ABC, abstractmethod
@@ -186,10 +187,8 @@ class SharedMemoryBacking(Backing):
 
     def close(self) -> None:
         _unmap(self)
-        try:
+        with contextlib.suppress(FileNotFoundError):  # already removed (close called twice)
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 class AttachedSharedMemory(Backing):
