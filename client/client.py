@@ -4,7 +4,7 @@
         pools = hc.attach()                       # k_buffer / v_buffer (or kv_buffer) tensors
         m = hc.match_prefix(prompt)               # locked for this session until release
         loaded = hc.load_back(m)                  # host part on the device, or None
-        new = hc.alloc(len(seq) - m.cached)       # slots this session owns
+        new = hc.alloc(len(seq) - m.device_hit_length)       # slots this session owns
         ...write KV for the new tokens into pools.k_buffer[layer][new]...
         hc.insert(seq, torch.cat([m.device_indices, loaded, new]))
         hc.release(m)
@@ -20,7 +20,7 @@ import contextlib
 import os
 import threading
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,11 +40,51 @@ from hicache.protocol import (
 )
 
 
-class Match(NamedTuple):
-    device_indices: torch.Tensor  # int64 slots of the device-resident prefix
-    device_hit_length: int  # tokens cached on the device
-    host_hit_length: int  # tokens after those, cached on the host only (see load_back)
-    lock_id: int  # the session's lock on this prefix (0: not locked)
+class Match:
+    """A prefix match. The prefix's pages arrive as page ids (page_size times smaller than
+    slots); ``device_indices`` expands them to token slots on first use. Read-only."""
+
+    __slots__ = ("device_hit_length", "host_hit_length", "lock_id", "_chunks", "_ps", "_pages")
+
+    def __init__(
+        self, chunks: list[np.ndarray], page_size: int, device: int, host: int, lock_id: int
+    ):
+        self.device_hit_length = device  # tokens cached on the device
+        self.host_hit_length = host  # tokens after those, cached on the host only (load_back)
+        self.lock_id = lock_id  # the session's lock on this prefix (0: not locked)
+        self._chunks = chunks  # page ids of the prefix, node by node (views of the reply)
+        self._ps = page_size
+        self._pages: np.ndarray | None = None
+
+    def _page_array(self) -> np.ndarray:
+        if self._pages is None:
+            chunks = self._chunks
+            # a copy: the caller owns a writable array, and the reply frame can go
+            one = len(chunks) == 1
+            self._pages = chunks[0].copy() if one else np.concatenate(chunks or [_NONE])
+        return self._pages
+
+    @property
+    def device_pages(self) -> torch.Tensor:
+        """int64 page ids of the device-resident prefix (a vLLM-style block table row)."""
+        return torch.from_numpy(self._page_array())
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        """int64 token slots of the device-resident prefix: page * page_size + offset."""
+        pages, ps = self._page_array(), self._ps
+        if ps > 1:
+            pages = (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
+        return torch.from_numpy(pages)
+
+    def __repr__(self) -> str:
+        return (
+            f"Match(device_hit_length={self.device_hit_length}, "
+            f"host_hit_length={self.host_hit_length}, lock_id={self.lock_id})"
+        )
+
+
+_NONE = np.empty(0, dtype=np.int64)
 
 
 @dataclass
@@ -87,6 +127,7 @@ class HiCacheClient:
         reply, _ = self.conn.call(Op.HELLO, {"client": name, "pid": os.getpid()})
         self.session = self.conn.session = reply.fields["session"]
         self.info = reply.fields
+        self._page_size = int(self.info["config"]["page_size"])
         self.pools: AttachedPools | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -146,17 +187,14 @@ class HiCacheClient:
         }
         tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
         reply, out = self.conn.call(Op.MATCH, fields, [tokens_frame(tokens)])
-        slots, chunks, pos = _slots(out[0]), [], 0
-        for n in reply.fields["chunk_lengths"]:  # views of the one frame, no copy
-            chunks.append(slots[pos : pos + n])
+        pages, chunks, pos = np.frombuffer(out[0].buffer, dtype=np.int64), [], 0
+        for n in reply.fields["chunk_pages"]:  # views of the one frame, no copy
+            chunks.append(pages[pos : pos + n])
             pos += n
+        ps = self._page_size
         matches = []
         for dev, host, lock_id, ids in reply.fields["results"]:
-            if len(ids) == 1:
-                indices = chunks[ids[0]]
-            else:
-                indices = torch.cat([chunks[i] for i in ids]) if ids else slots[:0]
-            matches.append(Match(indices, dev, host, lock_id))
+            matches.append(Match([chunks[i] for i in ids], ps, dev, host, lock_id))
         return matches
 
     def load_back(self, match: Match) -> torch.Tensor | None:

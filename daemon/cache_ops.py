@@ -12,6 +12,7 @@ import numpy as np
 
 from hicache.allocator import OWNED
 from hicache.daemon.sessions import Session
+from hicache.fastpath import page_ids
 from hicache.protocol import (
     ErrorCode,
     ProtocolError,
@@ -88,23 +89,35 @@ class CacheOpsMixin:
         batch = split(decode_tokens(frames[0]), fields.get("lengths"), "token ids")
         spaces = self._namespaces(fields, len(batch))
         lock = fields.get("lock", True) is not False
+        match_prefix = self.cache.match_prefix
         # A node shared by several matches (a system prompt) travels once: the reply frame holds
-        # each distinct node's slots, and each result lists the chunks its prefix is made of.
+        # each distinct node's page ids, and each result lists the chunks its prefix is made of.
         results, chunks, index = [], [], {}
         for tokens, space in zip(batch, spaces, strict=True):
-            m = self.cache.match_prefix(tokens, namespace=space)
+            m = match_prefix(tokens, space)
             lock_id = 0
             if lock:
                 self.cache.inc_lock_ref(m.last_device_node)
                 lock_id = session.add_lock(self.LockRecord(m.last_device_node, m.last_host_node))
             ids = []
             for chunk in m.slot_chunks:  # the nodes' own immutable bytes, alive meanwhile
-                ids.append(index.setdefault(id(chunk), len(chunks)))
-                if ids[-1] == len(chunks):
+                i = index.get(id(chunk))
+                if i is None:
+                    i = index[id(chunk)] = len(chunks)
                     chunks.append(chunk)
+                ids.append(i)
             results.append([m.device_hit_length, m.host_hit_length, lock_id, ids])
-        fields = {"results": results, "chunk_lengths": [len(c) >> 3 for c in chunks]}
-        return fields, [chunks[0] if len(chunks) == 1 else b"".join(chunks)]
+        return self._match_reply(results, chunks)
+
+    def _match_reply(self, results: list, chunks: list[bytes]) -> Result:
+        """Pages, not slots, travel: page_size times fewer bytes; the client expands them."""
+        ps = self.cache.page_size
+        if ps == 1:
+            frame = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        else:
+            frame = page_ids(chunks, ps)
+        pages = [len(c) // (8 * ps) for c in chunks]
+        return {"results": results, "chunk_pages": pages}, [frame]
 
     def load_back(self, session: Session, fields: dict, frames: Frames) -> Result:
         lock_id = self._int(fields, "lock_id", 1)

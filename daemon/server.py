@@ -24,6 +24,10 @@ from hicache.daemon.settings import DaemonSettings
 from hicache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 
 log = logging.getLogger("hicache.daemon")
+# pyzmq's send_multipart/recv_multipart do enum flag arithmetic in Python for every frame; the
+# backend methods with int flags do the same work in half the time (measured: 7 vs 15 us).
+_send, _recv, _get = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
+SNDMORE, RCVMORE = int(zmq.SNDMORE), int(zmq.RCVMORE)
 HOUSEKEEP_S = 0.05  # acks and leases are looked at least this often
 POLL_MS = int(HOUSEKEEP_S * 1000)
 
@@ -89,7 +93,7 @@ class Daemon:
         while not self.stopping:
             try:  # blocks up to POLL_MS (RCVTIMEO): one call per message, no separate poll
                 # copied: a memcpy of the frames is cheaper than pyzmq's Frame objects
-                frames = self.sock.recv_multipart()
+                frames = self._recv_frames()
             except zmq.Again:
                 frames = None
             if frames:
@@ -104,14 +108,23 @@ class Daemon:
             rest = rest[1:]
         reply, out = self.handlers.handle(rest[0] if rest else b"", rest[1:])
         try:
-            self.sock.send_multipart([identity, reply, *out], copy=self._copy_small(out))
+            self._send_frames([identity, reply, *out])
         except zmq.ZMQError as exc:  # the peer went away: nothing to do
             log.debug("reply dropped: %s", exc)
 
-    @staticmethod
-    def _copy_small(frames: list) -> bool:
+    def _recv_frames(self) -> list[bytes]:
+        """One multipart message; raises zmq.Again after RCVTIMEO."""
+        sock = self.sock
+        parts = [_recv(sock, 0)]
+        while _get(sock, RCVMORE):
+            parts.append(_recv(sock, 0))
+        return parts
+
+    def _send_frames(self, frames: list) -> None:
         """pyzmq's zero-copy send costs more than a memcpy below its 64 KiB threshold."""
-        return sum(len(f) for f in frames) < zmq.COPY_THRESHOLD
+        sock, last = self.sock, len(frames) - 1
+        for i, frame in enumerate(frames):
+            _send(sock, frame, SNDMORE if i < last else 0, len(frame) < zmq.COPY_THRESHOLD)
 
     def stop(self, *_: object) -> None:
         self.stopping = True

@@ -112,10 +112,37 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* page_ids(chunks, page_size) -> bytes: the page id (int64) of every page-aligned run of
+ * ``page_size`` slots in each int64 chunk, concatenated. The tree's slot chunks are whole pages
+ * in order, so this is every page_size-th slot divided by page_size. */
+static PyObject *page_ids(PyObject *self, PyObject *args) {
+    PyObject *list;
+    Py_ssize_t ps;
+    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &list, &ps)) return NULL;
+    if (ps < 1) { PyErr_SetString(PyExc_ValueError, "page_size < 1"); return NULL; }
+    Py_ssize_t count = 0, k = PyList_GET_SIZE(list);
+    for (Py_ssize_t c = 0; c < k; c++) {
+        PyObject *b = PyList_GET_ITEM(list, c);
+        if (!PyBytes_Check(b)) { PyErr_SetString(PyExc_TypeError, "chunks are bytes"); return NULL; }
+        count += PyBytes_GET_SIZE(b) / 8 / ps;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, count * 8);
+    if (out == NULL) return NULL;
+    int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t c = 0; c < k; c++) {
+        PyObject *b = PyList_GET_ITEM(list, c);
+        const int64_t *s = (const int64_t *)PyBytes_AS_STRING(b);
+        Py_ssize_t n = PyBytes_GET_SIZE(b) / 8 / ps;
+        for (Py_ssize_t i = 0; i < n; i++) *dst++ = s[i * ps] / ps;
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"copy_rows", copy_rows, METH_VARARGS, "memcpy indexed rows between strided buffers."},
     {"common_bytes", common_bytes, METH_VARARGS, "Length of the common prefix of a, b[offset:]."},
     {"min_int32", min_int32, METH_VARARGS, "Smallest int32 of a buffer (0 if none is negative)."},
+    {"page_ids", page_ids, METH_VARARGS, "Page ids of whole-page int64 slot chunks."},
     {"whole_pages", whole_pages, METH_VARARGS, "Validate page-shaped slots; page ids or code."},
     {NULL, NULL, 0, NULL},
 };

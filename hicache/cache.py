@@ -148,14 +148,15 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         if root is None or aligned == 0:
             self.counters.miss_tokens += len(tokens)
             node = root or self.tree.root(None)
-            return MatchResult([], node, 0, node, False)
+            return MatchResult([], 0, node, 0, node, False)
         key = tokens.tobytes() if aligned == len(tokens) else tokens[:aligned].tobytes()
         path, covered = self.tree.walk(root, key)
-        n_dev = 0
+        chunks = []  # the device nodes' immutable slots: joined only if the caller asks
         for node in path:
             node.hit_count += 1
-            if node.device_slots is not None:
-                n_dev += 1  # device residency is prefix-closed: these come first
+            if node.device_slots is not None:  # residency is prefix-closed: these come first
+                chunks.append(node.device_slots)
+        n_dev = len(chunks)
         dev, host = path[:n_dev], path[n_dev:]
         last_dev = dev[-1] if dev else root
         self._push_device(last_dev)
@@ -167,15 +168,15 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             self._backup_hot(dev)
             for node in host:
                 node.host_ref -= 1
-        chunks = [n.device_slots for n in dev]  # immutable: joined only if the caller asks
-        dev_len, covered = sum(len(c) for c in chunks) >> 3, covered >> 2
+        dev_len = (len(chunks[0]) if n_dev == 1 else sum(map(len, chunks))) >> 3
+        covered >>= 2
         counters = self.counters
         counters.hit_device_tokens += dev_len
         counters.hit_host_tokens += covered - dev_len
         counters.miss_tokens += len(tokens) - covered
         loading = bool(self.records) and any(n.io is IO_LOAD for n in dev)
         return MatchResult(
-            chunks, last_dev, covered - dev_len, host[-1] if host else last_dev, loading
+            chunks, dev_len, last_dev, covered - dev_len, host[-1] if host else last_dev, loading
         )
 
     # ---- locks -------------------------------------------------------------------------------

@@ -30,6 +30,16 @@ def min_token(tokens: np.ndarray) -> int:
     return min(int(tokens.min()), 0) if len(tokens) else 0
 
 
+def page_ids(chunks: list[bytes], page_size: int) -> bytes:
+    """Page ids (int64 bytes) of slot chunks that are whole pages in order, concatenated."""
+    if USE_C:
+        return _fast.page_ids(chunks, page_size)
+    if not chunks:
+        return b""
+    slots = np.frombuffer(b"".join(chunks), dtype=np.int64)
+    return (slots[::page_size] // page_size).tobytes()
+
+
 def common_tokens(node_key: bytes, key: bytes, pos: int) -> int:
     """How many leading int32 tokens ``node_key`` and ``key[pos:]`` share."""
     if USE_C:

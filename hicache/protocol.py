@@ -39,8 +39,9 @@ class Op(IntEnum):
     GOODBYE = 3
     # A batch travels as one frame per array kind, sequences concatenated, with their lengths in
     # the header: per-frame costs, not bytes, dominate small messages.
-    MATCH = 4  # frame: token ids; fields: lengths, namespaces, lock -> frame: distinct node
-    # slot chunks; fields: chunk_lengths, results [device_len, host_len, lock_id, chunk ids]
+    MATCH = 4  # frame: token ids; fields: lengths, namespaces, lock -> frame: page ids (int64)
+    # of the distinct nodes matched; fields: chunk_pages (pages per node), results
+    # [device_len, host_len, lock_id, chunk ids]. Slot = page * page_size + offset.
     LOAD_BACK = 5  # fields: lock_id (from a match) -> frame: slots of the loaded part
     ALLOC = 6  # fields: num_tokens -> slots frame
     ALLOC_EXTEND = 7  # frames: prefix_lens, seq_lens, last_loc (int64) -> slots frame
@@ -192,8 +193,11 @@ def split(values: np.ndarray, lengths: Any, what: str) -> list[np.ndarray]:
         or sum(lengths) != len(values)
     ):
         raise ProtocolError(ErrorCode.BAD_FIELD, f"lengths: must be ints summing to the {what}")
-    bounds = np.cumsum(lengths[:-1]) if len(lengths) > 1 else []
-    return np.split(values, bounds) if len(lengths) else []
+    out, pos = [], 0
+    for n in lengths:  # plain slices: np.split costs ~3 us per piece
+        out.append(values[pos : pos + n])
+        pos += n
+    return out
 
 
 def decode_slots(frame: bytes | memoryview) -> np.ndarray:

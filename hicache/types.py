@@ -28,6 +28,7 @@ class MatchResult:
 
     __slots__ = (
         "slot_chunks",
+        "device_hit_length",
         "last_device_node",
         "host_hit_length",
         "last_host_node",
@@ -38,21 +39,19 @@ class MatchResult:
     def __init__(
         self,
         slot_chunks: list[bytes],
+        device_hit_length: int,
         last_device_node: TreeNode,
         host_hit_length: int,
         last_host_node: TreeNode,
         loading: bool,
     ):
         self.slot_chunks = slot_chunks  # int64 LE slots of the device prefix, node by node
+        self.device_hit_length = device_hit_length  # tokens in those chunks
         self.last_device_node = last_device_node  # deepest node of that prefix (or a root)
         self.host_hit_length = host_hit_length  # tokens after it that are on the host only
         self.last_host_node = last_host_node  # deepest node of the host part
         self.loading = loading  # a node of the prefix is still being loaded: wait_load() first
         self._indices: torch.Tensor | None = None
-
-    @property
-    def device_hit_length(self) -> int:
-        return sum(len(c) for c in self.slot_chunks) >> 3
 
     @property
     def device_indices(self) -> torch.Tensor:

@@ -67,6 +67,9 @@ def test_another_process_reads_the_bytes_an_engine_wrote(endpoint):
         pools = hc.attach()
         m = hc.match_prefix(tokens)
         assert m.device_hit_length == 28
+        # page ids travel; the slots are their expansion, and they hold what the writer wrote
+        assert torch.equal(m.device_pages, m.device_indices[::4] // 4)
+        assert torch.equal(m.device_indices % 4, torch.arange(28) % 4)
         for layer in range(2):
             assert torch.equal(pools.k_buffer[layer][m.device_indices][:, 0, 0], want + layer)
             assert torch.equal(pools.v_buffer[layer][m.device_indices][:, 1, 3], -want - layer)

@@ -99,3 +99,17 @@ def test_common_tokens_agree(a, b, pos):
             mp.setattr(fastpath, "USE_C", use_c)
             results.add(fastpath.common_tokens(ka, kb, pos))
     assert results == {want}
+
+
+@pytest.mark.parametrize("use_c", [pytest.param(True, marks=needs_c), False])
+@settings(max_examples=100, deadline=None)
+@given(ps=st.sampled_from([1, 2, 16]), pages=st.lists(st.lists(st.integers(0, 999), max_size=5)))
+def test_page_ids_of_whole_page_chunks(use_c, ps, pages):
+    chunks = [
+        (np.array(c, dtype=np.int64)[:, None] * ps + np.arange(ps)).astype(np.int64).tobytes()
+        for c in pages
+    ]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastpath, "USE_C", use_c)
+        got = np.frombuffer(fastpath.page_ids(chunks, ps), dtype=np.int64)
+    assert got.tolist() == [p for c in pages for p in c]
