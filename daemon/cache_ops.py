@@ -20,6 +20,7 @@ from hicache.protocol import (
     decode_tokens,
     slots_frame,
     split,
+    split_tokens,
 )
 
 Frames = list[Any]
@@ -86,15 +87,15 @@ class CacheOpsMixin:
     # ---- match, load, insert ----
     def match(self, session: Session, fields: dict, frames: Frames) -> Result:
         _need_frames(frames, 1, "match")
-        batch = split(decode_tokens(frames[0]), fields.get("lengths"), "token ids")
+        batch = split_tokens(frames[0], fields.get("lengths"))
         spaces = self._namespaces(fields, len(batch))
         lock = fields.get("lock", True) is not False
-        match_prefix = self.cache.match_prefix
+        match_key = self.cache.match_key
         # A node shared by several matches (a system prompt) travels once: the reply frame holds
         # each distinct node's page ids, and each result lists the chunks its prefix is made of.
         results, chunks, index = [], [], {}
         for tokens, space in zip(batch, spaces, strict=True):
-            m = match_prefix(tokens, space)
+            m = match_key(tokens, space)
             lock_id = 0
             if lock:
                 self.cache.inc_lock_ref(m.last_device_node)

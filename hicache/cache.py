@@ -20,6 +20,7 @@ from hicache.allocator import PagedAllocator, PageState
 from hicache.backing import Backing
 from hicache.config import HiCacheConfig
 from hicache.eviction_policy import LeafHeap, make_priority
+from hicache.fastpath import min_token
 from hicache.insert import InsertMixin
 from hicache.integrity import check_cache_integrity
 from hicache.node import IO_LOAD, TreeNode
@@ -141,15 +142,29 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         start backups (write_through_selective). Locks nothing: lock ``last_device_node`` to
         keep ``device_indices`` valid. When ``loading`` is true, call wait_load() first.
         """
-        tokens = as_tokens(token_ids)
+        return self._match(as_tokens(token_ids).tobytes(), namespace)
+
+    def match_key(self, key: bytes, namespace: Namespace = None) -> MatchResult:
+        """match_prefix for token ids already packed as int32 little-endian bytes (the wire
+        form): no array on the way. Raises ValueError for a ragged key or a negative id."""
+        if len(key) % 4:
+            raise ValueError(f"token_ids: {len(key)} bytes are not whole int32 ids")
+        lowest = min_token(key)
+        if lowest < 0:
+            raise ValueError(f"token_ids: negative id {lowest}")
+        return self._match(key, namespace)
+
+    def _match(self, key: bytes, namespace: Namespace) -> MatchResult:
         self.counters.match_calls += 1
         root = self.tree.root(namespace)
-        aligned = len(tokens) // self.page_size * self.page_size
+        num_tokens = len(key) >> 2
+        aligned = num_tokens // self.page_size * self.page_size
         if root is None or aligned == 0:
-            self.counters.miss_tokens += len(tokens)
+            self.counters.miss_tokens += num_tokens
             node = root or self.tree.root(None)
             return MatchResult([], 0, node, 0, node, False)
-        key = tokens.tobytes() if aligned == len(tokens) else tokens[:aligned].tobytes()
+        if aligned != num_tokens:
+            key = key[: aligned * 4]
         path, covered = self.tree.walk(root, key)
         chunks = []  # the device nodes' immutable slots: joined only if the caller asks
         for node in path:
@@ -173,7 +188,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         counters = self.counters
         counters.hit_device_tokens += dev_len
         counters.hit_host_tokens += covered - dev_len
-        counters.miss_tokens += len(tokens) - covered
+        counters.miss_tokens += num_tokens - covered
         loading = bool(self.records) and any(n.io is IO_LOAD for n in dev)
         return MatchResult(
             chunks, dev_len, last_dev, covered - dev_len, host[-1] if host else last_dev, loading

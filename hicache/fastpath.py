@@ -23,11 +23,12 @@ except ImportError:  # built without a C compiler
 USE_C = _fast is not None and not os.environ.get("HICACHE_NO_C")
 
 
-def min_token(tokens: np.ndarray) -> int:
-    """Smallest id of a contiguous int32 array, or 0 when none is negative."""
+def min_token(tokens: np.ndarray | bytes) -> int:
+    """Smallest id of contiguous int32 (an array or LE bytes), or 0 when none is negative."""
     if USE_C:
         return _fast.min_int32(tokens)
-    return min(int(tokens.min()), 0) if len(tokens) else 0
+    arr = np.frombuffer(tokens, dtype=np.int32) if isinstance(tokens, bytes) else tokens
+    return min(int(arr.min()), 0) if len(arr) else 0
 
 
 def page_ids(chunks: list[bytes], page_size: int) -> bytes:

@@ -200,6 +200,29 @@ def split(values: np.ndarray, lengths: Any, what: str) -> list[np.ndarray]:
     return out
 
 
+def split_tokens(frame: bytes, lengths: Any) -> list[bytes]:
+    """Cut a token frame into per-sequence int32 LE byte strings (the tree's key form), with no
+    numpy on the way: the match path keys the tree with these bytes directly."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"token ids frame of {len(frame)} bytes")
+    if type(frame) is not bytes:
+        frame = bytes(frame)  # the daemon receives bytes; tests may pass other buffers
+    if type(lengths) is list and len(lengths) == 1 and lengths[0] * 4 == len(frame):
+        return [frame]
+    if (
+        not isinstance(lengths, list)
+        or len(lengths) > MAX_BATCH
+        or not all(type(n) is int and n >= 0 for n in lengths)
+        or sum(lengths) * 4 != len(frame)
+    ):
+        raise ProtocolError(ErrorCode.BAD_FIELD, "lengths: must be ints summing to the token ids")
+    out, pos = [], 0
+    for n in lengths:
+        out.append(frame[pos : pos + 4 * n])
+        pos += 4 * n
+    return out
+
+
 def decode_slots(frame: bytes | memoryview) -> np.ndarray:
     """Slot indices (read-only int64 view of the frame)."""
     return _decode_array(frame, _SLOT, "slot indices")
