@@ -9,6 +9,7 @@ from hicache.config import (
     HiCacheConfig,
     HostLayout,
     KVFormat,
+    TransferBackend,
     WritePolicyName,
 )
 from hicache.errors import (
@@ -31,6 +32,7 @@ __all__ = [
     "HiCacheError",
     "HiRadixCache",
     "HostLayout",
+    "TransferBackend",
     "IOState",
     "InsufficientMemoryError",
     "IntegrityError",

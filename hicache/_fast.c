@@ -87,31 +87,6 @@ static PyObject *common_bytes(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(n);
 }
 
-/* copy_rows(src_addr, dst_addr, src_stride, dst_stride, row_bytes, src_rows, dst_rows)
- *
- * memcpy row src_rows[i] of a strided buffer to row dst_rows[i] of another, in one pass and
- * without the GIL. The caller (fastpath.copy_rows) has checked every row index and stride
- * against the tensors the addresses come from; this function trusts them.
- */
-static PyObject *copy_rows(PyObject *self, PyObject *args) {
-    unsigned long long src, dst;
-    Py_ssize_t src_stride, dst_stride, row_bytes;
-    Py_buffer si, di;
-    if (!PyArg_ParseTuple(args, "KKnnny*y*", &src, &dst, &src_stride, &dst_stride, &row_bytes,
-                          &si, &di))
-        return NULL;
-    const int64_t *s = (const int64_t *)si.buf, *d = (const int64_t *)di.buf;
-    Py_ssize_t n = si.len / 8 < di.len / 8 ? si.len / 8 : di.len / 8;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++)
-        memcpy((char *)dst + d[i] * dst_stride, (const char *)src + s[i] * src_stride,
-               (size_t)row_bytes);
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&si);
-    PyBuffer_Release(&di);
-    Py_RETURN_NONE;
-}
-
 /* page_ids(chunks, page_size) -> bytes: the page id (int64) of every page-aligned run of
  * ``page_size`` slots in each int64 chunk, concatenated. The tree's slot chunks are whole pages
  * in order, so this is every page_size-th slot divided by page_size. */
@@ -138,10 +113,43 @@ static PyObject *page_ids(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* store_release(buffer, index, value) and load_acquire(buffer, index) -> int: one aligned
+ * int64 word of a writable buffer, with release / acquire ordering (the layer progress table:
+ * KV written before the store is visible to a reader that has seen the stored value). */
+static PyObject *store_release(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    Py_ssize_t i;
+    long long v;
+    if (!PyArg_ParseTuple(args, "w*nL", &b, &i, &v)) return NULL;
+    if (i < 0 || (i + 1) * 8 > b.len) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_IndexError, "word outside the buffer");
+        return NULL;
+    }
+    __atomic_store_n((int64_t *)b.buf + i, (int64_t)v, __ATOMIC_RELEASE);
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}
+
+static PyObject *load_acquire(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    Py_ssize_t i;
+    if (!PyArg_ParseTuple(args, "y*n", &b, &i)) return NULL;
+    if (i < 0 || (i + 1) * 8 > b.len) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_IndexError, "word outside the buffer");
+        return NULL;
+    }
+    int64_t v = __atomic_load_n((const int64_t *)b.buf + i, __ATOMIC_ACQUIRE);
+    PyBuffer_Release(&b);
+    return PyLong_FromLongLong(v);
+}
+
 static PyMethodDef methods[] = {
-    {"copy_rows", copy_rows, METH_VARARGS, "memcpy indexed rows between strided buffers."},
     {"common_bytes", common_bytes, METH_VARARGS, "Length of the common prefix of a, b[offset:]."},
     {"min_int32", min_int32, METH_VARARGS, "Smallest int32 of a buffer (0 if none is negative)."},
+    {"store_release", store_release, METH_VARARGS, "Store an int64 word with release order."},
+    {"load_acquire", load_acquire, METH_VARARGS, "Load an int64 word with acquire order."},
     {"page_ids", page_ids, METH_VARARGS, "Page ids of whole-page int64 slot chunks."},
     {"whole_pages", whole_pages, METH_VARARGS, "Validate page-shaped slots; page ids or code."},
     {NULL, NULL, 0, NULL},

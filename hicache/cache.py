@@ -19,6 +19,7 @@ import torch
 from hicache.allocator import PagedAllocator, PageState
 from hicache.backing import Backing
 from hicache.config import HiCacheConfig
+from hicache.copiers import Copier, make_copier
 from hicache.eviction_policy import LeafHeap, make_priority
 from hicache.fastpath import min_token
 from hicache.insert import InsertMixin
@@ -34,7 +35,16 @@ from hicache.transfer_book import TransferBookMixin
 from hicache.transfer_cpu import ThreadTransferEngine
 from hicache.types import MatchResult
 
-EngineFactory = Callable[[DevicePool, HostPool], TransferEngine]
+EngineFactory = Callable[[DevicePool, HostPool, Copier], TransferEngine]
+
+
+def default_engine(config: HiCacheConfig) -> EngineFactory:
+    """A worker thread for CPU pools; CUDA streams for GPU pools."""
+    if config.device == "cpu":
+        return ThreadTransferEngine
+    from hicache.transfer_cuda import CudaTransferEngine  # imports torch.cuda only when needed
+
+    return CudaTransferEngine
 
 
 class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
@@ -45,7 +55,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         config: HiCacheConfig,
         device_backing: Backing | None = None,
         host_backing: Backing | None = None,
-        transfer_engine: EngineFactory = ThreadTransferEngine,
+        transfer_engine: EngineFactory | None = None,
     ):
         self.config = config
         self.page_size = ps = config.page_size
@@ -63,7 +73,8 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
                 self.device_pool.close()
                 raise
             self.host_alloc = PagedAllocator(self.host_pool.num_pages, ps)
-            self.engine = transfer_engine(self.device_pool, self.host_pool)
+            factory = transfer_engine or default_engine(config)
+            self.engine = factory(self.device_pool, self.host_pool, make_copier(config))
         priority = make_priority(config)
         self.device_heap = LeafHeap(priority)  # device eviction candidates
         self.host_heap = LeafHeap(priority)  # host eviction candidates

@@ -30,6 +30,15 @@ class HostLayout(StrEnum):
     PAGE_FIRST_DIRECT = "page_first_direct"  # [kv, page, layer, page_size, ...]
 
 
+class TransferBackend(StrEnum):
+    """How pages move between the pools (copiers live in copiers.py)."""
+
+    AUTO = "auto"  # cpu for CPU pools, kernel on CUDA
+    KERNEL = "kernel"  # Triton page-copy kernels (on the CPU only under TRITON_INTERPRET=1)
+    DIRECT = "direct"  # one copy per run of consecutive pages (cudaMemcpyAsync on a GPU)
+    CPU = "cpu"  # C memcpy per page across threads; CPU pools only
+
+
 class WritePolicyName(StrEnum):
     """When device KV is backed up to the host pool (strategies live in write_policy.py)."""
 
@@ -88,6 +97,7 @@ class HiCacheConfig:
     host_tokens: int | None = None  # host pool capacity; None: device_tokens * host_ratio; 0: off
     host_ratio: float = 2.0  # host/device size ratio when host_tokens is None (must be > 1)
     host_layout: HostLayout | str = HostLayout.LAYER_FIRST
+    transfer_backend: TransferBackend | str = TransferBackend.AUTO
     write_policy: WritePolicyName | str = WritePolicyName.WRITE_THROUGH
     eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU
     write_through_threshold: int = 2  # hits before a backup under write_through_selective
@@ -98,6 +108,8 @@ class HiCacheConfig:
         set_(self, "kv_format", _enum("kv_format", KVFormat, self.kv_format))
         set_(self, "host_layout", _enum("host_layout", HostLayout, self.host_layout))
         set_(self, "write_policy", _enum("write_policy", WritePolicyName, self.write_policy))
+        backend = _enum("transfer_backend", TransferBackend, self.transfer_backend)
+        set_(self, "transfer_backend", backend)
         set_(
             self,
             "eviction_policy",
@@ -107,6 +119,8 @@ class HiCacheConfig:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             raise ValueError(f"device: {self.device!r} is not cpu, cuda or cuda:N")
+        if backend is TransferBackend.CPU and self.device != "cpu":
+            raise ValueError("transfer_backend: cpu copies only CPU pools; use kernel or direct")
         _int("num_layers", self.num_layers, 1)
         _int("page_size", self.page_size, 1)
         _int("write_through_threshold", self.write_through_threshold, 1)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import torch
 
 from hicache.allocator import PagedAllocator, PageState
 from hicache.errors import DoubleFreeError, InvalidIndicesError
@@ -92,29 +91,17 @@ def _caller_pages_numpy(alloc: PagedAllocator, slots: np.ndarray, expected: Page
     return pages
 
 
-def copy_rows(
-    src: torch.Tensor, dst: torch.Tensor, src_rows: np.ndarray, dst_rows: np.ndarray
-) -> bool:
-    """dst[dst_rows[i]] = src[src_rows[i]] for 2-D CPU views whose rows are contiguous, in one
-    pass (C, without the GIL). False (nothing copied) when the C helpers or the shapes do not
-    allow it; raises IndexError for a row outside either view."""
-    if not USE_C or src.device.type != "cpu" or dst.device.type != "cpu":
-        return False
-    if src.dim() != 2 or dst.dim() != 2 or src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
-        return False
-    if src.stride(1) != 1 or dst.stride(1) != 1 or len(src_rows) != len(dst_rows):
-        return False
-    for rows, view in ((src_rows, src), (dst_rows, dst)):
-        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= view.shape[0]):
-            raise IndexError("row outside the view")
-    item = src.element_size()
-    _fast.copy_rows(
-        src.data_ptr(),
-        dst.data_ptr(),
-        src.stride(0) * item,
-        dst.stride(0) * item,
-        src.shape[1] * item,
-        np.ascontiguousarray(src_rows, dtype=np.int64),
-        np.ascontiguousarray(dst_rows, dtype=np.int64),
-    )
-    return True
+def store_release(words: np.ndarray, index: int, value: int) -> None:
+    """words[index] = value, ordered after every earlier write of this thread (C), or a plain
+    store (numpy: enough on x86, whose stores are never reordered with each other)."""
+    if USE_C:
+        _fast.store_release(words, index, value)
+    else:
+        words[index] = value
+
+
+def load_acquire(words: np.ndarray, index: int) -> int:
+    """words[index], ordered before every later read of this thread (see store_release)."""
+    if USE_C:
+        return _fast.load_acquire(words, index)
+    return int(words[index])

@@ -25,19 +25,11 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from hicache.fastpath import copy_rows
-from hicache.kernels import (
-    copy_pages_one_layer,
-    copy_runs_one_layer,
-    gather_scatter_one_layer,
-    page_rows,
-    page_runs,
-)
+from hicache.copiers import Copier, CpuCopier, Runs
+from hicache.kernels import page_runs
 from hicache.pools import DevicePool, HostPool
+from hicache.progress import LayerProgress
 from hicache.types import Ticket
-
-# Slice copies per run beat one gather + scatter when runs average this many pages or more.
-RUNS_WORTH_IT = 4
 
 
 class Direction(IntEnum):
@@ -63,19 +55,26 @@ class CopyJob:
     device_pages: torch.Tensor  # int64 page ids in the device pool
     host_pages: torch.Tensor  # int64 page ids in the host pool, same length
     after: tuple[Ticket, ...]  # tickets that must complete first
-    # (device_start, host_start, pages) runs consecutive on both sides, when there are few
-    # enough of them that slice copies beat a gather and a scatter; None otherwise
-    runs: list[tuple[int, int, int]] | None = None
+    runs: Runs  # (device_start, host_start, pages) runs consecutive on both sides
     layers_done: int = 0  # layers fully copied so far
+
+    def sides(self, device_view: torch.Tensor, host_view: torch.Tensor) -> tuple:
+        """(src view, dst view, src pages, dst pages, runs) in this job's direction."""
+        if self.direction is Direction.BACKUP:
+            return device_view, host_view, self.device_pages, self.host_pages, self.runs
+        runs = [(h, d, n) for d, h, n in self.runs]
+        return host_view, device_view, self.host_pages, self.device_pages, runs
 
 
 class TransferEngine(ABC):
     """Copies pages between one DevicePool and one HostPool. Not reentrant: one caller thread
     submits and polls; the engine may copy on its own threads."""
 
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool):
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, copier: Copier | None = None):
         self.device_pool = device_pool
         self.host_pool = host_pool
+        self.copier = copier or CpuCopier()  # chosen once, from config.transfer_backend
+        self.progress: LayerProgress | None = None  # a shared table loads publish layers to
         self.num_layers = device_pool.config.num_layers
         self._next_ticket = 1
 
@@ -92,44 +91,32 @@ class TransferEngine(ABC):
         self._next_ticket += 1
         device_pages = np.ascontiguousarray(device_pages, dtype=np.int64)
         host_pages = np.ascontiguousarray(host_pages, dtype=np.int64)
-        runs = page_runs(device_pages, host_pages)
         return CopyJob(
             ticket,
             direction,
             torch.from_numpy(device_pages),
             torch.from_numpy(host_pages),
             tuple(after),
-            runs if len(runs) * RUNS_WORTH_IT <= len(device_pages) else None,
+            page_runs(device_pages, host_pages),
         )
 
     def run_layer(self, job: CopyJob, layer: int) -> None:
-        """Copy one layer of ``job`` (the CPU path; CUDA engines override submission instead)."""
-        dev, host = self.device_pool.page_view, self.host_pool.page_view
-        if job.runs is not None:
-            if job.direction is Direction.BACKUP:
-                copy_runs_one_layer(dev, host, job.runs, layer)
-            else:
-                copy_runs_one_layer(host, dev, [(h, d, n) for d, h, n in job.runs], layer)
-            return
-        if job.direction is Direction.BACKUP:
-            src, dst, src_pages, dst_pages = dev, host, job.device_pages, job.host_pages
-        else:
-            src, dst, src_pages, dst_pages = host, dev, job.host_pages, job.device_pages
-        if self._copy_rows_c(src, dst, src_pages, dst_pages, layer):
-            return
-        if not gather_scatter_one_layer(src, dst, src_pages, dst_pages, layer):
-            copy_pages_one_layer(src, dst, src_pages, dst_pages, layer)
+        """Copy one layer of ``job`` with the engine's copier (on the caller's thread)."""
+        src, dst, src_pages, dst_pages, runs = job.sides(
+            self.device_pool.page_view, self.host_pool.page_view
+        )
+        self.copier.copy_layer(src, dst, src_pages, dst_pages, runs, layer)
 
-    @staticmethod
-    def _copy_rows_c(src, dst, src_pages, dst_pages, layer: int) -> bool:  # noqa: ANN001
-        """One memcpy per page, in one pass, when pages are contiguous rows (C helpers)."""
-        views = [
-            (page_rows(src, kv, layer), page_rows(dst, kv, layer)) for kv in range(src.shape[0])
-        ]
-        if any(s is None or d is None for s, d in views):
-            return False
-        s_idx, d_idx = src_pages.numpy(), dst_pages.numpy()
-        return all(copy_rows(s, d, s_idx, d_idx) for s, d in views)
+    def run_all(self, job: CopyJob) -> None:
+        """Copy every layer of ``job`` at once (a backup: nobody waits on single layers)."""
+        src, dst, src_pages, dst_pages, runs = job.sides(
+            self.device_pool.page_view, self.host_pool.page_view
+        )
+        self.copier.copy_all(src, dst, src_pages, dst_pages, runs)
+
+    def _publish(self, ticket: Ticket, layers: int) -> None:
+        if self.progress is not None:
+            self.progress.publish(ticket, layers)
 
     def submit(
         self,

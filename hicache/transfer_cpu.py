@@ -1,7 +1,8 @@
 """ThreadTransferEngine: the CPU backend. One worker thread runs copies in submission order.
 
 Torch copies release the GIL, so copying overlaps with the control thread. Submission order
-satisfies every ``after`` dependency by construction. A load publishes progress per layer.
+satisfies every ``after`` dependency by construction. A load publishes progress per layer (and
+to the shared progress table, when the engine has one); a backup copies all layers at once.
 """
 
 from __future__ import annotations
@@ -11,14 +12,16 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 
+from hicache.copiers import Copier
 from hicache.pools import DevicePool, HostPool
-from hicache.transfer import Ack, CopyJob, TransferEngine
+from hicache.progress import FAILED
+from hicache.transfer import Ack, CopyJob, Direction, TransferEngine
 from hicache.types import Ticket
 
 
 class ThreadTransferEngine(TransferEngine):
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool):
-        super().__init__(device_pool, host_pool)
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, copier: Copier | None = None):
+        super().__init__(device_pool, host_pool, copier)
         self._queue: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._jobs: dict[Ticket, CopyJob] = {}  # submitted, ack not yet returned by poll
@@ -37,17 +40,28 @@ class ThreadTransferEngine(TransferEngine):
         while (job := self._queue.get()) is not None:
             ack = Ack(job.ticket, True)
             try:
-                for layer in range(self.num_layers):
-                    self.run_layer(job, layer)
-                    with self._cond:
-                        job.layers_done = layer + 1
-                        self._cond.notify_all()
+                if job.direction is Direction.BACKUP:
+                    self.run_all(job)  # nobody waits on single layers of a backup
+                    self._layer_done(job, self.num_layers)
+                else:
+                    for layer in range(self.num_layers):
+                        self.run_layer(job, layer)
+                        self._layer_done(job, layer + 1)
             except Exception as exc:  # a failed copy is reported, never fatal
                 ack = Ack(job.ticket, False, f"{type(exc).__name__}: {exc}")
+                if job.direction is Direction.LOAD:
+                    self._publish(job.ticket, FAILED)
             with self._cond:
                 self._unfinished.discard(job.ticket)
                 self._acks.append(ack)
                 self._cond.notify_all()
+
+    def _layer_done(self, job: CopyJob, layers: int) -> None:
+        if job.direction is Direction.LOAD:
+            self._publish(job.ticket, layers)
+        with self._cond:
+            job.layers_done = layers
+            self._cond.notify_all()
 
     def poll(self) -> list[Ack]:
         with self._cond:

@@ -11,14 +11,22 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from hicache.copiers import Copier
 from hicache.pools import DevicePool, HostPool
+from hicache.progress import FAILED
 from hicache.transfer import Ack, CopyJob, TransferEngine
 from hicache.types import Ticket
 
 
 class ManualTransferEngine(TransferEngine):
-    def __init__(self, device_pool: DevicePool, host_pool: HostPool, auto: bool = False):
-        super().__init__(device_pool, host_pool)
+    def __init__(
+        self,
+        device_pool: DevicePool,
+        host_pool: HostPool,
+        copier: Copier | None = None,
+        auto: bool = False,
+    ):
+        super().__init__(device_pool, host_pool, copier)
         self.auto = auto  # run each copy as soon as it is submitted
         self._queued: dict[Ticket, CopyJob] = {}  # submitted, not yet run
         self._unacked: set[Ticket] = set()  # run or queued, ack not yet polled
@@ -48,10 +56,12 @@ class ManualTransferEngine(TransferEngine):
             self.complete(dep)
         if ticket in self._fail:
             self._acks.append(Ack(ticket, False, "injected failure"))
+            self._publish(ticket, FAILED)
             return
         for layer in range(self.num_layers):
             self.run_layer(job, layer)
             job.layers_done = layer + 1
+            self._publish(ticket, layer + 1)
         self._acks.append(Ack(ticket, True))
 
     def complete_all(self) -> None:

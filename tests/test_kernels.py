@@ -60,36 +60,3 @@ def test_run_copies_equal_the_reference(layout, ps, heads, dim, mla):
     assert all(rows) == (layout != "page_first" or ps == 1)
     if all(rows):
         assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
-def test_c_row_copies_equal_the_reference(layout):
-    from hicache import fastpath
-    from hicache.kernels import page_rows
-
-    if not fastpath.USE_C:
-        pytest.skip("C helpers not built or switched off")
-    cfg = HiCacheConfig(
-        num_layers=2,
-        num_kv_heads=3,
-        head_dim=5,
-        dtype="bfloat16",
-        page_size=4,
-        device_tokens=64,
-        host_layout=layout,
-    )
-    dev, host = DevicePool(cfg), HostPool(cfg)
-    dev.buffer.copy_(torch.randint(0, 255, (dev.buffer.numel(),), dtype=torch.uint8))
-    d_pages, h_pages = np.array([7, 2, 15, 3]), np.array([30, 1, 12, 0])
-    want = host.page_view.clone().fill_(3)
-    host.page_view.fill_(3)
-    for layer in range(2):
-        copy_pages_one_layer(
-            dev.page_view, want, torch.from_numpy(d_pages), torch.from_numpy(h_pages), layer
-        )
-        for kv in range(2):
-            s, d = page_rows(dev.page_view, kv, layer), page_rows(host.page_view, kv, layer)
-            assert fastpath.copy_rows(s, d, d_pages, h_pages)
-    assert torch.equal(host.page_view.view(torch.int16), want.view(torch.int16))  # NaN-safe
-    with pytest.raises(IndexError):
-        fastpath.copy_rows(s, d, np.array([999]), np.array([0]))
