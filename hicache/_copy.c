@@ -1,5 +1,7 @@
 /* Page copies between CPU KV pools, in C without the GIL, split across threads.
  *
+ * One call copies the same page lists for several (kv, layer) views of identical strides: a
+ * backup is one call for all layers, so threads start once.
  * A page of one (kv, layer) is ``tokens`` chunks of ``chunk`` bytes; consecutive chunks are
  * ``tok_stride`` bytes apart (equal to ``chunk`` in layer-first pools, where a page is one
  * block, and num_layers * chunk in page_first, where layers interleave). Copying page
@@ -15,69 +17,144 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 #define MAX_THREADS 16
 
 typedef struct {
-    const char *src;                 /* base address of the source view */
-    char *dst;                       /* base address of the destination view */
+    const int64_t *bases;            /* (src, dst) base address of each of ``pairs`` views */
+    Py_ssize_t pairs;                /* (kv, layer) views sharing strides and page lists */
     Py_ssize_t s_page, d_page;       /* bytes between pages */
     Py_ssize_t s_tok, d_tok;         /* bytes between a page's tokens */
     Py_ssize_t tokens, chunk;        /* tokens per page, bytes per token */
     const int64_t *si, *di;          /* page ids */
-    Py_ssize_t begin, end;           /* this task's range of i */
+    Py_ssize_t n;                    /* pages per view */
+    Py_ssize_t begin, end;           /* this task's range of work items (view * n + page) */
+    int stream;                      /* non-temporal stores (large copies) */
 } Task;
 
-static void *run_task(void *arg) {
-    const Task *t = (const Task *)arg;
+/* memcpy with non-temporal stores: a large copy then writes memory without first reading every
+ * destination line into the cache (what plain memcpy of a whole buffer does too). Falls back to
+ * memcpy where alignment or the architecture does not allow it. */
+static void copy_chunk(char *d, const char *s, size_t n, int stream) {
+#if defined(__x86_64__)
+    if (stream && !(((uintptr_t)d | (uintptr_t)s | n) & 15)) {
+        __m128i *dv = (__m128i *)d;
+        const __m128i *sv = (const __m128i *)s;
+        size_t k = 0, words = n / 16;
+        for (; k + 4 <= words; k += 4) {
+            __m128i a = _mm_load_si128(sv + k), b = _mm_load_si128(sv + k + 1);
+            __m128i c = _mm_load_si128(sv + k + 2), e = _mm_load_si128(sv + k + 3);
+            _mm_stream_si128(dv + k, a);
+            _mm_stream_si128(dv + k + 1, b);
+            _mm_stream_si128(dv + k + 2, c);
+            _mm_stream_si128(dv + k + 3, e);
+        }
+        for (; k < words; k++) _mm_stream_si128(dv + k, _mm_load_si128(sv + k));
+        return;
+    }
+#endif
+    (void)stream;
+    memcpy(d, s, n);
+}
+
+/* Pages [begin, end) of one view; pages that are whole blocks, back to back on both sides,
+ * merge into one copy. */
+static void copy_range(const Task *t, const char *src, char *dst, Py_ssize_t begin,
+                       Py_ssize_t end) {
     int block = t->s_tok == t->chunk && t->d_tok == t->chunk;
     size_t page_bytes = (size_t)(t->tokens * t->chunk);
-    for (Py_ssize_t i = t->begin; i < t->end; i++) {
-        const char *s = t->src + t->si[i] * t->s_page;
-        char *d = t->dst + t->di[i] * t->d_page;
+    int merge = block && t->s_page == (Py_ssize_t)page_bytes && t->d_page == (Py_ssize_t)page_bytes;
+    for (Py_ssize_t i = begin; i < end; i++) {
+        const char *s = src + t->si[i] * t->s_page;
+        char *d = dst + t->di[i] * t->d_page;
         if (block) {
-            memcpy(d, s, page_bytes);
+            Py_ssize_t run = 1;
+            while (merge && i + run < end && t->si[i + run] == t->si[i] + run &&
+                   t->di[i + run] == t->di[i] + run)
+                run++;
+            copy_chunk(d, s, page_bytes * (size_t)run, t->stream);
+            i += run - 1;
             continue;
         }
         for (Py_ssize_t k = 0; k < t->tokens; k++)
-            memcpy(d + k * t->d_tok, s + k * t->s_tok, (size_t)t->chunk);
+            copy_chunk(d + k * t->d_tok, s + k * t->s_tok, (size_t)t->chunk, t->stream);
     }
+}
+
+/* View by view: on layer-first sides, consecutive pages merge into one copy. */
+static void run_views(const Task *t) {
+    for (Py_ssize_t item = t->begin; item < t->end;) {
+        Py_ssize_t view = item / t->n, page = item % t->n;
+        Py_ssize_t stop = (view + 1) * t->n < t->end ? t->n : t->end - view * t->n;
+        copy_range(t, (const char *)(intptr_t)t->bases[2 * view],
+                   (char *)(intptr_t)t->bases[2 * view + 1], page, stop);
+        item = view * t->n + stop;
+    }
+}
+
+/* Page by page, every view of a page in turn: page_first interleaves layers inside a page, so
+ * its side is then read or written front to back instead of once per layer. */
+static void run_pages(const Task *t) {
+    for (Py_ssize_t item = t->begin; item < t->end; item++) {
+        Py_ssize_t view = item % t->pairs, page = item / t->pairs;
+        copy_range(t, (const char *)(intptr_t)t->bases[2 * view],
+                   (char *)(intptr_t)t->bases[2 * view + 1], page, page + 1);
+    }
+}
+
+static void *run_task(void *arg) {
+    const Task *t = (const Task *)arg;
+    if (t->s_tok != t->chunk || t->d_tok != t->chunk)
+        run_pages(t);
+    else
+        run_views(t);
+#if defined(__x86_64__)
+    if (t->stream) _mm_sfence(); /* streamed stores are visible before the copy is reported */
+#endif
     return NULL;
 }
 
-/* copy_pages(src, dst, s_page, d_page, s_tok, d_tok, tokens, chunk, src_pages, dst_pages,
- *            threads) -> None */
+/* copy_pages(bases, s_page, d_page, s_tok, d_tok, tokens, chunk, src_pages, dst_pages,
+ *            threads, stream) -> None
+ * ``bases``: int64 (src, dst) address pairs, one per view; every view copies the same pages. */
 static PyObject *copy_pages(PyObject *self, PyObject *args) {
-    unsigned long long src, dst;
     Py_ssize_t s_page, d_page, s_tok, d_tok, tokens, chunk, threads;
-    Py_buffer si, di;
-    if (!PyArg_ParseTuple(args, "KKnnnnnny*y*n", &src, &dst, &s_page, &d_page, &s_tok, &d_tok,
-                          &tokens, &chunk, &si, &di, &threads))
+    int stream;
+    Py_buffer bases, si, di;
+    if (!PyArg_ParseTuple(args, "y*nnnnnny*y*np", &bases, &s_page, &d_page, &s_tok, &d_tok,
+                          &tokens, &chunk, &si, &di, &threads, &stream))
         return NULL;
     Py_ssize_t n = si.len / 8 < di.len / 8 ? si.len / 8 : di.len / 8;
+    Py_ssize_t pairs = bases.len / 16, items = pairs * n;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > n) threads = n > 0 ? n : 1;
+    if (threads > items) threads = items > 0 ? items : 1;
     Task tasks[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
     for (Py_ssize_t k = 0; k < threads; k++) {
-        Task t = {(const char *)src, (char *)dst, s_page, d_page, s_tok, d_tok, tokens, chunk,
-                  (const int64_t *)si.buf, (const int64_t *)di.buf,
-                  n * k / threads, n * (k + 1) / threads};
+        Task t = {(const int64_t *)bases.buf, pairs, s_page, d_page, s_tok, d_tok, tokens, chunk,
+                  (const int64_t *)si.buf, (const int64_t *)di.buf, n,
+                  items * k / threads, items * (k + 1) / threads, stream};
         tasks[k] = t;
     }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t k = 1; k < threads; k++)  /* a thread that fails to start: done inline */
-        started[k] = pthread_create(&ids[k], NULL, run_task, &tasks[k]) == 0;
-    run_task(&tasks[0]);
-    for (Py_ssize_t k = 1; k < threads; k++) {
-        if (started[k])
-            pthread_join(ids[k], NULL);
-        else
-            run_task(&tasks[k]);
+    if (n > 0) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t k = 1; k < threads; k++)  /* a thread that fails to start: done inline */
+            started[k] = pthread_create(&ids[k], NULL, run_task, &tasks[k]) == 0;
+        run_task(&tasks[0]);
+        for (Py_ssize_t k = 1; k < threads; k++) {
+            if (started[k])
+                pthread_join(ids[k], NULL);
+            else
+                run_task(&tasks[k]);
+        }
+        Py_END_ALLOW_THREADS
     }
-    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&bases);
     PyBuffer_Release(&si);
     PyBuffer_Release(&di);
     Py_RETURN_NONE;

@@ -66,18 +66,21 @@ class CpuCopier(Copier):
     name = "cpu"
 
     def copy_layer(self, src, dst, src_pages, dst_pages, runs, layer) -> None:  # noqa: ANN001
-        if len(runs) * RUNS_WORTH_IT <= len(src_pages):
-            copy_runs_one_layer(src, dst, runs, layer)
+        self._copy(src, dst, src_pages, dst_pages, runs, range(layer, layer + 1))
+
+    def copy_all(self, src, dst, src_pages, dst_pages, runs) -> None:  # noqa: ANN001
+        self._copy(src, dst, src_pages, dst_pages, runs, range(src.shape[1]))
+
+    @staticmethod
+    def _copy(src, dst, src_pages, dst_pages, runs, layers: range) -> None:  # noqa: ANN001
+        # C merges runs of consecutive pages into single copies itself
+        if cpu_copy.copy_pages_c(src, dst, src_pages.numpy(), dst_pages.numpy(), layers):
             return
-        s_idx, d_idx = src_pages.numpy(), dst_pages.numpy()
-        done = [
-            cpu_copy.copy_pages_c(src[kv, layer], dst[kv, layer], s_idx, d_idx)
-            for kv in range(src.shape[0])
-        ]
-        if all(done):
-            return
-        if not gather_scatter_one_layer(src, dst, src_pages, dst_pages, layer):
-            copy_pages_one_layer(src, dst, src_pages, dst_pages, layer)
+        for layer in layers:
+            if len(runs) * RUNS_WORTH_IT <= len(src_pages):
+                copy_runs_one_layer(src, dst, runs, layer)
+            elif not gather_scatter_one_layer(src, dst, src_pages, dst_pages, layer):
+                copy_pages_one_layer(src, dst, src_pages, dst_pages, layer)
 
 
 class DirectCopier(Copier):

@@ -1,7 +1,7 @@
 """Scattered page copies between CPU pools in C (hicache/_copy.c), with their checks.
 
 Works for every host layout: a page of one (kv, layer) is ``page_size`` rows of ``width``
-elements, contiguous within a row, rows ``stride(1)`` apart (one block in layer-first pools,
+elements, contiguous within a row, rows ``stride(3)`` apart (one block in layer-first pools,
 interleaved with the other layers in page_first). Large copies are split across threads,
 because one thread moves about half of what a plain multithreaded torch copy does.
 """
@@ -21,6 +21,7 @@ except ImportError:  # built without a C compiler: callers fall back to torch
 USE_C = _copy is not None and not os.environ.get("HICACHE_NO_C")
 COPY_THREADS = max(1, min(os.cpu_count() or 1, 8))  # threads for one large copy
 PARALLEL_MIN_BYTES = 1 << 20  # below this, one thread: starting threads costs more
+STREAM_MIN_BYTES = 4 << 20  # from here, non-temporal stores (as memcpy does for large copies)
 
 
 def available() -> bool:
@@ -28,10 +29,15 @@ def available() -> bool:
 
 
 def copy_pages_c(
-    src: torch.Tensor, dst: torch.Tensor, src_pages: np.ndarray, dst_pages: np.ndarray
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    layers: range | None = None,
 ) -> bool:
-    """dst[dst_pages[i]] = src[src_pages[i]] for 3-D CPU page views ``[pages, page_size,
-    width]`` (one kv, one layer) with contiguous rows.
+    """dst[kv, l, dst_pages[i]] = src[kv, l, src_pages[i]] for every kv and every l in
+    ``layers`` (all by default), for 5-D CPU page views ``[kv, layers, pages, page_size,
+    width]`` with contiguous rows. One call, threads started once.
 
     Returns False, copying nothing, when the C helper is missing or the views do not fit
     (other device, dtype or shape, non-contiguous rows). Raises IndexError, copying nothing,
@@ -39,27 +45,42 @@ def copy_pages_c(
     """
     if not USE_C or src.device.type != "cpu" or dst.device.type != "cpu":
         return False
-    if src.dim() != 3 or src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+    if src.dim() != 5 or src.shape != dst.shape[:2] + src.shape[2:3] + dst.shape[3:]:
         return False
-    if src.stride(2) != 1 or dst.stride(2) != 1 or len(src_pages) != len(dst_pages):
+    if src.dtype != dst.dtype or src.stride(4) != 1 or dst.stride(4) != 1:
+        return False
+    if len(src_pages) != len(dst_pages):
         return False
     for pages, view in ((src_pages, src), (dst_pages, dst)):
-        if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= view.shape[0]):
+        if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= view.shape[2]):
             raise IndexError("page outside the view")
+    layers = range(src.shape[1]) if layers is None else layers
     item = src.element_size()
-    _, tokens, width = src.shape
-    total = len(src_pages) * tokens * width * item
+    kvs, _, _, tokens, width = src.shape
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    bases = np.array(
+        [
+            (
+                s0 + (kv * src.stride(0) + layer * src.stride(1)) * item,
+                d0 + (kv * dst.stride(0) + layer * dst.stride(1)) * item,
+            )
+            for layer in layers
+            for kv in range(kvs)
+        ],
+        dtype=np.int64,
+    )
+    total = len(bases) * len(src_pages) * tokens * width * item
     _copy.copy_pages(
-        src.data_ptr(),
-        dst.data_ptr(),
-        src.stride(0) * item,
-        dst.stride(0) * item,
-        src.stride(1) * item,
-        dst.stride(1) * item,
+        bases,
+        src.stride(2) * item,
+        dst.stride(2) * item,
+        src.stride(3) * item,
+        dst.stride(3) * item,
         tokens,
         width * item,
         np.ascontiguousarray(src_pages, dtype=np.int64),
         np.ascontiguousarray(dst_pages, dtype=np.int64),
         COPY_THREADS if total >= PARALLEL_MIN_BYTES else 1,
+        total >= STREAM_MIN_BYTES,
     )
     return True

@@ -42,9 +42,7 @@ class _Flight:
 
 
 class CudaTransferEngine(TransferEngine):
-    def __init__(
-        self, device_pool: DevicePool, host_pool: HostPool, copier: Copier | None = None
-    ):
+    def __init__(self, device_pool: DevicePool, host_pool: HostPool, copier: Copier | None = None):
         super().__init__(device_pool, host_pool, copier or KernelCopier())
         self.device = device_pool.page_view.device
         if self.device.type != "cuda":

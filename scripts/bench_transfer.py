@@ -1,153 +1,163 @@
-"""Transfer benchmark (CPU): backup and load of N pages per host layout and copy path, in GB/s,
-against a plain contiguous copy of the same number of bytes in the same run.
+"""Transfer benchmark: backup and load of N pages per host layout and backend, in GB/s, against a
+plain contiguous copy of the same number of bytes in the same run.
 
-Paths: `reference` (per layer, one gather and one scatter over all pages) and `runs` (one slice
-copy per run of pages consecutive on both sides). Two page patterns: `consecutive` (pages
-allocated together, the usual case) and `scattered` (random pages on both sides, the worst
-case). The last line is one JSON object; its headline ratios use the scattered pattern with the
-path the transfer engine would pick.
+CPU: the plain copy is torch's ``copy_`` of one contiguous buffer (the yardstick the issue
+names); glibc ``memcpy`` of the same bytes is printed beside it. Backends: `reference` (torch
+index_select/index_copy_ per layer, the naive way), `cpu` (the C page copy) and `direct` (one
+slice copy per run), over two page patterns: `consecutive` (pages allocated together, the usual
+case) and `scattered` (random pages on both sides, the worst case). GPU (when CUDA is present):
+`kernel` (Triton, reading and writing pinned host memory) and `direct` against one pinned
+cudaMemcpyAsync of the same bytes, both directions. The last line is one JSON object.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import time
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
 
-from hicache import HiCacheConfig, fastpath
-from hicache.kernels import (
-    copy_pages_one_layer,
-    copy_runs_one_layer,
-    gather_scatter_one_layer,
-    page_runs,
-)
+from hicache import HiCacheConfig
+from hicache.copiers import Copier, CpuCopier, DirectCopier, KernelCopier
+from hicache.kernels import copy_pages_all_layers, page_runs
 from hicache.pools import DevicePool, HostPool
-from hicache.transfer import RUNS_WORTH_IT, TransferEngine
 
 PAGES = 1024
 
 
-def best_of(fn, repeats: int = 5) -> float:
+def best_of(fn: Callable, sync: Callable[[], None] = lambda: None, repeats: int = 5) -> float:
     fn()
+    sync()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     return min(times)
 
 
-def make_paths(dev, host, td, th, runs) -> dict:  # noqa: ANN001
-    """(backup, load) callables per copy path, over all 8 layers."""
-    back = [(b, a, n) for a, b, n in runs]
+class Reference(Copier):
+    name = "reference"
 
-    def ref_backup() -> None:
-        for layer in range(8):
-            copy_pages_one_layer(dev.page_view, host.page_view, td, th, layer)
+    def copy_layer(self, src, dst, sp, dp, runs, layer) -> None:  # noqa: ANN001
+        raise NotImplementedError
 
-    def ref_load() -> None:
-        for layer in range(8):
-            copy_pages_one_layer(host.page_view, dev.page_view, th, td, layer)
+    def copy_all(self, src, dst, sp, dp, runs) -> None:  # noqa: ANN001
+        copy_pages_all_layers(src, dst, sp, dp)
 
-    def runs_backup() -> None:
-        for layer in range(8):
-            copy_runs_one_layer(dev.page_view, host.page_view, runs, layer)
 
-    def runs_load() -> None:
-        for layer in range(8):
-            copy_runs_one_layer(host.page_view, dev.page_view, back, layer)
-
-    def rows_backup() -> None:
-        for layer in range(8):
-            if not gather_scatter_one_layer(dev.page_view, host.page_view, td, th, layer):
-                copy_pages_one_layer(dev.page_view, host.page_view, td, th, layer)
-
-    def rows_load() -> None:
-        for layer in range(8):
-            if not gather_scatter_one_layer(host.page_view, dev.page_view, th, td, layer):
-                copy_pages_one_layer(host.page_view, dev.page_view, th, td, layer)
-
-    def c_rows(src, dst, si, di) -> None:  # noqa: ANN001
-        for layer in range(8):
-            if not TransferEngine._copy_rows_c(src, dst, si, di, layer):
-                copy_pages_one_layer(src, dst, si, di, layer)
-
+def patterns(host_pages: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
     return {
-        "reference": (ref_backup, ref_load),
-        "runs": (runs_backup, runs_load),
-        "rows": (rows_backup, rows_load),
-        "c_rows": (
-            lambda: c_rows(dev.page_view, host.page_view, td, th),
-            lambda: c_rows(host.page_view, dev.page_view, th, td),
+        "consecutive": (np.arange(1, PAGES + 1), np.arange(PAGES)),
+        "scattered": (
+            rng.permutation(np.arange(1, 2 * PAGES))[:PAGES],
+            rng.permutation(np.arange(host_pages))[:PAGES],
         ),
     }
 
 
-def measure(layout: str, ps: int) -> dict:
-    cfg = HiCacheConfig(
+def config(layout: str, ps: int, device: str = "cpu") -> HiCacheConfig:
+    return HiCacheConfig(
         num_layers=8,
         num_kv_heads=4,
         head_dim=64,
         dtype="float16",
         page_size=ps,
+        device=device,
         device_tokens=2 * PAGES * ps,
         host_layout=layout,
     )
-    dev, host = DevicePool(cfg), HostPool(cfg)
-    dev.buffer.fill_(1)
-    nbytes = PAGES * cfg.page_size * cfg.token_bytes
-    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    base = nbytes / best_of(lambda: dst.copy_(src)) / 1e9
-    rng = np.random.default_rng(0)
-    patterns = {
-        "consecutive": (np.arange(1, PAGES + 1), np.arange(PAGES)),
-        "scattered": (
-            rng.permutation(np.arange(1, 2 * PAGES))[:PAGES],
-            rng.permutation(np.arange(host.num_pages))[:PAGES],
-        ),
-    }
-    out = {"copy_gbps": base}
-    for name, (d, h) in patterns.items():
+
+
+def measure(dev, host, copiers, device_pages, sync=lambda: None) -> dict:  # noqa: ANN001
+    out = {}
+    for name, (d, h) in patterns(host.num_pages).items():
         runs = page_runs(d, h)
-        td, th = torch.from_numpy(d), torch.from_numpy(h)
-        paths = make_paths(dev, host, td, th, runs)
-        for path, (backup, load) in paths.items():
-            out[f"{name}/{path}/backup"] = nbytes / best_of(backup) / 1e9
-            out[f"{name}/{path}/load"] = nbytes / best_of(load) / 1e9
-        out[f"{name}/engine_path"] = (
-            "runs" if len(runs) * RUNS_WORTH_IT <= PAGES else "c_rows" if fastpath.USE_C else "rows"
-        )
+        back = [(b, a, n) for a, b, n in runs]
+        td = torch.from_numpy(d).to(device_pages)
+        th = torch.from_numpy(h).to(device_pages)
+        for copier in copiers:
+            nbytes = PAGES * dev.page_bytes
+            b = best_of(partial(copier.copy_all, dev.page_view, host.page_view, td, th, runs), sync)
+            ld = best_of(
+                partial(copier.copy_all, host.page_view, dev.page_view, th, td, back), sync
+            )
+            out[f"{name}/{copier.name}"] = (nbytes / b / 1e9, nbytes / ld / 1e9)
     return out
 
 
-def main() -> None:
+def cpu_table() -> dict:
     headline = {}
     for ps in (1, 16):
         for layout in ("layer_first", "page_first", "page_first_direct"):
-            r = measure(layout, ps)
-            base = r["copy_gbps"]
-            print(f"page_size={ps:<3} {layout:18s} plain copy {base:6.2f} GB/s")
-            for name in ("consecutive", "scattered"):
-                for path in ("reference", "runs", "rows", "c_rows"):
-                    b, ld = r[f"{name}/{path}/backup"], r[f"{name}/{path}/load"]
-                    print(
-                        f"    {name:11s} {path:9s} backup {b:6.2f} GB/s ({b / base:.2f}x)  "
-                        f"load {ld:6.2f} GB/s ({ld / base:.2f}x)"
-                    )
-            if ps == 16 and layout == "layer_first":
-                path = r["scattered/engine_path"]
-                headline = {
-                    "cpu_backup_vs_copy_page16": round(r[f"scattered/{path}/backup"] / base, 3),
-                    "cpu_load_vs_copy_page16": round(r[f"scattered/{path}/load"] / base, 3),
-                    "cpu_backup_vs_copy_page16_consecutive": round(
-                        r["consecutive/runs/backup"] / base, 3
-                    ),
-                    "cpu_load_vs_copy_page16_consecutive": round(
-                        r["consecutive/runs/load"] / base, 3
-                    ),
-                }
+            cfg = config(layout, ps)
+            dev, host = DevicePool(cfg), HostPool(cfg)
+            dev.buffer.fill_(1)
+            nbytes = PAGES * dev.page_bytes
+            src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+            base = nbytes / best_of(partial(dst.copy_, src)) / 1e9
+            # glibc memcpy (one thread, non-temporal stores at this size): a second yardstick
+            memcpy = (
+                nbytes
+                / best_of(partial(ctypes.memmove, dst.data_ptr(), src.data_ptr(), nbytes))
+                / 1e9
+            )
+            r = measure(dev, host, [Reference(), CpuCopier(), DirectCopier()], "cpu")
+            print(f"page_size={ps:<3} {layout:18s} plain copy {base:6.2f} GB/s", end="")
+            print(f"  memcpy {memcpy:6.2f} GB/s")
+            for key, (b, ld) in r.items():
+                print(
+                    f"    {key:22s} backup {b:6.2f} GB/s ({b / base:.2f}x)  "
+                    f"load {ld:6.2f} GB/s ({ld / base:.2f}x)"
+                )
+            if ps == 16:
+                b, ld = r["scattered/cpu"]
+                tag = "" if layout == "layer_first" else f"_{layout}"
+                headline[f"cpu_backup_vs_copy_page16{tag}"] = round(b / base, 3)
+                headline[f"cpu_load_vs_copy_page16{tag}"] = round(ld / base, 3)
+                if not tag:
+                    headline["cpu_backup_vs_memcpy_page16"] = round(b / memcpy, 3)
+                    headline["cpu_load_vs_memcpy_page16"] = round(ld / memcpy, 3)
+            dev.close()
+            host.close()
+    return headline
+
+
+def gpu_table() -> dict:
+    headline = {}
+    for layout in ("layer_first", "page_first", "page_first_direct"):
+        cfg = config(layout, 16, device="cuda")
+        dev, host = DevicePool(cfg), HostPool(cfg)
+        nbytes = PAGES * dev.page_bytes
+        g = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        h = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+        sync = torch.cuda.synchronize
+        d2h = nbytes / best_of(partial(h.copy_, g, non_blocking=True), sync) / 1e9
+        h2d = nbytes / best_of(partial(g.copy_, h, non_blocking=True), sync) / 1e9
+        print(f"GPU page_size=16 {layout:18s} pinned memcpy d2h {d2h:6.2f} h2d {h2d:6.2f} GB/s")
+        r = measure(dev, host, [KernelCopier(), DirectCopier()], "cuda", sync)
+        for key, (b, ld) in r.items():
+            print(
+                f"    {key:22s} backup {b:6.2f} GB/s ({b / d2h:.2f}x)  "
+                f"load {ld:6.2f} GB/s ({ld / h2d:.2f}x)"
+            )
+            if key == "scattered/kernel":
+                tag = "" if layout == "layer_first" else f"_{layout}"
+                headline[f"gpu_backup_vs_memcpy{tag}"] = round(b / d2h, 3)
+                headline[f"gpu_load_vs_memcpy{tag}"] = round(ld / h2d, 3)
+    return headline
+
+
+def main() -> None:
+    headline = cpu_table()
+    if torch.cuda.is_available():
+        headline.update(gpu_table())
     print(json.dumps(headline))
 
 

@@ -105,12 +105,8 @@ def test_c_copy_splits_large_copies_across_threads(monkeypatch):
     dev, host = make_pools("page_first", 16)
     sp, dp = pages_for("backup")
     monkeypatch.setattr(cpu_copy, "PARALLEL_MIN_BYTES", 1)  # force the threaded path
-    want = expected(dev, host, sp, dp)
-    for layer in range(3):
-        for kv in range(dev.page_view.shape[0]):
-            assert cpu_copy.copy_pages_c(
-                dev.page_view[kv, layer], host.page_view[kv, layer], sp, dp
-            )
+    want = expected(dev, host, sp, dp, layers=[0, 2])
+    assert cpu_copy.copy_pages_c(dev.page_view, host.page_view, sp, dp, range(0, 3, 2))
     assert torch.equal(as_bits(host.page_view), as_bits(want))
 
 
@@ -119,13 +115,11 @@ def test_c_copy_refuses_bad_pages_and_copies_nothing():
     dev, host = make_pools("layer_first", 16)
     before = host.buffer.clone()
     with pytest.raises(IndexError):
-        cpu_copy.copy_pages_c(
-            dev.page_view[0, 0], host.page_view[0, 0], np.array([1, 99]), np.array([0, 1])
-        )
+        cpu_copy.copy_pages_c(dev.page_view, host.page_view, np.array([1, 99]), np.array([0, 1]))
     assert torch.equal(host.buffer, before)
     # another dtype or shape: not for C (the caller falls back), nothing copied
     assert not cpu_copy.copy_pages_c(
-        dev.page_view[0, 0].float(), host.page_view[0, 0], np.array([1]), np.array([0])
+        dev.page_view.float(), host.page_view, np.array([1]), np.array([0])
     )
     assert torch.equal(host.buffer, before)
 
