@@ -4,6 +4,7 @@
         pools = hc.attach()                       # k_buffer / v_buffer (or kv_buffer) tensors
         m = hc.match_prefix(prompt)               # locked for this session until release
         loaded = hc.load_back(m)                  # host part on the device, or None
+        # or layer by layer: load = hc.load_back_async(m); hc.wait_layer(load, i) before layer i
         new = hc.alloc(len(seq) - m.device_hit_length)       # slots this session owns
         ...write KV for the new tokens into pools.k_buffer[layer][new]...
         hc.insert(seq, torch.cat([m.device_indices, loaded, new]))
@@ -19,17 +20,19 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
 import torch
 
-from hicache.backing import AttachedCudaIPC, AttachedSharedMemory
-from hicache.client.connection import Connection
+from hicache.backing import AttachedSharedMemory
+from hicache.client.connection import Connection, DaemonTimeout
+from hicache.client.pools import AttachedPools, attach_pools, attach_progress
+from hicache.client.results import LoadTicket, Match
 from hicache.config import HiCacheConfig
 from hicache.endpoints import env_endpoint
-from hicache.pools import DevicePool, HostPool
+from hicache.progress import LayerProgress
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
     HEARTBEAT_INTERVAL_S,
@@ -38,70 +41,6 @@ from hicache.protocol import (
     slots_frame,
     tokens_frame,
 )
-
-
-class Match:
-    """A prefix match. The prefix's pages arrive as page ids (page_size times smaller than
-    slots); ``device_indices`` expands them to token slots on first use. Read-only."""
-
-    __slots__ = ("device_hit_length", "host_hit_length", "lock_id", "_chunks", "_ps", "_pages")
-
-    def __init__(
-        self, chunks: list[np.ndarray], page_size: int, device: int, host: int, lock_id: int
-    ):
-        self.device_hit_length = device  # tokens cached on the device
-        self.host_hit_length = host  # tokens after those, cached on the host only (load_back)
-        self.lock_id = lock_id  # the session's lock on this prefix (0: not locked)
-        self._chunks = chunks  # page ids of the prefix, node by node (views of the reply)
-        self._ps = page_size
-        self._pages: np.ndarray | None = None
-
-    def _page_array(self) -> np.ndarray:
-        if self._pages is None:
-            chunks = self._chunks
-            # a copy: the caller owns a writable array, and the reply frame can go
-            one = len(chunks) == 1
-            self._pages = chunks[0].copy() if one else np.concatenate(chunks or [_NONE])
-        return self._pages
-
-    @property
-    def device_pages(self) -> torch.Tensor:
-        """int64 page ids of the device-resident prefix (a vLLM-style block table row)."""
-        return torch.from_numpy(self._page_array())
-
-    @property
-    def device_indices(self) -> torch.Tensor:
-        """int64 token slots of the device-resident prefix: page * page_size + offset."""
-        pages, ps = self._page_array(), self._ps
-        if ps > 1:
-            pages = (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
-        return torch.from_numpy(pages)
-
-    def __repr__(self) -> str:
-        return (
-            f"Match(device_hit_length={self.device_hit_length}, "
-            f"host_hit_length={self.host_hit_length}, lock_id={self.lock_id})"
-        )
-
-
-_NONE = np.empty(0, dtype=np.int64)
-
-
-@dataclass
-class AttachedPools:
-    """The daemon's pools mapped into this process (shared memory on the CPU)."""
-
-    config: HiCacheConfig
-    device: DevicePool
-    host: HostPool | None
-
-    def __getattr__(self, name: str) -> Any:  # k_buffer, v_buffer, kv_buffer, layers
-        return getattr(self.device, name)
-
-    def close(self) -> None:
-        self.device.close()
-        if self.host is not None:
-            self.host.close()
 
 
 def _slots(frame: Any) -> torch.Tensor:
@@ -129,6 +68,8 @@ class HiCacheClient:
         self.info = reply.fields
         self._page_size = int(self.info["config"]["page_size"])
         self.pools: AttachedPools | None = None
+        self._progress_map: AttachedSharedMemory | None = None
+        self._progress_table: LayerProgress | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         if heartbeat:
@@ -159,17 +100,7 @@ class HiCacheClient:
     def attach(self) -> AttachedPools:
         """Map the daemon's pools into this process as tensors (same memory, no copy)."""
         if self.pools is None:
-            pools, cfg = self.info["pools"], self.config
-            desc = pools["device"]
-            backing = (
-                AttachedCudaIPC(desc)
-                if desc.get("kind") == "cuda_ipc"
-                else AttachedSharedMemory(desc["path"])
-            )
-            device = DevicePool(cfg, backing)
-            host = pools.get("host")
-            host_pool = HostPool(cfg, AttachedSharedMemory(host["path"])) if host else None
-            self.pools = AttachedPools(cfg, device, host_pool)
+            self.pools = attach_pools(self.config, self.info["pools"])
         return self.pools
 
     # ---- cache operations ----
@@ -204,6 +135,38 @@ class HiCacheClient:
             return None
         reply, out = self.conn.call(Op.LOAD_BACK, {"lock_id": match.lock_id})
         return _slots(out[0]) if reply.fields["loaded"] else None
+
+    def load_back_async(self, match: Match) -> LoadTicket | None:
+        """Start loading the host part of a locked match and return at once; read layer i only
+        after ``wait_layer(ticket, i)``. None when it stays on the host."""
+        if not match.host_hit_length:
+            return None
+        reply, out = self.conn.call(Op.LOAD_BACK, {"lock_id": match.lock_id, "wait": False})
+        if not reply.fields["loaded"]:
+            return None
+        layers = int(self.info["config"]["num_layers"])
+        return LoadTicket(_slots(out[0]), int(reply.fields["ticket"]), layers)
+
+    def wait_layer(self, load: LoadTicket, layer: int, timeout: float | None = None) -> None:
+        """Block until ``layer`` of ``load`` is on the device, read from the daemon's shared
+        progress table (no message). Raises DaemonTimeout, or LoadFailed when the copy failed."""
+        if not load.ticket:
+            return
+        if not self._progress().wait_layer(load.ticket, layer, timeout):
+            raise DaemonTimeout(f"layer {layer} of load {load.ticket} not ready in {timeout} s")
+
+    def wait_load(self, load: LoadTicket, timeout: float | None = None) -> None:
+        """Block until every layer of ``load`` is on the device."""
+        self.wait_layer(load, load.num_layers - 1, timeout)
+
+    def _progress(self) -> LayerProgress:
+        if self._progress_table is None:
+            desc = self.info["pools"].get("progress")
+            if desc is None:
+                raise RuntimeError("this daemon shares no layer-progress table")
+            layers = int(self.info["config"]["num_layers"])
+            self._progress_map, self._progress_table = attach_progress(desc, layers)
+        return self._progress_table
 
     def alloc(self, num_tokens: int) -> torch.Tensor:
         return _slots(self.conn.call(Op.ALLOC, {"num_tokens": num_tokens})[1][0])
@@ -264,6 +227,9 @@ class HiCacheClient:
             self.conn.call(Op.GOODBYE)
         if self.pools is not None:
             self.pools.close()
+        if self._progress_map is not None:
+            self._progress_table = None
+            self._progress_map.close()
         self.conn.close()
 
     def __enter__(self) -> HiCacheClient:

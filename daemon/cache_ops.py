@@ -96,6 +96,8 @@ class CacheOpsMixin:
         results, chunks, index = [], [], {}
         for tokens, space in zip(batch, spaces, strict=True):
             m = match_key(tokens, space)
+            if m.loading:  # another session's load still writes this prefix: let it land
+                self.cache.wait_load(m.last_device_node)
             lock_id = 0
             if lock:
                 self.cache.inc_lock_ref(m.last_device_node)
@@ -122,19 +124,24 @@ class CacheOpsMixin:
 
     def load_back(self, session: Session, fields: dict, frames: Frames) -> Result:
         lock_id = self._int(fields, "lock_id", 1)
+        wait = fields.get("wait", True) is not False  # False: answer at once with a ticket
         record = session.locks.get(lock_id)
         if record is None:
             raise ProtocolError(ErrorCode.NOT_OWNED, f"lock {lock_id} is not held")
+        none = {"loaded": 0, "ticket": 0}, [slots_frame(np.empty(0, np.int64))]
         if not self.cache.tree.in_tree(record.host_node):  # host-evicted since the match
-            return {"loaded": 0}, [slots_frame(np.empty(0, np.int64))]
+            return none
         loaded = self.cache.load_back(record.host_node)
         if loaded is None or not len(loaded):
-            return {"loaded": 0}, [slots_frame(np.empty(0, np.int64))]
-        self.cache.wait_load(record.host_node)  # the CPU copy is quick; layer-wise comes later
-        self.cache.inc_lock_ref(record.host_node)
+            return none
+        ticket = self.cache.load_ticket(record.host_node) or 0
+        if wait:
+            self.cache.wait_load(record.host_node)
+            ticket = 0
+        self.cache.inc_lock_ref(record.host_node)  # the lock now covers the loaded part
         self.cache.dec_lock_ref(record.node)
         record.node = record.host_node
-        return {"loaded": len(loaded)}, [slots_frame(loaded)]
+        return {"loaded": len(loaded), "ticket": ticket}, [slots_frame(loaded)]
 
     def insert(self, session: Session, fields: dict, frames: Frames) -> Result:
         """Insert each sequence in turn; a bad one stops the batch with an error reply, and the

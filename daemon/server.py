@@ -13,6 +13,7 @@ import secrets
 import signal
 import time
 
+import numpy as np
 import zmq
 
 from hicache.backing import CudaBacking, SharedMemoryBacking
@@ -21,6 +22,8 @@ from hicache.daemon.handlers import Handlers
 from hicache.daemon.segments import instance_token, remove_stale, segment_name
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
+from hicache.progress import DEFAULT_CAPACITY as PROGRESS_CAPACITY
+from hicache.progress import LayerProgress
 from hicache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 
 log = logging.getLogger("hicache.daemon")
@@ -55,12 +58,19 @@ class Daemon:
         )
         host = SharedMemoryBacking(segment_name("host", token)) if cfg.host_enabled else None
         self.cache = HiRadixCache(cfg, device, host)
+        self.progress = self._share_progress(token)
         info = {
             "boot_epoch": self.boot_epoch,
             "protocol": PROTOCOL_VERSION,
             "endpoint": settings.endpoint,
             "config": settings.as_dict(),
-            "pools": {"device": device.describe(), "host": host.describe() if host else None},
+            "pools": {
+                "device": device.describe(),
+                "host": host.describe() if host else None,
+                "progress": None
+                if self.progress is None
+                else {**self.progress.describe(), "capacity": PROGRESS_CAPACITY},
+            },
         }
         self.handlers = Handlers(
             self.cache, SessionTable(settings.lease_seconds), self.boot_epoch, info
@@ -73,6 +83,16 @@ class Daemon:
         self.sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
         self._ipc_path = self._bind(settings.endpoint)
         self.stopping = False
+
+    def _share_progress(self, token: str) -> SharedMemoryBacking | None:
+        """The layer-progress table engines read to wait for single layers of a load."""
+        engine = self.cache.engine
+        if engine is None:
+            return None
+        backing = SharedMemoryBacking(segment_name("progress", token))
+        words = backing.allocate(PROGRESS_CAPACITY * 8, "layer progress").numpy().view(np.int64)
+        engine.progress = LayerProgress(words, self.cache.config.num_layers)
+        return backing
 
     def _bind(self, endpoint: str) -> str | None:
         if not endpoint.startswith("ipc://"):
@@ -134,6 +154,8 @@ class Daemon:
         self.sock.close(linger=0)
         self.ctx.term()
         self.cache.close()
+        if self.progress is not None:
+            self.progress.close()
         if self._ipc_path and os.path.exists(self._ipc_path):
             os.unlink(self._ipc_path)
 

@@ -42,7 +42,9 @@ class Op(IntEnum):
     MATCH = 4  # frame: token ids; fields: lengths, namespaces, lock -> frame: page ids (int64)
     # of the distinct nodes matched; fields: chunk_pages (pages per node), results
     # [device_len, host_len, lock_id, chunk ids]. Slot = page * page_size + offset.
-    LOAD_BACK = 5  # fields: lock_id (from a match) -> frame: slots of the loaded part
+    LOAD_BACK = 5  # fields: lock_id (from a match), wait (default true) -> frame: slots of the
+    # loaded part; fields: loaded, ticket (wait=false: read layers once the progress table
+    # shows them; 0: complete)
     ALLOC = 6  # fields: num_tokens -> slots frame
     ALLOC_EXTEND = 7  # frames: prefix_lens, seq_lens, last_loc (int64) -> slots frame
     ALLOC_DECODE = 8  # frames: seq_lens, last_loc (int64) -> slots frame

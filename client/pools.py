@@ -1,0 +1,51 @@
+"""The daemon's pools and its layer-progress table, mapped into the engine process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hicache.backing import AttachedCudaIPC, AttachedSharedMemory
+from hicache.config import HiCacheConfig
+from hicache.pools import DevicePool, HostPool
+from hicache.progress import LayerProgress
+
+
+@dataclass
+class AttachedPools:
+    """The daemon's pools mapped into this process (shared memory on the CPU)."""
+
+    config: HiCacheConfig
+    device: DevicePool
+    host: HostPool | None
+
+    def __getattr__(self, name: str) -> Any:  # k_buffer, v_buffer, kv_buffer, layers
+        return getattr(self.device, name)
+
+    def close(self) -> None:
+        self.device.close()
+        if self.host is not None:
+            self.host.close()
+
+
+def attach_pools(cfg: HiCacheConfig, pools: dict) -> AttachedPools:
+    """Map the pools a hello described (same memory as the daemon's, no copy)."""
+    desc = pools["device"]
+    backing = (
+        AttachedCudaIPC(desc)
+        if desc.get("kind") == "cuda_ipc"
+        else AttachedSharedMemory(desc["path"])
+    )
+    device = DevicePool(cfg, backing)
+    host = pools.get("host")
+    host_pool = HostPool(cfg, AttachedSharedMemory(host["path"])) if host else None
+    return AttachedPools(cfg, device, host_pool)
+
+
+def attach_progress(desc: dict, num_layers: int) -> tuple[AttachedSharedMemory, LayerProgress]:
+    """Map the daemon's layer-progress table (read with acquire loads, never written here)."""
+    backing = AttachedSharedMemory(desc["path"])
+    words = backing.allocate(desc["capacity"] * 8, "layer progress").numpy().view(np.int64)
+    return backing, LayerProgress(words, num_layers)

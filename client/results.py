@@ -1,0 +1,63 @@
+"""What the client's calls return: typed results, never positional tuples."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+
+class Match:
+    """A prefix match. The prefix's pages arrive as page ids (page_size times smaller than
+    slots); ``device_indices`` expands them to token slots on first use. Read-only."""
+
+    __slots__ = ("device_hit_length", "host_hit_length", "lock_id", "_chunks", "_ps", "_pages")
+
+    def __init__(
+        self, chunks: list[np.ndarray], page_size: int, device: int, host: int, lock_id: int
+    ):
+        self.device_hit_length = device  # tokens cached on the device
+        self.host_hit_length = host  # tokens after those, cached on the host only (load_back)
+        self.lock_id = lock_id  # the session's lock on this prefix (0: not locked)
+        self._chunks = chunks  # page ids of the prefix, node by node (views of the reply)
+        self._ps = page_size
+        self._pages: np.ndarray | None = None
+
+    def _page_array(self) -> np.ndarray:
+        if self._pages is None:
+            chunks = self._chunks
+            # a copy: the caller owns a writable array, and the reply frame can go
+            one = len(chunks) == 1
+            self._pages = chunks[0].copy() if one else np.concatenate(chunks or [_NONE])
+        return self._pages
+
+    @property
+    def device_pages(self) -> torch.Tensor:
+        """int64 page ids of the device-resident prefix (a vLLM-style block table row)."""
+        return torch.from_numpy(self._page_array())
+
+    @property
+    def device_indices(self) -> torch.Tensor:
+        """int64 token slots of the device-resident prefix: page * page_size + offset."""
+        pages, ps = self._page_array(), self._ps
+        if ps > 1:
+            pages = (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
+        return torch.from_numpy(pages)
+
+    def __repr__(self) -> str:
+        return (
+            f"Match(device_hit_length={self.device_hit_length}, "
+            f"host_hit_length={self.host_hit_length}, lock_id={self.lock_id})"
+        )
+
+
+_NONE = np.empty(0, dtype=np.int64)
+
+
+class LoadTicket(NamedTuple):
+    """A load-back in progress (``load_back_async``): wait per layer before reading it."""
+
+    slots: torch.Tensor  # int64 device slots of the loaded part, in token order
+    ticket: int  # the daemon's transfer ticket; 0 when the KV was already complete
+    num_layers: int  # layers the load copies
