@@ -93,11 +93,16 @@ class DirectCopier(Copier):
 class KernelCopier(Copier):
     name = "kernel"
 
+    # Page ids on a GPU were bounds-checked by the engine before they moved there: checking
+    # them again would synchronize the stream on every launch.
     def copy_layer(self, src, dst, src_pages, dst_pages, runs, layer) -> None:  # noqa: ANN001
-        triton_copy.copy_pages_triton(src, dst, src_pages, dst_pages, range(layer, layer + 1))
+        layers = range(layer, layer + 1)
+        check = src_pages.device.type == "cpu"
+        triton_copy.copy_pages_triton(src, dst, src_pages, dst_pages, layers, check)
 
     def copy_all(self, src, dst, src_pages, dst_pages, runs) -> None:  # noqa: ANN001
-        triton_copy.copy_pages_triton(src, dst, src_pages, dst_pages)
+        check = src_pages.device.type == "cpu"
+        triton_copy.copy_pages_triton(src, dst, src_pages, dst_pages, None, check)
 
 
 def resolve_backend(config: HiCacheConfig) -> TransferBackend:

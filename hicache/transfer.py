@@ -91,6 +91,10 @@ class TransferEngine(ABC):
         self._next_ticket += 1
         device_pages = np.ascontiguousarray(device_pages, dtype=np.int64)
         host_pages = np.ascontiguousarray(host_pages, dtype=np.int64)
+        for pages, pool in ((device_pages, self.device_pool), (host_pages, self.host_pool)):
+            # checked once here, so copiers (and kernels on the GPU) may trust the ids
+            if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= pool.num_pages):
+                raise IndexError(f"page outside the pool of {pool.num_pages} pages")
         return CopyJob(
             ticket,
             direction,

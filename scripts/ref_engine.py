@@ -1,22 +1,25 @@
 """A reference engine: a tiny Llama (Hugging Face transformers, random weights built in code,
 nothing downloaded) whose KV lives in hicache-daemon's pools.
 
-For each prompt it matches the prefix, loads back a host hit, reads the cached KV from the
-shared pool into the model's cache, computes only the new tokens, writes their KV into slots it
-allocated, inserts the sequence and releases its match. The model is built from the KV shape the
+For each prompt it matches the prefix, starts loading a host hit back, computes only the new
+tokens, writes their KV into slots it allocated, inserts the sequence and releases its match.
+Cached KV is read from the shared pool layer by layer as the model reaches each layer, after
+``wait_layer`` says that layer of the load is on the device: later layers keep loading while
+earlier ones compute. The model is built from the KV shape the
 daemon reports, so engine and daemon always agree on layers, KV heads, head dim and dtype.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from hicache.client import HiCacheClient
+from hicache.client import HiCacheClient, LoadTicket
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -40,6 +43,27 @@ def build_model(client: HiCacheClient, seed: int = 0, vocab: int = 512) -> Llama
     return LlamaForCausalLM(config).to(DTYPES[cfg.dtype]).eval()
 
 
+class PoolPrefixCache(DynamicCache):
+    """A DynamicCache whose cached prefix is read from the pool one layer at a time, when the
+    model first reaches that layer. Layer 0 is read at once: masks and positions take the
+    prefix length from it before any layer runs."""
+
+    def __init__(self, fetch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]):
+        super().__init__()
+        self._fetch = fetch  # layer -> (k, v) of the prefix, [1, heads, tokens, dim]
+        self._filled: set[int] = set()
+        self._fill(0)
+
+    def _fill(self, layer: int) -> None:
+        if layer not in self._filled:
+            self._filled.add(layer)
+            super().update(*self._fetch(layer), layer)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # noqa: ANN001
+        self._fill(layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 @dataclass
 class Served:
     logits: torch.Tensor  # [new tokens, vocab]: logits of every token the engine computed
@@ -48,6 +72,7 @@ class Served:
     host_hit: int  # tokens loaded back from the host
     model_s: float = 0.0  # seconds in the model's forward pass
     daemon_s: float = 0.0  # seconds in daemon calls (match, load back, alloc, insert, release)
+    load_wait_s: float = 0.0  # seconds the model waited for layers of a load (in model_s)
 
 
 class ReferenceEngine:
@@ -57,15 +82,22 @@ class ReferenceEngine:
         self.model = build_model(client, seed)
         self.page_size = client.config.page_size
 
-    def _cache_from_pool(self, slots: torch.Tensor) -> DynamicCache:
-        cache = DynamicCache()
+    def _cache_from_pool(
+        self, slots: torch.Tensor, load: LoadTicket | None, waited: list[float]
+    ) -> DynamicCache:
         if not len(slots):
-            return cache
-        for layer in range(len(self.pools.k_buffer)):
+            return DynamicCache()
+
+        def fetch(layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if load is not None:
+                t0 = time.perf_counter()
+                self.client.wait_layer(load, layer)
+                waited[0] += time.perf_counter() - t0
             k = self.pools.k_buffer[layer][slots].permute(1, 0, 2).unsqueeze(0)
             v = self.pools.v_buffer[layer][slots].permute(1, 0, 2).unsqueeze(0)
-            cache.update(k.clone(), v.clone(), layer)
-        return cache
+            return k, v  # fancy indexing copied them: the pool may change afterwards
+
+        return PoolPrefixCache(fetch)
 
     def _write_new_kv(self, cache: DynamicCache, start: int, slots: torch.Tensor) -> None:
         for layer, entry in enumerate(cache.layers):
@@ -77,17 +109,20 @@ class ReferenceEngine:
         hc, tokens = self.client, np.asarray(tokens, dtype=np.int32)
         t0 = time.perf_counter()
         m = hc.match_prefix(tokens)
-        loaded = hc.load_back(m)
-        prefix = m.device_indices if loaded is None else torch.cat([m.device_indices, loaded])
+        load = hc.load_back_async(m)  # returns at once; layers are awaited in the forward pass
+        prefix = m.device_indices if load is None else torch.cat([m.device_indices, load.slots])
         try:
             reuse = len(prefix)
             if reuse == len(tokens):  # a full hit still computes its last page for logits
                 reuse -= self.page_size
             t1 = time.perf_counter()
-            cache = self._cache_from_pool(prefix[:reuse])
+            waited = [0.0]
+            cache = self._cache_from_pool(prefix[:reuse], load, waited)
             ids = torch.from_numpy(tokens[reuse:].astype(np.int64)).unsqueeze(0)
             positions = torch.arange(reuse, len(tokens)).unsqueeze(0)
             out = self.model(ids, cache=cache, position_ids=positions, use_cache=True)
+            if load is not None:
+                hc.wait_load(load)  # even a layer the model did not read: before insert
             t2 = time.perf_counter()
             new = hc.alloc(len(tokens) - reuse)
             t3 = time.perf_counter()
@@ -97,10 +132,10 @@ class ReferenceEngine:
         finally:
             hc.release(m)
         t5 = time.perf_counter()
-        host = 0 if loaded is None else len(loaded)
+        host = 0 if load is None else len(load.slots)
         # reading and writing the shared pool is the engine's own work, not the daemon's
         daemon = (t1 - t0) + (t3 - t2) + (t5 - t4)
-        return Served(out.logits[0], reuse, m.device_hit_length, host, t2 - t1, daemon)
+        return Served(out.logits[0], reuse, m.device_hit_length, host, t2 - t1, daemon, waited[0])
 
     @torch.no_grad()
     def recompute(self, tokens: np.ndarray) -> torch.Tensor:

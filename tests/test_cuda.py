@@ -50,3 +50,73 @@ def test_daemon_exports_its_cuda_pool(tmp_path):
             assert torch.all(pools.k_buffer[0][slots.cuda()] == 5.0)
     finally:
         stop_daemon(proc)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+def test_gpu_copiers_equal_the_reference_both_ways(layout, backend):
+    from hicache.copiers import DirectCopier, KernelCopier
+    from hicache.kernels import copy_pages_all_layers, page_runs
+    from hicache.pools import DevicePool, HostPool
+
+    cfg = HiCacheConfig(
+        num_layers=3,
+        num_kv_heads=3,
+        head_dim=40,
+        dtype="bfloat16",
+        page_size=16,
+        device="cuda",
+        device_tokens=16 * 32,
+        host_layout=layout,
+    )
+    dev, host = DevicePool(cfg), HostPool(cfg)
+    assert host.buffer.is_pinned()
+    dev.buffer.copy_(torch.randint(0, 255, dev.buffer.shape, dtype=torch.uint8))
+    host.buffer.copy_(torch.randint(0, 255, host.buffer.shape, dtype=torch.uint8))
+    copier = KernelCopier() if backend == "kernel" else DirectCopier()
+    d_pages = torch.tensor([5, 6, 7, 0, 31, 2])
+    h_pages = torch.tensor([9, 10, 11, 3, 0, 60])
+    runs = page_runs(d_pages.numpy(), h_pages.numpy())
+    on = "cuda" if backend == "kernel" else "cpu"
+    for src, dst, sp, dp, r in (
+        (dev, host, d_pages, h_pages, runs),
+        (host, dev, h_pages, d_pages, [(b, a, n) for a, b, n in runs]),
+    ):
+        want = dst.page_view.cpu().clone()
+        copy_pages_all_layers(src.page_view.cpu(), want, sp, dp)
+        copier.copy_all(src.page_view, dst.page_view, sp.to(on), dp.to(on), r)
+        torch.cuda.synchronize()
+        assert torch.equal(dst.page_view.cpu().view(torch.int16), want.view(torch.int16))
+
+
+def test_cuda_engine_publishes_layers_and_acks():
+    import numpy as np
+
+    from hicache.progress import LayerProgress
+
+    cfg = HiCacheConfig(
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype="float16",
+        page_size=16,
+        device="cuda",
+        device_tokens=16 * 64,
+        load_back_threshold=1,
+    )
+    with HiRadixCache(cfg) as cache:
+        cache.engine.progress = table = LayerProgress(np.zeros(64, dtype=np.int64), 4)
+        slots = cache.alloc(64)
+        cache.device_pool.layers[:, :, slots.cuda()] = 2.0
+        cache.insert(list(range(64)), slots)
+        cache.engine.wait(list(cache.records))
+        cache.poll()
+        cache.evict(1000)
+        m = cache.match_prefix(list(range(64)))
+        loaded = cache.load_back(m.last_host_node)
+        ticket = cache.load_ticket(m.last_host_node)
+        assert table.wait_layer(ticket, 3, timeout=30)
+        assert torch.all(cache.device_pool.layers[:, :, loaded.cuda()] == 2.0)
+        cache.wait_load(m.last_host_node)
+        assert not cache.records
+        cache.check_integrity()

@@ -1,11 +1,14 @@
 """Transfer engines: copies run in the background, acks come only through poll."""
 
 import numpy as np
+import pytest
 import torch
 
 from hicache import HiCacheConfig, HiRadixCache
 from hicache.backing import SharedMemoryBacking
+from hicache.copiers import CpuCopier
 from hicache.pools import DevicePool, HostPool
+from hicache.progress import LayerProgress, LoadFailed
 from hicache.transfer import Direction
 from hicache.transfer_cpu import ThreadTransferEngine
 from hicache.transfer_manual import ManualTransferEngine
@@ -42,15 +45,30 @@ def test_thread_engine_copies_every_layer_and_acks_once():
     engine.close()
 
 
-def test_thread_engine_reports_a_failed_copy_and_keeps_running():
+class FailingCopier(CpuCopier):
+    def copy_layer(self, *args) -> None:  # noqa: ANN002
+        raise RuntimeError("injected copy failure")
+
+
+def test_thread_engine_refuses_bad_pages_and_reports_a_failed_copy():
     dev, host = pools()
     engine = ThreadTransferEngine(dev, host)
-    bad = engine.submit(Direction.LOAD, np.array([1]), np.array([10_000]))  # no such host page
+    engine.progress = table = LayerProgress(np.zeros(8, dtype=np.int64), CFG.num_layers)
+    with pytest.raises(IndexError):  # no such host page: refused before anything runs
+        engine.submit(Direction.LOAD, np.array([1]), np.array([10_000]))
+    assert engine.pending() == 0
+    engine.copier = FailingCopier()
+    bad = engine.submit(Direction.LOAD, np.array([1]), np.array([0]))
+    engine.wait([bad], timeout=10)
+    engine.copier = CpuCopier()
     good = engine.submit(Direction.LOAD, np.array([1]), np.array([0]))
-    engine.wait([bad, good], timeout=10)
+    engine.wait([good], timeout=10)
     acks = {a.ticket: a for a in engine.poll()}
-    assert not acks[bad].ok and "Error" in acks[bad].error
+    assert not acks[bad].ok and "injected" in acks[bad].error
     assert acks[good].ok
+    with pytest.raises(LoadFailed):  # a reader in another process learns it too
+        table.layers_done(bad)
+    assert table.layers_done(good) == CFG.num_layers
     engine.close()
 
 
