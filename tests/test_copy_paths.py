@@ -145,3 +145,41 @@ def test_kernel_wrapper_checks_its_input():
     assert torch.equal(host.buffer, before)
     triton_copy.copy_pages_triton(dev.page_view, host.page_view, ok[0][:0], ok[1][:0])  # no-op
     assert torch.equal(host.buffer, before)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "direct", pytest.param("kernel", marks=interpreted)])
+def test_a_cache_round_trips_kv_with_every_backend(backend):
+    from tests.conftest import make_cache, put, settle, values_at
+
+    cache = make_cache(manual=False, page_size=4, transfer_backend=backend)
+    try:
+        assert cache.engine.copier.name == backend
+        tokens = list(range(1, 17))
+        put(cache, tokens)
+        settle(cache)
+        want = torch.tensor(np.array(tokens) * 10 + np.arange(16), dtype=torch.float32)
+        cache.evict(1 << 10)  # backed up, now host only
+        m = cache.match_prefix(tokens)
+        assert (m.device_hit_length, m.host_hit_length) == (0, 16)
+        loaded = cache.load_back(m.last_host_node)
+        cache.wait_load(m.last_host_node)
+        assert torch.equal(values_at(cache, loaded)[0, 0], want)
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_backend_choice_is_validated_at_config_time(monkeypatch):
+    from hicache.copiers import resolve_backend
+
+    with pytest.raises(ValueError, match="transfer_backend"):
+        HiCacheConfig(num_layers=1, num_kv_heads=1, head_dim=2, transfer_backend="fastest")
+    with pytest.raises(ValueError, match="transfer_backend"):
+        HiCacheConfig(
+            num_layers=1, num_kv_heads=1, head_dim=2, transfer_backend="cpu", device="cuda"
+        )
+    cfg = HiCacheConfig(num_layers=1, num_kv_heads=1, head_dim=2, transfer_backend="kernel")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        resolve_backend(cfg)
+    assert resolve_backend(cfg.replace(transfer_backend="auto")).value == "cpu"
