@@ -21,6 +21,7 @@ import contextlib
 import os
 import threading
 from dataclasses import fields
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -29,9 +30,10 @@ import torch
 from hicache.backing import AttachedSharedMemory
 from hicache.client.connection import Connection, DaemonTimeout
 from hicache.client.pools import AttachedPools, attach_pools, attach_progress
-from hicache.client.results import LoadTicket, Match
+from hicache.client.results import LoadTicket, Match, PageFrame
 from hicache.config import HiCacheConfig
 from hicache.endpoints import env_endpoint
+from hicache.fastpath import common_tokens
 from hicache.progress import LayerProgress
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
@@ -110,22 +112,28 @@ class HiCacheClient:
     def match_batch(
         self, batch: list, namespaces: list | None = None, lock: bool = True
     ) -> list[Match]:
-        arrays = [np.asarray(t, dtype=np.int32) for t in batch]
+        arrays = [np.ascontiguousarray(t, dtype=np.int32) for t in batch]
         fields = {
             "lengths": [len(a) for a in arrays],
             "lock": lock,
             "namespaces": namespaces or [None] * len(arrays),
         }
-        tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        if len(arrays) == 1:
+            tokens = arrays[0]
+        else:  # a prefix shared with the previous prompt (a system prompt) travels once
+            shared = [0] + [
+                common_tokens(a, b, 0) for a, b in zip(arrays[:-1], arrays[1:], strict=True)
+            ]
+            if any(shared):
+                fields["shared"] = shared
+                arrays = [a[s:] for a, s in zip(arrays, shared, strict=True)]
+            tokens = np.concatenate(arrays)
         reply, out = self.conn.call(Op.MATCH, fields, [tokens_frame(tokens)])
-        pages, chunks, pos = np.frombuffer(out[0].buffer, dtype=np.int64), [], 0
-        for n in reply.fields["chunk_pages"]:  # views of the one frame, no copy
-            chunks.append(pages[pos : pos + n])
-            pos += n
-        ps = self._page_size
-        matches = []
-        for dev, host, lock_id, ids in reply.fields["results"]:
-            matches.append(Match([chunks[i] for i in ids], ps, dev, host, lock_id))
+        starts = list(accumulate(reply.fields["chunk_pages"], initial=0))
+        frame = PageFrame(np.frombuffer(out[0].buffer, dtype=np.int64), starts, self._page_size)
+        matches = [
+            Match(frame, ids, dev, host, lock) for dev, host, lock, ids in reply.fields["results"]
+        ]
         return matches
 
     def load_back(self, match: Match) -> torch.Tensor | None:

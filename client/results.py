@@ -8,28 +8,34 @@ import numpy as np
 import torch
 
 
+class PageFrame(NamedTuple):
+    """A match reply's page ids: every distinct node's pages once, shared by its Matches."""
+
+    pages: np.ndarray  # int64 page ids of the distinct nodes, concatenated (a view of the reply)
+    starts: list[int]  # node i's pages are pages[starts[i]:starts[i + 1]]
+    page_size: int  # slot = page * page_size + offset
+
+
 class Match:
     """A prefix match. The prefix's pages arrive as page ids (page_size times smaller than
-    slots); ``device_indices`` expands them to token slots on first use. Read-only."""
+    slots); ``device_pages`` and ``device_indices`` are built on first use. Read-only."""
 
-    __slots__ = ("device_hit_length", "host_hit_length", "lock_id", "_chunks", "_ps", "_pages")
+    __slots__ = ("device_hit_length", "host_hit_length", "lock_id", "_frame", "_ids", "_pages")
 
-    def __init__(
-        self, chunks: list[np.ndarray], page_size: int, device: int, host: int, lock_id: int
-    ):
+    def __init__(self, frame: PageFrame, ids: list[int], device: int, host: int, lock_id: int):
         self.device_hit_length = device  # tokens cached on the device
         self.host_hit_length = host  # tokens after those, cached on the host only (load_back)
         self.lock_id = lock_id  # the session's lock on this prefix (0: not locked)
-        self._chunks = chunks  # page ids of the prefix, node by node (views of the reply)
-        self._ps = page_size
+        self._frame = frame
+        self._ids = ids  # the nodes of the prefix, in order (indices into the frame)
         self._pages: np.ndarray | None = None
 
     def _page_array(self) -> np.ndarray:
         if self._pages is None:
-            chunks = self._chunks
+            pages, starts = self._frame.pages, self._frame.starts
+            parts = [pages[starts[i] : starts[i + 1]] for i in self._ids]
             # a copy: the caller owns a writable array, and the reply frame can go
-            one = len(chunks) == 1
-            self._pages = chunks[0].copy() if one else np.concatenate(chunks or [_NONE])
+            self._pages = parts[0].copy() if len(parts) == 1 else np.concatenate(parts or [_NONE])
         return self._pages
 
     @property
@@ -40,7 +46,7 @@ class Match:
     @property
     def device_indices(self) -> torch.Tensor:
         """int64 token slots of the device-resident prefix: page * page_size + offset."""
-        pages, ps = self._page_array(), self._ps
+        pages, ps = self._page_array(), self._frame.page_size
         if ps > 1:
             pages = (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
         return torch.from_numpy(pages)

@@ -22,6 +22,7 @@ from hicache.protocol import (
     split,
     split_tokens,
 )
+from hicache.tokens import check_token_bytes
 
 Frames = list[Any]
 Result = tuple[dict[str, Any], Frames]
@@ -87,7 +88,8 @@ class CacheOpsMixin:
     # ---- match, load, insert ----
     def match(self, session: Session, fields: dict, frames: Frames) -> Result:
         _need_frames(frames, 1, "match")
-        batch = split_tokens(frames[0], fields.get("lengths"))
+        batch = split_tokens(frames[0], fields.get("lengths"), fields.get("shared"))
+        check_token_bytes(frames[0])  # every key is built from this frame: one pass for all
         spaces = self._namespaces(fields, len(batch))
         lock = fields.get("lock", True) is not False
         match_key = self.cache.match_key
@@ -95,7 +97,7 @@ class CacheOpsMixin:
         # each distinct node's page ids, and each result lists the chunks its prefix is made of.
         results, chunks, index = [], [], {}
         for tokens, space in zip(batch, spaces, strict=True):
-            m = match_key(tokens, space)
+            m = match_key(tokens, space, True)
             if m.loading:  # another session's load still writes this prefix: let it land
                 self.cache.wait_load(m.last_device_node)
             lock_id = 0

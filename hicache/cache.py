@@ -21,7 +21,6 @@ from hicache.backing import Backing
 from hicache.config import HiCacheConfig
 from hicache.copiers import Copier, make_copier
 from hicache.eviction_policy import LeafHeap, make_priority
-from hicache.fastpath import min_token
 from hicache.insert import InsertMixin
 from hicache.integrity import check_cache_integrity
 from hicache.node import IO_LOAD, TreeNode
@@ -29,7 +28,7 @@ from hicache.pools import DevicePool, HostPool
 from hicache.radix_tree import Namespace, RadixTree
 from hicache.stats import CacheStats, Counters
 from hicache.tiering import TieringMixin
-from hicache.tokens import TokenIds, as_slots, as_tokens
+from hicache.tokens import TokenIds, as_slots, as_tokens, check_token_bytes
 from hicache.transfer import TransferEngine
 from hicache.transfer_book import TransferBookMixin
 from hicache.transfer_cpu import ThreadTransferEngine
@@ -155,14 +154,14 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         """
         return self._match(as_tokens(token_ids).tobytes(), namespace)
 
-    def match_key(self, key: bytes, namespace: Namespace = None) -> MatchResult:
+    def match_key(
+        self, key: bytes, namespace: Namespace = None, checked: bool = False
+    ) -> MatchResult:
         """match_prefix for token ids already packed as int32 little-endian bytes (the wire
-        form): no array on the way. Raises ValueError for a ragged key or a negative id."""
-        if len(key) % 4:
-            raise ValueError(f"token_ids: {len(key)} bytes are not whole int32 ids")
-        lowest = min_token(key)
-        if lowest < 0:
-            raise ValueError(f"token_ids: negative id {lowest}")
+        form): no array on the way. Raises ValueError for a ragged key or a negative id;
+        ``checked=True``: the caller validated the ids already (one pass over a whole batch)."""
+        if not checked:
+            check_token_bytes(key)
         return self._match(key, namespace)
 
     def _match(self, key: bytes, namespace: Namespace) -> MatchResult:

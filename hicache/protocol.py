@@ -39,7 +39,8 @@ class Op(IntEnum):
     GOODBYE = 3
     # A batch travels as one frame per array kind, sequences concatenated, with their lengths in
     # the header: per-frame costs, not bytes, dominate small messages.
-    MATCH = 4  # frame: token ids; fields: lengths, namespaces, lock -> frame: page ids (int64)
+    MATCH = 4  # frame: token ids; fields: lengths, shared (optional: leading tokens each sequence
+    # takes from the previous one instead of the frame), namespaces, lock -> frame: page ids (int64)
     # of the distinct nodes matched; fields: chunk_pages (pages per node), results
     # [device_len, host_len, lock_id, chunk ids]. Slot = page * page_size + offset.
     LOAD_BACK = 5  # fields: lock_id (from a match), wait (default true) -> frame: slots of the
@@ -202,27 +203,51 @@ def split(values: np.ndarray, lengths: Any, what: str) -> list[np.ndarray]:
     return out
 
 
-def split_tokens(frame: bytes, lengths: Any) -> list[bytes]:
+def split_tokens(frame: bytes, lengths: Any, shared: Any = None) -> list[bytes]:
     """Cut a token frame into per-sequence int32 LE byte strings (the tree's key form), with no
-    numpy on the way: the match path keys the tree with these bytes directly."""
+    numpy on the way: the match path keys the tree with these bytes directly.
+
+    ``shared[i]`` (optional) tokens of sequence i are the first ones of sequence i - 1 and are
+    not in the frame: a batch whose prompts share a system prompt sends it once.
+    """
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"token ids frame of {len(frame)} bytes")
     if type(frame) is not bytes:
         frame = bytes(frame)  # the daemon receives bytes; tests may pass other buffers
-    if type(lengths) is list and len(lengths) == 1 and lengths[0] * 4 == len(frame):
-        return [frame]
+    if shared is None and type(lengths) is list and len(lengths) == 1:
+        if lengths[0] * 4 == len(frame):
+            return [frame]
+    shared = _check_shared(lengths, shared)
+    if sum(lengths) - sum(shared) != len(frame) // 4 or len(frame) % 4:
+        raise ProtocolError(ErrorCode.BAD_FIELD, "lengths: must be ints summing to the token ids")
+    out, pos, prev = [], 0, b""
+    for n, s in zip(lengths, shared, strict=True):
+        take = 4 * (n - s)
+        key = frame[pos : pos + take] if not s else prev[: 4 * s] + frame[pos : pos + take]
+        pos += take
+        out.append(key)
+        prev = key
+    return out
+
+
+def _check_shared(lengths: Any, shared: Any) -> list[int]:
     if (
         not isinstance(lengths, list)
         or len(lengths) > MAX_BATCH
         or not all(type(n) is int and n >= 0 for n in lengths)
-        or sum(lengths) * 4 != len(frame)
     ):
-        raise ProtocolError(ErrorCode.BAD_FIELD, "lengths: must be ints summing to the token ids")
-    out, pos = [], 0
-    for n in lengths:
-        out.append(frame[pos : pos + 4 * n])
-        pos += 4 * n
-    return out
+        raise ProtocolError(ErrorCode.BAD_FIELD, "lengths: must be a list of ints >= 0")
+    if shared is None:
+        return [0] * len(lengths)
+    if not isinstance(shared, list) or len(shared) != len(lengths):
+        raise ProtocolError(ErrorCode.BAD_FIELD, "shared: must be a list as long as lengths")
+    for i, s in enumerate(shared):
+        limit = min(lengths[i], lengths[i - 1]) if i else 0
+        if type(s) is not int or not 0 <= s <= limit:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"shared[{i}]: expected an int in [0, {limit}]"
+            )
+    return shared
 
 
 def decode_slots(frame: bytes | memoryview) -> np.ndarray:

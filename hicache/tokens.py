@@ -57,6 +57,15 @@ def as_tokens(token_ids: TokenIds) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def check_token_bytes(key: bytes | memoryview) -> None:
+    """Raise ValueError unless ``key`` is whole int32 ids, none negative (the wire form)."""
+    if len(key) % 4:
+        raise ValueError(f"token_ids: {len(key)} bytes are not whole int32 ids")
+    lowest = min_token(key)
+    if lowest < 0:
+        raise ValueError(f"token_ids: negative id {lowest}")
+
+
 def as_slots(indices: object, name: str = "device_indices") -> np.ndarray:
     """Slot indices as a 1-D int64 array; raises InvalidIndicesError for anything else."""
     if indices is None:

@@ -20,6 +20,7 @@ from hicache.protocol import (
     encode_reply,
     encode_request,
     slots_frame,
+    split_tokens,
     tokens_frame,
 )
 
@@ -77,3 +78,34 @@ def test_malformed_array_frames():
     with pytest.raises(ProtocolError) as err:
         decode_slots(memoryview(bytearray(MAX_FRAME_BYTES + 8)))
     assert err.value.code is ErrorCode.TOO_LARGE
+
+
+def test_split_tokens_rebuilds_sequences_that_share_a_prefix():
+    seqs = [np.arange(1, 9), np.r_[np.arange(1, 6), [70, 71]], np.arange(1, 4), [9, 9]]
+    seqs = [np.asarray(s, dtype=np.int32) for s in seqs]
+    shared = [0, 5, 3, 0]
+    frame = np.concatenate([s[k:] for s, k in zip(seqs, shared, strict=True)]).tobytes()
+    keys = split_tokens(frame, [len(s) for s in seqs], shared)
+    assert keys == [s.tobytes() for s in seqs]
+    plain = [frame[:32], frame[32:40], b"", frame[40:44], frame[44:48], b""]
+    assert split_tokens(frame, [8, 2, 0, 1, 1, 0], None) == plain
+
+
+@pytest.mark.parametrize(
+    ("lengths", "shared"),
+    [
+        ([8, 7], [1, 5]),  # the first sequence has nothing before it
+        ([8, 7], [0, 8]),  # more than the sequence holds
+        ([3, 7], [0, 4]),  # more than the previous sequence holds
+        ([8, 7], [0]),  # not one per sequence
+        ([8, 7], [0, -1]),
+        ([8, 7], [0, 2.0]),
+        ([8, 8], [0, 0]),  # lengths do not add up to the frame
+        ("8", None),
+    ],
+)
+def test_split_tokens_refuses_inconsistent_sharing(lengths, shared):
+    frame = np.arange(15, dtype=np.int32).tobytes()
+    with pytest.raises(ProtocolError) as err:
+        split_tokens(frame, lengths, shared)
+    assert err.value.code == ErrorCode.BAD_FIELD
