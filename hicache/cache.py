@@ -177,17 +177,19 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             key = key[: aligned * 4]
         path, covered = self.tree.walk(root, key)
         chunks = []  # the device nodes' immutable slots: joined only if the caller asks
+        unbacked = False  # a device node without a host copy (a backup may be due)
         for node in path:
             node.hit_count += 1
             if node.device_slots is not None:  # residency is prefix-closed: these come first
                 chunks.append(node.device_slots)
+                unbacked = unbacked or node.host_pages is None
         n_dev = len(chunks)
         dev, host = path[:n_dev], path[n_dev:]
         last_dev = dev[-1] if dev else root
         self._push_device(last_dev)
         if host:
             self._push_host(host[-1])
-        if self.write_policy.backup_threshold is not None and self.host_alloc is not None:
+        if unbacked and self.host_alloc is not None and self.write_policy.backup_threshold:
             for node in host:  # keep the host part alive while a backup may evict host leaves
                 node.host_ref += 1
             self._backup_hot(dev)
