@@ -153,15 +153,30 @@ class HiCacheClient:
         if not reply.fields["loaded"]:
             return None
         layers = int(self.info["config"]["num_layers"])
-        return LoadTicket(_slots(out[0]), int(reply.fields["ticket"]), layers)
+        events = tuple(reply.fields.get("events") or ())
+        return LoadTicket(_slots(out[0]), int(reply.fields["ticket"]), layers, events)
 
     def wait_layer(self, load: LoadTicket, layer: int, timeout: float | None = None) -> None:
         """Block until ``layer`` of ``load`` is on the device, read from the daemon's shared
-        progress table (no message). Raises DaemonTimeout, or LoadFailed when the copy failed."""
+        progress table (no message). Raises DaemonTimeout, or LoadFailed when the copy failed.
+
+        CUDA pools: when the daemon sent the layer's IPC event, the current CUDA stream waits on
+        it instead (on the GPU; this call returns at once and later kernels see the layer)."""
         if not load.ticket:
+            return
+        if load.events and self._stream_waits(load.events[layer]):
             return
         if not self._progress().wait_layer(load.ticket, layer, timeout):
             raise DaemonTimeout(f"layer {layer} of load {load.ticket} not ready in {timeout} s")
+
+    def _stream_waits(self, handle: bytes) -> bool:
+        try:
+            device = torch.device(self.info["config"]["device"])
+            event = torch.cuda.Event.from_ipc_handle(device, handle)
+        except (RuntimeError, AssertionError):  # the load finished and its event is gone
+            return False
+        torch.cuda.current_stream(device).wait_event(event)
+        return True
 
     def wait_load(self, load: LoadTicket, timeout: float | None = None) -> None:
         """Block until every layer of ``load`` is on the device."""

@@ -67,3 +67,4 @@ class LoadTicket(NamedTuple):
     slots: torch.Tensor  # int64 device slots of the loaded part, in token order
     ticket: int  # the daemon's transfer ticket; 0 when the KV was already complete
     num_layers: int  # layers the load copies
+    events: tuple[bytes, ...] = ()  # CUDA pools: IPC handles of per-layer events (may be empty)

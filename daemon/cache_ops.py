@@ -137,13 +137,17 @@ class CacheOpsMixin:
         if loaded is None or not len(loaded):
             return none
         ticket = self.cache.load_ticket(record.host_node) or 0
+        events = self.cache.engine.layer_handles(ticket) if ticket else None
         if wait:
             self.cache.wait_load(record.host_node)
-            ticket = 0
+            ticket, events = 0, None
         self.cache.inc_lock_ref(record.host_node)  # the lock now covers the loaded part
         self.cache.dec_lock_ref(record.node)
         record.node = record.host_node
-        return {"loaded": len(loaded), "ticket": ticket}, [slots_frame(loaded)]
+        fields = {"loaded": len(loaded), "ticket": ticket}
+        if events:
+            fields["events"] = events  # opaque CUDA IPC handles, one per layer
+        return fields, [slots_frame(loaded)]
 
     def insert(self, session: Session, fields: dict, frames: Frames) -> Result:
         """Insert each sequence in turn; a bad one stops the batch with an error reply, and the

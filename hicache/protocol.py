@@ -45,7 +45,7 @@ class Op(IntEnum):
     # [device_len, host_len, lock_id, chunk ids]. Slot = page * page_size + offset.
     LOAD_BACK = 5  # fields: lock_id (from a match), wait (default true) -> frame: slots of the
     # loaded part; fields: loaded, ticket (wait=false: read layers once the progress table
-    # shows them; 0: complete)
+    # shows them; 0: complete), events (CUDA pools: one IPC event handle per layer)
     ALLOC = 6  # fields: num_tokens -> slots frame
     ALLOC_EXTEND = 7  # frames: prefix_lens, seq_lens, last_loc (int64) -> slots frame
     ALLOC_DECODE = 8  # frames: seq_lens, last_loc (int64) -> slots frame

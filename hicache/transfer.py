@@ -147,6 +147,10 @@ class TransferEngine(ABC):
         """Block until these copies finished (their acks still come from poll). False on
         timeout."""
 
+    def layer_handles(self, ticket: Ticket) -> list[bytes] | None:
+        """Handles another process can wait on per layer (CUDA IPC events); None here."""
+        return None
+
     @abstractmethod
     def layers_done(self, ticket: Ticket) -> int:
         """Layers of a load already on the device (num_layers once finished or unknown)."""

@@ -6,8 +6,10 @@ also one event per layer); its index tensors stay referenced by the job until it
 the caching allocator cannot hand their memory out while a copy may still read them.
 ``poll`` only queries events: the control loop never blocks on the GPU.
 
-Layer progress for other processes: a watcher thread waits on each load's layer events in
-turn (``Event.synchronize`` releases the GIL) and publishes them to the shared progress table.
+Layer progress for other processes, two ways: the per-layer events are interprocess events
+whose IPC handles the daemon hands to the engine (its stream then waits on the GPU), and a
+watcher thread waits on each load's layer events in turn (``Event.synchronize`` releases the
+GIL) and publishes them to the shared progress table, the fallback that always works.
 
 Cross-process rule: KV an engine wrote into the device pool must be complete (the engine
 synchronized its stream) before it inserts those slots: a backup may start at once.
@@ -83,7 +85,7 @@ class CudaTransferEngine(TransferEngine):
             return
         for layer in range(self.num_layers):
             self.run_layer(job, layer)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(interprocess=True)  # engines may wait on it on their GPU
             event.record(stream)
             flight.layers.append(event)
 
@@ -117,6 +119,14 @@ class CudaTransferEngine(TransferEngine):
         flight = self._flights.get(ticket)
         if flight is not None and flight.layers:
             flight.layers[layer].synchronize()
+
+    def layer_handles(self, ticket: Ticket) -> list[bytes] | None:
+        """CUDA IPC handles of a load's per-layer events: an engine's stream can wait on layer i
+        on the GPU (``torch.cuda.Event.from_ipc_handle``), without a CPU round trip."""
+        flight = self._flights.get(ticket)
+        if flight is None or not flight.layers:
+            return None
+        return [bytes(event.ipc_handle()) for event in flight.layers]
 
     def layers_done(self, ticket: Ticket) -> int:
         flight = self._flights.get(ticket)

@@ -120,3 +120,32 @@ def test_cuda_engine_publishes_layers_and_acks():
         cache.wait_load(m.last_host_node)
         assert not cache.records
         cache.check_integrity()
+
+
+def test_layerwise_load_through_a_cuda_daemon(tmp_path):
+    from hicache.client import HiCacheClient
+    from tests.daemon_helpers import start_daemon, stop_daemon
+
+    ep = f"ipc://{tmp_path}/cuda-layers.sock"
+    proc = start_daemon(ep, "--device", "cuda")
+    try:
+        with HiCacheClient(ep) as hc:
+            pools = hc.attach()
+            tokens = list(range(1, 33))
+            slots = hc.alloc(32)
+            for layer in range(len(pools.k_buffer)):
+                pools.k_buffer[layer][slots.cuda()] = float(layer + 1)
+            torch.cuda.synchronize()  # KV complete before insert: a backup may start at once
+            hc.insert(tokens, slots)
+            hc.evict(device_tokens=1 << 20)
+            m = hc.match_prefix(tokens)
+            load = hc.load_back_async(m)
+            assert load is not None and len(load.slots) == 32
+            for layer in range(load.num_layers):
+                hc.wait_layer(load, layer, timeout=30)
+                got = pools.k_buffer[layer][load.slots.cuda()]  # ordered after the wait
+                assert torch.all(got == float(layer + 1))
+            hc.release(m)
+            assert hc.stats(check=True)["integrity"] == "ok"
+    finally:
+        stop_daemon(proc)
