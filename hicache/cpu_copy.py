@@ -43,32 +43,15 @@ def copy_pages_c(
     (other device, dtype or shape, non-contiguous rows). Raises IndexError, copying nothing,
     for a page outside either view. Releases the GIL while copying.
     """
-    if not USE_C or src.device.type != "cpu" or dst.device.type != "cpu":
-        return False
-    if src.dim() != 5 or src.shape != dst.shape[:2] + src.shape[2:3] + dst.shape[3:]:
-        return False
-    if src.dtype != dst.dtype or src.stride(4) != 1 or dst.stride(4) != 1:
-        return False
-    if len(src_pages) != len(dst_pages):
+    if not _fits(src, dst, src_pages, dst_pages):
         return False
     for pages, view in ((src_pages, src), (dst_pages, dst)):
         if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= view.shape[2]):
             raise IndexError("page outside the view")
     layers = range(src.shape[1]) if layers is None else layers
     item = src.element_size()
-    kvs, _, _, tokens, width = src.shape
-    s0, d0 = src.data_ptr(), dst.data_ptr()
-    bases = np.array(
-        [
-            (
-                s0 + (kv * src.stride(0) + layer * src.stride(1)) * item,
-                d0 + (kv * dst.stride(0) + layer * dst.stride(1)) * item,
-            )
-            for layer in layers
-            for kv in range(kvs)
-        ],
-        dtype=np.int64,
-    )
+    _, _, _, tokens, width = src.shape
+    bases = _view_addresses(src, dst, layers)
     total = len(bases) * len(src_pages) * tokens * width * item
     _copy.copy_pages(
         bases,
@@ -84,3 +67,34 @@ def copy_pages_c(
         total >= STREAM_MIN_BYTES,
     )
     return True
+
+
+def _fits(
+    src: torch.Tensor, dst: torch.Tensor, src_pages: np.ndarray, dst_pages: np.ndarray
+) -> bool:
+    """Whether the C copy can take these views: CPU, 5-D, same shape but for the page count,
+    same dtype, contiguous rows, as many source as destination pages."""
+    if not USE_C or src.device.type != "cpu" or dst.device.type != "cpu":
+        return False
+    if src.dim() != 5 or src.shape != dst.shape[:2] + src.shape[2:3] + dst.shape[3:]:
+        return False
+    if src.dtype != dst.dtype or src.stride(4) != 1 or dst.stride(4) != 1:
+        return False
+    return len(src_pages) == len(dst_pages)
+
+
+def _view_addresses(src: torch.Tensor, dst: torch.Tensor, layers: range) -> np.ndarray:
+    """(src, dst) byte address of every (layer, kv) view, as the C copy takes them."""
+    item = src.element_size()
+    s0, d0 = src.data_ptr(), dst.data_ptr()
+    return np.array(
+        [
+            (
+                s0 + (kv * src.stride(0) + layer * src.stride(1)) * item,
+                d0 + (kv * dst.stride(0) + layer * dst.stride(1)) * item,
+            )
+            for layer in layers
+            for kv in range(src.shape[0])
+        ],
+        dtype=np.int64,
+    )
