@@ -225,11 +225,15 @@ def _unmap(backing: SharedMemoryBacking | AttachedSharedMemory) -> None:
         backing._mm = None
 
 
+HOST_REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
 def register_pinned(buf: torch.Tensor) -> int | None:
     """Page-lock a CPU buffer with CUDA when a GPU is present; returns the registered address."""
     if not torch.cuda.is_available() or buf.numel() == 0:
         return None
-    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
+    # portable (every device) and mapped: the Triton copy kernel reads and writes it in place
+    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), HOST_REGISTER_FLAGS)
     return buf.data_ptr() if int(err) == 0 else None
 
 
