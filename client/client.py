@@ -33,7 +33,7 @@ from hicache.client.pools import AttachedPools, attach_pools, attach_progress
 from hicache.client.results import LoadTicket, Match, PageFrame
 from hicache.config import HiCacheConfig
 from hicache.endpoints import env_endpoint
-from hicache.fastpath import common_tokens
+from hicache.fastpath import pack_shared
 from hicache.progress import LayerProgress
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
@@ -121,14 +121,11 @@ class HiCacheClient:
         if len(arrays) == 1:
             tokens = arrays[0]
         else:  # a prefix shared with the previous prompt (a system prompt) travels once
-            shared = [0] + [
-                common_tokens(a, b, 0) for a, b in zip(arrays[:-1], arrays[1:], strict=True)
-            ]
+            tokens, shared = pack_shared(arrays)
             if any(shared):
                 fields["shared"] = shared
-                arrays = [a[s:] for a, s in zip(arrays, shared, strict=True)]
-            tokens = np.concatenate(arrays)
-        reply, out = self.conn.call(Op.MATCH, fields, [tokens_frame(tokens)])
+        frame = tokens if type(tokens) is bytes else tokens_frame(tokens)
+        reply, out = self.conn.call(Op.MATCH, fields, [frame])
         starts = list(accumulate(reply.fields["chunk_pages"], initial=0))
         frame = PageFrame(np.frombuffer(out[0].buffer, dtype=np.int64), starts, self._page_size)
         matches = [

@@ -145,11 +145,94 @@ static PyObject *load_acquire(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(v);
 }
 
+/* pack_shared(buffers) -> (bytes, shared): int32 sequences concatenated, each without the
+ * leading tokens it shares with the previous one; shared[i] counts those tokens. */
+static PyObject *pack_shared(PyObject *self, PyObject *args) {
+    PyObject *list;
+    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &list)) return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(list), total = 0;
+    Py_buffer *bufs = PyMem_Calloc(k ? k : 1, sizeof(Py_buffer));
+    Py_ssize_t *shared = PyMem_Calloc(k ? k : 1, sizeof(Py_ssize_t));
+    PyObject *out = NULL, *counts = NULL, *result = NULL;
+    Py_ssize_t got = 0;
+    if (bufs == NULL || shared == NULL) { PyErr_NoMemory(); goto done; }
+    for (; got < k; got++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(list, got), &bufs[got], PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (bufs[got].len % 4) { PyErr_SetString(PyExc_ValueError, "not int32 data"); got++; goto done; }
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        Py_ssize_t n = 0;
+        if (i) {
+            const int32_t *a = bufs[i - 1].buf, *b = bufs[i].buf;
+            Py_ssize_t limit = bufs[i].len < bufs[i - 1].len ? bufs[i].len / 4 : bufs[i - 1].len / 4;
+            while (n < limit && a[n] == b[n]) n++;
+        }
+        shared[i] = n;
+        total += bufs[i].len - 4 * n;
+    }
+    out = PyBytes_FromStringAndSize(NULL, total);
+    counts = PyList_New(k);
+    if (out == NULL || counts == NULL) goto done;
+    char *dst = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < k; i++) {
+        Py_ssize_t skip = 4 * shared[i];
+        memcpy(dst, (const char *)bufs[i].buf + skip, bufs[i].len - skip);
+        dst += bufs[i].len - skip;
+        PyList_SET_ITEM(counts, i, PyLong_FromSsize_t(shared[i]));
+    }
+    result = PyTuple_Pack(2, out, counts);
+done:
+    for (Py_ssize_t i = 0; i < got && bufs; i++)
+        if (bufs[i].obj) PyBuffer_Release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(shared);
+    Py_XDECREF(out);
+    Py_XDECREF(counts);
+    return result;
+}
+
+/* unpack_shared(frame, lengths, shared) -> list[bytes]: the inverse of pack_shared. The caller
+ * has checked that the lists are consistent with each other and with the frame's size. */
+static PyObject *unpack_shared(PyObject *self, PyObject *args) {
+    Py_buffer f;
+    PyObject *lengths, *shared;
+    if (!PyArg_ParseTuple(args, "y*O!O!", &f, &PyList_Type, &lengths, &PyList_Type, &shared))
+        return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(lengths), pos = 0;
+    PyObject *out = PyList_New(k), *prev = NULL;
+    if (out == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        Py_ssize_t n = 4 * PyLong_AsSsize_t(PyList_GET_ITEM(lengths, i));
+        Py_ssize_t s = 4 * PyLong_AsSsize_t(PyList_GET_ITEM(shared, i));
+        if (PyErr_Occurred()) goto fail;
+        if (s < 0 || s > n || pos + n - s > f.len || (s && (prev == NULL || s > PyBytes_GET_SIZE(prev)))) {
+            PyErr_SetString(PyExc_ValueError, "lengths and shared do not match the frame");
+            goto fail;
+        }
+        PyObject *key = PyBytes_FromStringAndSize(NULL, n);
+        if (key == NULL) goto fail;
+        if (s) memcpy(PyBytes_AS_STRING(key), PyBytes_AS_STRING(prev), s);
+        memcpy(PyBytes_AS_STRING(key) + s, (const char *)f.buf + pos, n - s);
+        pos += n - s;
+        PyList_SET_ITEM(out, i, key);  /* the list owns it; prev borrows */
+        prev = key;
+    }
+    PyBuffer_Release(&f);
+    return out;
+fail:
+    PyBuffer_Release(&f);
+    Py_XDECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"common_bytes", common_bytes, METH_VARARGS, "Length of the common prefix of a, b[offset:]."},
     {"min_int32", min_int32, METH_VARARGS, "Smallest int32 of a buffer (0 if none is negative)."},
     {"store_release", store_release, METH_VARARGS, "Store an int64 word with release order."},
     {"load_acquire", load_acquire, METH_VARARGS, "Load an int64 word with acquire order."},
+    {"pack_shared", pack_shared, METH_VARARGS, "Concatenate int32 sequences minus shared prefixes."},
+    {"unpack_shared", unpack_shared, METH_VARARGS, "Rebuild the sequences pack_shared packed."},
     {"page_ids", page_ids, METH_VARARGS, "Page ids of whole-page int64 slot chunks."},
     {"whole_pages", whole_pages, METH_VARARGS, "Validate page-shaped slots; page ids or code."},
     {NULL, NULL, 0, NULL},

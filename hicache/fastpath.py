@@ -40,6 +40,32 @@ def page_ids(chunks: list[bytes], page_size: int) -> bytes:
     return (slots[::page_size] // page_size).tobytes()
 
 
+def pack_shared(arrays: list[np.ndarray]) -> tuple[bytes, list[int]]:
+    """Contiguous int32 sequences as one byte string, each without the leading tokens it shares
+    with the previous sequence, and those counts (a batch's system prompt travels once)."""
+    if USE_C:
+        return _fast.pack_shared(arrays)
+    if not arrays:
+        return b"", []
+    shared = [0] + [common_tokens(a, b, 0) for a, b in zip(arrays[:-1], arrays[1:], strict=True)]
+    return b"".join(a[s:].tobytes() for a, s in zip(arrays, shared, strict=True)), shared
+
+
+def unpack_shared(frame: bytes, lengths: list[int], shared: list[int]) -> list[bytes]:
+    """The sequences pack_shared packed, as int32 byte strings. The caller has checked that
+    ``lengths`` and ``shared`` agree with each other and with the frame."""
+    if USE_C:
+        return _fast.unpack_shared(frame, lengths, shared)
+    out, pos, prev = [], 0, b""
+    for n, s in zip(lengths, shared, strict=True):
+        take = 4 * (n - s)
+        key = frame[pos : pos + take] if not s else prev[: 4 * s] + frame[pos : pos + take]
+        pos += take
+        out.append(key)
+        prev = key
+    return out
+
+
 def common_tokens(node_key: bytes, key: bytes, pos: int) -> int:
     """How many leading int32 tokens ``node_key`` and ``key[pos:]`` share."""
     if USE_C:

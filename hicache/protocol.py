@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
+from hicache.fastpath import unpack_shared
+
 PROTOCOL_VERSION = 1
 
 # Liveness (seconds). A session's lease is renewed by any message; clients heartbeat at
@@ -220,14 +222,7 @@ def split_tokens(frame: bytes, lengths: Any, shared: Any = None) -> list[bytes]:
     shared = _check_shared(lengths, shared)
     if sum(lengths) - sum(shared) != len(frame) // 4 or len(frame) % 4:
         raise ProtocolError(ErrorCode.BAD_FIELD, "lengths: must be ints summing to the token ids")
-    out, pos, prev = [], 0, b""
-    for n, s in zip(lengths, shared, strict=True):
-        take = 4 * (n - s)
-        key = frame[pos : pos + take] if not s else prev[: 4 * s] + frame[pos : pos + take]
-        pos += take
-        out.append(key)
-        prev = key
-    return out
+    return unpack_shared(frame, lengths, shared)
 
 
 def _check_shared(lengths: Any, shared: Any) -> list[int]:

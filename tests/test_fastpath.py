@@ -113,3 +113,30 @@ def test_page_ids_of_whole_page_chunks(use_c, ps, pages):
         mp.setattr(fastpath, "USE_C", use_c)
         got = np.frombuffer(fastpath.page_ids(chunks, ps), dtype=np.int64)
     assert got.tolist() == [p for c in pages for p in c]
+
+
+@pytest.mark.parametrize("use_c", [pytest.param(True, marks=needs_c), False])
+@settings(max_examples=100, deadline=None)
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 3), max_size=9), max_size=6),
+)
+def test_pack_and_unpack_shared_round_trip(use_c, seqs):
+    arrays = [np.array(s, dtype=np.int32) for s in seqs]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastpath, "USE_C", use_c)
+        frame, shared = fastpath.pack_shared(arrays)
+        keys = fastpath.unpack_shared(frame, [len(a) for a in arrays], shared)
+    assert keys == [a.tobytes() for a in arrays]
+    for i, s in enumerate(shared):  # the longest prefix shared with the previous sequence
+        prev = seqs[i - 1] if i else []
+        assert seqs[i][:s] == prev[:s]
+        assert s == len(seqs[i]) or s == len(prev) or seqs[i][s] != prev[s]
+    assert len(frame) == 4 * (sum(map(len, seqs)) - sum(shared))
+
+
+@needs_c
+def test_unpack_shared_refuses_inconsistent_counts():
+    frame = np.arange(6, dtype=np.int32).tobytes()
+    for lengths, shared in (([3, 4], [0, 4]), ([3, 9], [0, 0]), ([3, 4], [2, 1])):
+        with pytest.raises(ValueError):
+            fastpath._fast.unpack_shared(frame, lengths, shared)
