@@ -29,8 +29,8 @@ from hicache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 log = logging.getLogger("hicache.daemon")
 # pyzmq's send_multipart/recv_multipart do enum flag arithmetic in Python for every frame; the
 # backend methods with int flags do the same work in half the time (measured: 7 vs 15 us).
-_send, _recv, _get = zmq.backend.Socket.send, zmq.backend.Socket.recv, zmq.backend.Socket.get
-SNDMORE, RCVMORE = int(zmq.SNDMORE), int(zmq.RCVMORE)
+_send, _recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
+SNDMORE = int(zmq.SNDMORE)
 # Frames below this are copied into the message: a zero-copy send makes pyzmq wake its garbage
 # thread to release the buffer later, which costs more than a memcpy of up to a MiB here.
 COPY_BELOW = 1 << 20
@@ -137,10 +137,12 @@ class Daemon:
 
     def _recv_frames(self) -> list[bytes]:
         """One multipart message; raises zmq.Again after RCVTIMEO."""
-        sock = self.sock
-        parts = [_recv(sock, 0)]
-        while _get(sock, RCVMORE):
-            parts.append(_recv(sock, 0))
+        sock = self.sock  # Frame.more, not getsockopt(RCVMORE): that costs 2 us per frame
+        frame = _recv(sock, 0, False)
+        parts = [frame.bytes]
+        while frame.more:
+            frame = _recv(sock, 0, False)
+            parts.append(frame.bytes)
         return parts
 
     def _send_frames(self, frames: list) -> None:

@@ -48,12 +48,14 @@ def wait_until(predicate, timeout=20.0):
 def test_socket_is_private_and_shutdown_cleans_up(tmp_path):
     ep = f"ipc://{tmp_path}/d.sock"
     proc = start_daemon(ep)
-    assert stat.S_IMODE(os.stat(tmp_path / "d.sock").st_mode) == 0o600
-    segments = [
-        n for n in os.listdir("/dev/shm") if n.startswith(f"hicache-{os.getuid()}-{proc.pid}-")
-    ]
-    assert sorted(s.rsplit("-", 1)[1] for s in segments) == ["device", "host", "progress"]
-    assert "stopped" in stop_daemon(proc)
+    try:
+        assert stat.S_IMODE(os.stat(tmp_path / "d.sock").st_mode) == 0o600
+        mine = f"hicache-{os.getuid()}-{proc.pid}-"
+        segments = [n for n in os.listdir("/dev/shm") if n.startswith(mine)]
+        assert sorted(s.rsplit("-", 1)[1] for s in segments) == ["device", "host", "progress"]
+    finally:
+        output = stop_daemon(proc)  # a failed check must not leave a daemon behind
+    assert "stopped" in output
     assert not (tmp_path / "d.sock").exists()
     assert not any(os.path.exists(f"/dev/shm/{n}") for n in segments)
 
