@@ -21,7 +21,6 @@ import contextlib
 import os
 import threading
 from dataclasses import fields
-from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -43,6 +42,8 @@ from hicache.protocol import (
     slots_frame,
     tokens_frame,
 )
+
+_TOKEN = np.dtype("<i4")  # token ids travel as int32 little-endian
 
 
 def _slots(frame: Any) -> torch.Tensor:
@@ -107,31 +108,31 @@ class HiCacheClient:
 
     # ---- cache operations ----
     def match_prefix(self, token_ids: Any, namespace: Any = None, lock: bool = True) -> Match:
-        return self.match_batch([token_ids], [namespace], lock)[0]
+        tokens = np.ascontiguousarray(token_ids, dtype=_TOKEN)  # sent as it is: no copy
+        fields = {"lengths": [len(tokens)], "lock": lock, "namespaces": [namespace]}
+        return self._matches(fields, tokens)[0]
 
     def match_batch(
         self, batch: list, namespaces: list | None = None, lock: bool = True
     ) -> list[Match]:
-        arrays = [np.ascontiguousarray(t, dtype=np.int32) for t in batch]
+        arrays = [np.ascontiguousarray(t, dtype=_TOKEN) for t in batch]
         fields = {
             "lengths": [len(a) for a in arrays],
             "lock": lock,
             "namespaces": namespaces or [None] * len(arrays),
         }
-        if len(arrays) == 1:
-            tokens = arrays[0]
-        else:  # a prefix shared with the previous prompt (a system prompt) travels once
-            tokens, shared = pack_shared(arrays)
-            if any(shared):
-                fields["shared"] = shared
-        frame = tokens if type(tokens) is bytes else tokens_frame(tokens)
-        reply, out = self.conn.call(Op.MATCH, fields, [frame])
-        starts = list(accumulate(reply.fields["chunk_pages"], initial=0))
-        frame = PageFrame(np.frombuffer(out[0].buffer, dtype=np.int64), starts, self._page_size)
-        matches = [
+        # a prefix shared with the previous prompt (a system prompt) travels once
+        tokens, shared = pack_shared(arrays)
+        if any(shared):
+            fields["shared"] = shared
+        return self._matches(fields, tokens)
+
+    def _matches(self, fields: dict, tokens: Any) -> list[Match]:
+        reply, out = self.conn.call(Op.MATCH, fields, [tokens])
+        frame = PageFrame(out[0], reply.fields["chunk_pages"], self._page_size)
+        return [
             Match(frame, ids, dev, host, lock) for dev, host, lock, ids in reply.fields["results"]
         ]
-        return matches
 
     def load_back(self, match: Match) -> torch.Tensor | None:
         """Load the host part of a locked match; returns its device slots once they hold the

@@ -2,18 +2,33 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from itertools import accumulate
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 
-class PageFrame(NamedTuple):
-    """A match reply's page ids: every distinct node's pages once, shared by its Matches."""
+class PageFrame:
+    """A match reply's page ids: every distinct node's pages once, shared by its Matches.
+    Decoded on first use: a caller that only reads hit lengths never pays for it."""
 
-    pages: np.ndarray  # int64 page ids of the distinct nodes, concatenated (a view of the reply)
-    starts: list[int]  # node i's pages are pages[starts[i]:starts[i + 1]]
-    page_size: int  # slot = page * page_size + offset
+    __slots__ = ("page_size", "_frame", "_counts", "_pages", "_starts")
+
+    def __init__(self, frame: Any, counts: list[int], page_size: int):
+        self.page_size = page_size  # slot = page * page_size + offset
+        self._frame = frame  # the reply frame: int64 page ids of the distinct nodes
+        self._counts = counts  # pages of each distinct node, in frame order
+        self._pages: np.ndarray | None = None
+        self._starts: list[int] = []
+
+    def node_pages(self, ids: list[int]) -> list[np.ndarray]:
+        """Views of the page ids of nodes ``ids`` (indices into this frame)."""
+        if self._pages is None:
+            self._pages = np.frombuffer(self._frame.buffer, dtype=np.int64)
+            self._starts = list(accumulate(self._counts, initial=0))
+        pages, starts = self._pages, self._starts
+        return [pages[starts[i] : starts[i + 1]] for i in ids]
 
 
 class Match:
@@ -32,8 +47,7 @@ class Match:
 
     def _page_array(self) -> np.ndarray:
         if self._pages is None:
-            pages, starts = self._frame.pages, self._frame.starts
-            parts = [pages[starts[i] : starts[i + 1]] for i in self._ids]
+            parts = self._frame.node_pages(self._ids)
             # a copy: the caller owns a writable array, and the reply frame can go
             self._pages = parts[0].copy() if len(parts) == 1 else np.concatenate(parts or [_NONE])
         return self._pages
