@@ -236,12 +236,18 @@ def _check_shared(lengths: Any, shared: Any) -> list[int]:
         return [0] * len(lengths)
     if not isinstance(shared, list) or len(shared) != len(lengths):
         raise ProtocolError(ErrorCode.BAD_FIELD, "shared: must be a list as long as lengths")
-    for i, s in enumerate(shared):
-        limit = min(lengths[i], lengths[i - 1]) if i else 0
-        if type(s) is not int or not 0 <= s <= limit:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD, f"shared[{i}]: expected an int in [0, {limit}]"
-            )
+    # whole-list checks (a batch has up to MAX_BATCH entries): each at most what its sequence
+    # and the previous one hold, none before the first sequence
+    if (
+        not all(type(s) is int for s in shared)
+        or (shared and shared[0] != 0)
+        or min(shared, default=0) < 0
+        or any(s > n for s, n in zip(shared, lengths, strict=True))
+        or any(s > n for s, n in zip(shared[1:], lengths, strict=False))
+    ):
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, "shared: ints, 0 first, each at most its and the previous length"
+        )
     return shared
 
 
