@@ -23,6 +23,7 @@ from hicache.protocol import (
     split_tokens,
 )
 from hicache.tokens import check_token_bytes
+from hicache.types import MatchResult
 
 Frames = list[Any]
 Result = tuple[dict[str, Any], Frames]
@@ -96,23 +97,26 @@ class CacheOpsMixin:
         # A node shared by several matches (a system prompt) travels once: the reply frame holds
         # each distinct node's page ids, and each result lists the chunks its prefix is made of.
         results, chunks, index = [], [], {}
+        add_result, seen = results.append, index.get
         for tokens, space in zip(batch, spaces, strict=True):
             m = match_key(tokens, space, True)
             if m.loading:  # another session's load still writes this prefix: let it land
                 self.cache.wait_load(m.last_device_node)
-            lock_id = 0
-            if lock:
-                self.cache.inc_lock_ref(m.last_device_node)
-                lock_id = session.add_lock(self.LockRecord(m.last_device_node, m.last_host_node))
+            lock_id = self._lock(session, m) if lock else 0
             ids = []
             for chunk in m.slot_chunks:  # the nodes' own immutable bytes, alive meanwhile
-                i = index.get(id(chunk))
+                i = seen(id(chunk))
                 if i is None:
                     i = index[id(chunk)] = len(chunks)
                     chunks.append(chunk)
                 ids.append(i)
-            results.append([m.device_hit_length, m.host_hit_length, lock_id, ids])
+            add_result([m.device_hit_length, m.host_hit_length, lock_id, ids])
         return self._match_reply(results, chunks)
+
+    def _lock(self, session: Session, m: MatchResult) -> int:
+        """Lock a match's device prefix for ``session``; returns the lock id."""
+        self.cache.inc_lock_ref(m.last_device_node)
+        return session.add_lock(self.LockRecord(m.last_device_node, m.last_host_node))
 
     def _match_reply(self, results: list, chunks: list[bytes]) -> Result:
         """Pages, not slots, travel: page_size times fewer bytes; the client expands them."""
