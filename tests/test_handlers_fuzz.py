@@ -38,6 +38,8 @@ field_names = st.sampled_from(
     [
         "num_tokens",
         "lengths",
+        "shared",
+        "wait",
         "namespaces",
         "lock",
         "lock_id",

@@ -78,6 +78,7 @@ def test_a_reader_process_reads_each_layer_before_the_last_is_copied(gated_daemo
     write_sequence(endpoint, tokens)
     with HiCacheClient(endpoint, name="admin") as hc:
         hc.evict(device_tokens=1 << 20)  # the prefix now lives on the host only
+    daemon.cache.device_pool.buffer.fill_(0xFF)  # freed pages keep old KV: poison them
     out = SPAWN.Queue()
     proc = SPAWN.Process(target=reader, args=(endpoint, tokens, gates, out))
     proc.start()
@@ -108,3 +109,31 @@ def test_a_waiting_reader_times_out_and_a_failed_load_is_reported(gated_daemon):
         for gate in gates:
             gate.set()
         hc.release(m)
+
+
+def test_a_match_on_a_prefix_still_loading_waits_for_the_load(gated_daemon):
+    endpoint, gates, daemon = gated_daemon
+    tokens = list(range(200, 232))
+    write_sequence(endpoint, tokens)
+    want = kv_value(np.array(tokens))
+    with (
+        HiCacheClient(endpoint, name="first") as first,
+        HiCacheClient(endpoint, name="second") as second,
+    ):
+        first.evict(device_tokens=1 << 20)
+        daemon.cache.device_pool.buffer.fill_(0xFF)  # freed pages keep old KV: poison them
+        m1 = first.match_prefix(tokens)
+        load = first.load_back_async(m1)  # copying blocked at layer 0: every gate is closed
+        pools = second.attach()
+        opener = threading.Timer(0.5, lambda: [g.set() for g in gates])
+        opener.start()  # the second match below holds the daemon until the load has landed
+        m2 = second.match_prefix(tokens)
+        got = [pools.k_buffer[layer][m2.device_indices][:, 0, 0] for layer in range(LAYERS)]
+        opener.join()  # (read before this: a match that did not wait would read garbage)
+        assert (m2.device_hit_length, m2.host_hit_length) == (32, 0)
+        assert torch.equal(m2.device_indices, load.slots)
+        for layer in range(LAYERS):
+            assert torch.equal(got[layer], want + layer)
+        second.release(m2)
+        first.release(m1)
+        assert first.stats(check=True)["integrity"] == "ok"
