@@ -77,6 +77,7 @@ def test_another_process_reads_the_bytes_an_engine_wrote(endpoint):
             assert torch.equal(pools.v_buffer[layer][m.device_indices][:, 1, 3], -want - layer)
         hc.release(m)
         hc.evict(device_tokens=1 << 20)  # forced: the prefix now lives on the host only
+        pools.device.buffer.fill_(0x7F)  # freed pages keep old KV: poison them
         m = hc.match_prefix(tokens)
         assert (m.device_hit_length, m.host_hit_length) == (0, 28)
         loaded = hc.load_back(m)

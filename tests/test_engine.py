@@ -58,6 +58,7 @@ def test_cached_prefix_logits_equal_a_full_recompute(tmp_path, ps, policy):
                 check(engine, p1)
                 check(engine, p2)
             hc.evict(device_tokens=1 << 20)  # forced: every unlocked prefix moves to the host
+            engine.pools.device.buffer.fill_(0x7F)  # freed pages keep old KV: poison them
             served = check(engine, p1)  # host hit: loaded back
             assert served.device_hit == 0 and served.host_hit == len(p1) // ps * ps
             p3 = np.concatenate([p2, rng.integers(0, 512, 10, dtype=np.int32)])
