@@ -18,9 +18,12 @@ static PyObject *min_int32(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*", &b)) return NULL;
     const int32_t *v = (const int32_t *)b.buf;
     Py_ssize_t n = b.len / 4;
-    int32_t lo = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (v[i] < lo) lo = v[i];
+    int32_t any = 0, lo = 0;
+    for (Py_ssize_t i = 0; i < n; i++)  /* OR of sign bits: vectorizes with plain SSE2 */
+        any |= v[i];
+    if (any < 0)  /* some id is negative (rare): find the smallest for the error message */
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (v[i] < lo) lo = v[i];
     PyBuffer_Release(&b);
     return PyLong_FromLong(lo);
 }
@@ -164,9 +167,12 @@ static PyObject *pack_shared(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < k; i++) {
         Py_ssize_t n = 0;
         if (i) {
-            const int32_t *a = bufs[i - 1].buf, *b = bufs[i].buf;
-            Py_ssize_t limit = bufs[i].len < bufs[i - 1].len ? bufs[i].len / 4 : bufs[i - 1].len / 4;
-            while (n < limit && a[n] == b[n]) n++;
+            const char *a = bufs[i - 1].buf, *b = bufs[i].buf;
+            Py_ssize_t bytes = bufs[i].len < bufs[i - 1].len ? bufs[i].len : bufs[i - 1].len;
+            Py_ssize_t at = 0;  /* whole 8-byte words first, then the tokens of the last one */
+            while (at + 8 <= bytes && memcmp(a + at, b + at, 8) == 0) at += 8;
+            n = at / 4;
+            while (n < bytes / 4 && ((const int32_t *)a)[n] == ((const int32_t *)b)[n]) n++;
         }
         shared[i] = n;
         total += bufs[i].len - 4 * n;
