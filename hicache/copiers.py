@@ -2,8 +2,8 @@
 
 One is chosen at config time from ``transfer_backend`` (``make_copier``), never per copy:
 
-    cpu     C memcpy per page (hicache/_copy.c, multithreaded), or slice copies when the pages
-            form a few long runs; torch gather/scatter where C is missing. CPU pools only.
+    cpu     C page copies (hicache/_copy.c: all layers in one call, threads, consecutive pages
+            merged); without C, slice copies per run or a torch gather/scatter. CPU pools only.
     direct  one slice copy per run of pages consecutive on both sides, nothing else: on a GPU
             each is one cudaMemcpyAsync, and no kernel ever touches host memory.
     kernel  the Triton page-copy kernel (kernels/triton_copy.py); on the CPU only under
