@@ -9,7 +9,11 @@ from __future__ import annotations
 import torch
 
 
-def _check(src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor):
+def check_page_views(
+    src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor
+) -> None:
+    """Raise ValueError unless ``src`` and ``dst`` are 5-D page views of one shape (but for the
+    page count) and dtype, and the page lists are 1-D and of equal length."""
     if src.dim() != 5 or dst.dim() != 5:
         raise ValueError("page views must be 5-D [kv, layers, pages, page_size, width]")
     if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
@@ -24,7 +28,7 @@ def copy_pages_all_layers(
     src: torch.Tensor, dst: torch.Tensor, src_pages: torch.Tensor, dst_pages: torch.Tensor
 ) -> None:
     """dst[:, :, dst_pages] = src[:, :, src_pages] for every layer (a backup)."""
-    _check(src, dst, src_pages, dst_pages)
+    check_page_views(src, dst, src_pages, dst_pages)
     for layer in range(src.shape[1]):
         copy_pages_one_layer(src, dst, src_pages, dst_pages, layer)
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from hicache.kernels.reference import check_page_views
+
 try:
     import triton
     import triton.language as tl
@@ -79,16 +81,9 @@ def check_copy(
 ) -> None:
     """Raise ValueError / IndexError unless the copy is well formed (devices, dtypes, shapes,
     strides, page bounds, layer range). Reads the page ids (a sync when they are on a GPU)."""
-    if src.dim() != 5 or dst.dim() != 5:
-        raise ValueError("page views must be 5-D [kv, layers, pages, page_size, width]")
-    if src.shape[:2] != dst.shape[:2] or src.shape[3:] != dst.shape[3:]:
-        raise ValueError(f"page views differ in shape: {tuple(src.shape)} vs {tuple(dst.shape)}")
-    if src.dtype != dst.dtype:
-        raise ValueError(f"dtype mismatch: {src.dtype} vs {dst.dtype}")
+    check_page_views(src, dst, src_pages, dst_pages)  # dims, shapes, dtypes, list lengths
     if src.stride(4) != 1 or dst.stride(4) != 1:
         raise ValueError("the innermost (width) dimension must be contiguous on both sides")
-    if src_pages.dim() != 1 or src_pages.shape != dst_pages.shape:
-        raise ValueError("src_pages and dst_pages must be 1-D and of equal length")
     if src_pages.dtype != torch.int64 or dst_pages.dtype != torch.int64:
         raise ValueError("page ids must be int64")
     if not (0 <= layers.start <= layers.stop <= src.shape[1]) or layers.step != 1:

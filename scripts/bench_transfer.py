@@ -23,7 +23,7 @@ import torch
 
 from hicache import HiCacheConfig
 from hicache.copiers import Copier, CpuCopier, DirectCopier, KernelCopier
-from hicache.kernels import copy_pages_all_layers, page_runs
+from hicache.kernels import copy_pages_one_layer, page_runs
 from hicache.pools import DevicePool, HostPool
 
 PAGES = 1024
@@ -45,10 +45,7 @@ class Reference(Copier):
     name = "reference"
 
     def copy_layer(self, src, dst, sp, dp, runs, layer) -> None:  # noqa: ANN001
-        raise NotImplementedError
-
-    def copy_all(self, src, dst, sp, dp, runs) -> None:  # noqa: ANN001
-        copy_pages_all_layers(src, dst, sp, dp)
+        copy_pages_one_layer(src, dst, sp, dp, layer)
 
 
 def patterns(host_pages: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
