@@ -185,10 +185,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
                 unbacked = unbacked or node.host_pages is None
         n_dev = len(chunks)
         dev, host = path[:n_dev], path[n_dev:]
-        last_dev = dev[-1] if dev else root
-        self._push_device(last_dev)
-        if host:
-            self._push_host(host[-1])
+        last_dev = dev[-1] if dev else root  # no heap push: pops re-key touched nodes
         if unbacked and self.host_alloc is not None and self.write_policy.backup_threshold:
             for node in host:  # keep the host part alive while a backup may evict host leaves
                 node.host_ref += 1

@@ -1,10 +1,15 @@
 """Eviction order and the lazy heap of candidate leaves.
 
 Why a lazy heap: SGLang collects and heapifies every leaf on each evict() call, which is linear
-in the tree size. Here a node is pushed whenever it may have become a candidate or its priority
-changed; stale entries (node changed, left the tree, or is no longer a candidate) are skipped
-when popped. Each entry carries the priority it was pushed with, so a node that was touched
-again is evicted by its newest priority only. The heap is rebuilt when garbage dominates.
+in the tree size. Here a node is pushed whenever it may have become a candidate; entries of
+nodes that are no longer candidates (locked, given a child, left the tree) are skipped when
+popped. The heap is rebuilt when garbage dominates.
+
+Why a match pushes nothing: every policy's priority of a node only grows (access times and hit
+counts never go back, creation times never change). So an entry keeps a lower bound of its
+node's priority, and when the smallest entry is popped with an outdated priority, the node is
+pushed again with its current one instead of being evicted. A hit costs no heap operation; only
+nodes touched since their push pay, and only when eviction reaches them.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ def make_priority(config: HiCacheConfig) -> Priority:
 class LeafHeap:
     """Min-heap of eviction candidates for one tier, with lazy deletion.
 
-    The owner calls ``push(node)`` after any change that can make ``node`` a candidate or move
-    its priority, and passes its candidate test to ``pop``.
+    The owner calls ``push(node)`` after any change that can make ``node`` a candidate, and
+    passes its candidate test to ``pop``. Invariant: every candidate has an entry whose priority
+    is at most its current one (priorities only grow).
     """
 
     def __init__(self, priority: Priority):
@@ -55,8 +61,12 @@ class LeafHeap:
         heap, priority = self._heap, self._priority
         while heap:
             prio, _, node = heapq.heappop(heap)
-            if is_candidate(node) and prio == priority(node):
+            if not is_candidate(node):
+                continue
+            now = priority(node)
+            if prio == now:
                 return node
+            heapq.heappush(heap, (now, node.id, node))  # touched since its push: re-key
         return None
 
     def rebuild(self, candidates: Iterable[TreeNode]) -> None:

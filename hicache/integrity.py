@@ -109,17 +109,25 @@ def _check_pages(alloc: PagedAllocator, arrays: list[np.ndarray], tier: str) -> 
 
 
 def _check_heaps(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
-    """Every eviction candidate has a heap entry at its current priority (lazy heaps)."""
+    """Every eviction candidate has a heap entry at or below its current priority (lazy heaps
+    whose entries are re-keyed when popped)."""
     for heap, is_candidate, tier in (
         (cache.device_heap, cache._device_candidate, "device"),
         (cache.host_heap, cache._host_candidate, "host"),
     ):
         if tier == "host" and cache.host_alloc is None:
             continue
-        entries = {(e[1], e[0]) for e in heap._heap}
+        lowest: dict[int, object] = {}
+        for prio, node_id, _ in heap._heap:
+            if node_id not in lowest or prio < lowest[node_id]:
+                lowest[node_id] = prio
         for node in nodes:
-            if is_candidate(node) and (node.id, heap._priority(node)) not in entries:
+            if not is_candidate(node):
+                continue
+            if node.id not in lowest:
                 _fail(f"{node}: {tier} eviction candidate missing from the heap")
+            if lowest[node.id] > heap._priority(node):
+                _fail(f"{node}: {tier} heap entry above the node's priority")
 
 
 def check_cache_integrity(cache: HiRadixCache) -> None:
