@@ -13,13 +13,14 @@ import numpy as np
 
 from hicache.allocator import PagedAllocator, PageState
 from hicache.errors import DoubleFreeError, InvalidIndicesError
+from hicache.node import TreeNode
 
 try:
-    from hicache import _fast
+    from hicache import _fast, _tree
 except ImportError:  # built without a C compiler
-    _fast = None
+    _fast = _tree = None
 
-USE_C = _fast is not None and not os.environ.get("HICACHE_NO_C")
+USE_C = _fast is not None and _tree is not None and not os.environ.get("HICACHE_NO_C")
 
 
 def min_token(tokens: np.ndarray | bytes) -> int:
@@ -75,6 +76,24 @@ def common_tokens(node_key: bytes, key: bytes, pos: int) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if len(diff) else n
+
+
+def descend(node: TreeNode, key: bytes, pos: int, page_bytes: int, now: int):
+    """From ``node``, follow every child that ``key[pos:]`` covers whole, stamping its
+    last_access with ``now``. Returns (those children, the key position after them); stops
+    before a child that is missing or matched only in part. Mutates: last_access only."""
+    if USE_C:
+        return _tree.descend(node, key, pos, page_bytes, now)
+    path, end = [], len(key)
+    while pos + page_bytes <= end:
+        child = node.children.get(key[pos : pos + page_bytes])
+        if child is None or not key.startswith(child.key, pos):
+            break
+        child.last_access = now
+        path.append(child)
+        pos += len(child.key)
+        node = child
+    return path, pos
 
 
 def claim_pages(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from hicache.fastpath import common_tokens
+from hicache.fastpath import common_tokens, descend
 from hicache.node import TreeNode
 
 Namespace = str | int | bytes | None
@@ -30,10 +30,6 @@ class RadixTree:
         self.evictable_tokens = 0  # device tokens in nodes with lock_ref == 0
         self.protected_tokens = 0  # device tokens in nodes with lock_ref > 0
         self.num_nodes = 0  # nodes in the tree, roots excluded
-        self.version = 0  # bumped by every structural change (split, add, remove)
-        # The last walk: (version, root, key bytes covered, path). An engine inserts right
-        # after matching the same prefix; the insert's walk resumes where the match stopped.
-        self._memo: tuple | None = None
         self._default_root = self._roots[None] = self._new_node(b"", None, None)
 
     # ---- nodes ----------------------------------------------------------------------------
@@ -77,32 +73,15 @@ class RadixTree:
         always ends on a node boundary. Mutates: splits and access times (not hit counts).
         """
         self.clock = now = self.clock + 1
-        step, path, node, pos, end = self.page_bytes, [], root, 0, len(key)
-        memo = self._memo
-        if memo is not None and memo[0] == self.version and memo[1] is root:
-            if len(memo[2]) <= end and key.startswith(memo[2]):
-                path = memo[3][:]
-                for n in path:
-                    n.last_access = now
-                pos = len(memo[2])
-                node = path[-1] if path else root
-        while pos < end:
-            child = node.children.get(key[pos : pos + step])
-            if child is None:
-                break
-            ckey = child.key
-            if not key.startswith(ckey, pos):
-                # Diverges (or the key ends) inside this node: cut it at the last shared page.
+        path, pos = descend(root, key, 0, self.page_bytes, now)
+        if pos < len(key):
+            parent = path[-1] if path else root
+            child = parent.children.get(key[pos : pos + self.page_bytes])
+            if child is not None:  # diverges (or the key ends) inside it: cut at the last page
                 child = self.split(child, self._common_bytes(child.key, key, pos))
                 child.last_access = now
                 path.append(child)
                 pos += len(child.key)
-                break
-            child.last_access = now
-            path.append(child)
-            pos += len(ckey)
-            node = child
-        self._memo = (self.version, root, key[:pos], path[:])
         return path, pos
 
     def _common_bytes(self, node_key: bytes, key: bytes, pos: int) -> int:
@@ -136,7 +115,6 @@ class RadixTree:
         node.parent = upper
         upper.children[node.key[: self.page_bytes]] = node
         self.num_nodes += 1
-        self.version += 1
         return upper
 
     # ---- adding and removing ----------------------------------------------------------------
@@ -148,7 +126,6 @@ class RadixTree:
         parent.children[key[: self.page_bytes]] = leaf
         self.evictable_tokens += leaf.num_tokens
         self.num_nodes += 1
-        self.version += 1
         return leaf
 
     def remove_leaf(self, node: TreeNode) -> None:
@@ -159,7 +136,6 @@ class RadixTree:
         del parent.children[node.key[: self.page_bytes]]
         node.parent = None
         self.num_nodes -= 1
-        self.version += 1
         if parent.parent is None and not parent.children and parent.namespace is not None:
             del self._roots[parent.namespace]
 

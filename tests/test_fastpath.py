@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hicache import fastpath
 from hicache.allocator import PagedAllocator, PageState
 from hicache.errors import DoubleFreeError, InvalidIndicesError
+from hicache.radix_tree import RadixTree
 
 needs_c = pytest.mark.skipif(fastpath._fast is None, reason="C helpers not built")
 
@@ -140,3 +141,39 @@ def test_unpack_shared_refuses_inconsistent_counts():
     for lengths, shared in (([3, 4], [0, 4]), ([3, 9], [0, 0]), ([3, 4], [2, 1])):
         with pytest.raises(ValueError):
             fastpath._fast.unpack_shared(frame, lengths, shared)
+
+
+@needs_c
+@settings(max_examples=150, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2]),
+    seqs=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=8), max_size=6),
+    query=st.lists(st.integers(0, 2), max_size=10),
+    start=st.integers(0, 3),
+)
+def test_descend_agrees_with_the_python_walk(ps, seqs, query, start):
+    tree = RadixTree(ps)
+    root = tree.root(None)
+    for seq in seqs:  # build the tree through the walk itself: splits, then a new leaf
+        key = np.array(seq[: len(seq) // ps * ps], np.int32).tobytes()
+        path, pos = tree.walk(root, key)
+        if pos < len(key):
+            tree.add_leaf(path[-1] if path else root, key[pos:], b"\0" * 2 * (len(key) - pos))
+    key = np.array(query[: len(query) // ps * ps], np.int32).tobytes()
+    pos = min(start * ps, len(key) // 4 // ps * ps) * 4
+    node = root
+    results = []
+    for now, use_c in ((1001, True), (1002, False)):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fastpath, "USE_C", use_c)
+            path, end = fastpath.descend(node, key, pos, 4 * ps, now)
+        assert all(n.last_access == now for n in path)
+        results.append(([n.id for n in path], end))
+    assert results[0] == results[1]
+    ids, end = results[0]
+    covered = b"".join(n.key for n in path)  # the path is exactly what the key covers whole
+    assert key[pos:end] == covered
+    if end < len(key):
+        parent = path[-1] if path else node
+        child = parent.children.get(key[end : end + 4 * ps])
+        assert child is None or not key.startswith(child.key, end)
