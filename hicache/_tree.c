@@ -3,14 +3,17 @@
  * A match spends most of its time stepping from a node to the child its key continues with:
  * a dict lookup by the next page of token bytes, a prefix compare, an access-time stamp. In
  * Python each step is a dozen bytecodes; here it is a few C calls on the same objects. The
- * tree stays made of Python TreeNode objects: this only reads ``children`` and ``key`` and
- * writes ``last_access``, through ordinary attribute access.
+ * tree stays made of Python TreeNode objects, read and written through ordinary attribute
+ * access; the counting a match does on its path is here too, for the same reason.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
 
-static PyObject *s_children, *s_key, *s_last_access; /* interned attribute names */
+/* interned attribute names */
+static PyObject *s_children, *s_key, *s_last_access, *s_hit_count, *s_device_slots,
+    *s_host_pages, *s_io;
+static PyObject *one; /* the int 1 */
 
 /* The child of ``node`` whose key ``key[pos:]`` starts with, as a new reference; NULL with no
  * error set when there is none (or it is matched only in part), NULL with an error on failure. */
@@ -76,7 +79,60 @@ static PyObject *descend(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* Counts one hit on ``node`` and folds its device state into the tally; 0, or -1 with an error. */
+static int tally_node(PyObject *node, PyObject *chunks, Py_ssize_t *nbytes, int *unbacked,
+                      int *loading, PyObject *io_load) {
+    PyObject *hits = PyObject_GetAttr(node, s_hit_count);
+    if (hits == NULL) return -1;
+    PyObject *more = PyNumber_Add(hits, one);
+    Py_DECREF(hits);
+    if (more == NULL) return -1;
+    int err = PyObject_SetAttr(node, s_hit_count, more);
+    Py_DECREF(more);
+    if (err < 0) return -1;
+    PyObject *slots = PyObject_GetAttr(node, s_device_slots);
+    if (slots == NULL) return -1;
+    if (slots == Py_None) { Py_DECREF(slots); return 0; }
+    if (!PyBytes_Check(slots) || PyList_Append(chunks, slots) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "tally: slots must be bytes");
+        Py_DECREF(slots);
+        return -1;
+    }
+    *nbytes += PyBytes_GET_SIZE(slots);
+    Py_DECREF(slots);
+    PyObject *host = PyObject_GetAttr(node, s_host_pages), *io = PyObject_GetAttr(node, s_io);
+    if (host == NULL || io == NULL) { Py_XDECREF(host); Py_XDECREF(io); return -1; }
+    *unbacked |= host == Py_None;
+    *loading |= io == io_load;
+    Py_DECREF(host);
+    Py_DECREF(io);
+    return 0;
+}
+
+/* tally(path, io_load) -> (chunks, slot_bytes, unbacked, loading)
+ *
+ * A match's bookkeeping over its path: every node's hit_count += 1. Of the device-resident
+ * nodes (they come first): their device_slots in order, those bytes' total, whether one has no
+ * host copy, whether one's ``io`` is ``io_load`` (a load still writing it). */
+static PyObject *tally(PyObject *self, PyObject *args) {
+    PyObject *path, *io_load;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &path, &io_load)) return NULL;
+    PyObject *chunks = PyList_New(0);
+    if (chunks == NULL) return NULL;
+    Py_ssize_t nbytes = 0;
+    int unbacked = 0, loading = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path); i++) {
+        if (tally_node(PyList_GET_ITEM(path, i), chunks, &nbytes, &unbacked, &loading, io_load)) {
+            Py_DECREF(chunks);
+            return NULL;
+        }
+    }
+    return Py_BuildValue("(NnNN)", chunks, nbytes, PyBool_FromLong(unbacked),
+                         PyBool_FromLong(loading));
+}
+
 static PyMethodDef methods[] = {
+    {"tally", tally, METH_VARARGS, "Count a match's hits; its device chunks and their state."},
     {"descend", descend, METH_VARARGS, "Follow the children a key covers whole; (path, pos)."},
     {NULL, NULL, 0, NULL},
 };
@@ -87,6 +143,13 @@ PyMODINIT_FUNC PyInit__tree(void) {
     s_children = PyUnicode_InternFromString("children");
     s_key = PyUnicode_InternFromString("key");
     s_last_access = PyUnicode_InternFromString("last_access");
-    if (!s_children || !s_key || !s_last_access) return NULL;
+    s_hit_count = PyUnicode_InternFromString("hit_count");
+    s_device_slots = PyUnicode_InternFromString("device_slots");
+    s_host_pages = PyUnicode_InternFromString("host_pages");
+    s_io = PyUnicode_InternFromString("io");
+    one = PyLong_FromLong(1);
+    if (!s_children || !s_key || !s_last_access || !s_hit_count || !s_device_slots ||
+        !s_host_pages || !s_io || !one)
+        return NULL;
     return PyModule_Create(&module);
 }

@@ -21,6 +21,7 @@ from hicache.backing import Backing
 from hicache.config import HiCacheConfig
 from hicache.copiers import Copier, make_copier
 from hicache.eviction_policy import LeafHeap, make_priority
+from hicache.fastpath import tally
 from hicache.insert import InsertMixin
 from hicache.integrity import check_cache_integrity
 from hicache.node import IO_LOAD, TreeNode
@@ -165,43 +166,40 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         return self._match(key, namespace)
 
     def _match(self, key: bytes, namespace: Namespace) -> MatchResult:
-        self.counters.match_calls += 1
+        counters = self.counters
+        counters.match_calls += 1
         root = self.tree.root(namespace)
         num_tokens = len(key) >> 2
         aligned = num_tokens // self.page_size * self.page_size
         if root is None or aligned == 0:
-            self.counters.miss_tokens += num_tokens
+            counters.miss_tokens += num_tokens
             node = root or self.tree.root(None)
             return MatchResult([], 0, node, 0, node, False)
         if aligned != num_tokens:
             key = key[: aligned * 4]
         path, covered = self.tree.walk(root, key)
-        chunks = []  # the device nodes' immutable slots: joined only if the caller asks
-        unbacked = False  # a device node without a host copy (a backup may be due)
-        for node in path:
-            node.hit_count += 1
-            if node.device_slots is not None:  # residency is prefix-closed: these come first
-                chunks.append(node.device_slots)
-                unbacked = unbacked or node.host_pages is None
-        n_dev = len(chunks)
-        dev, host = path[:n_dev], path[n_dev:]
-        last_dev = dev[-1] if dev else root  # no heap push: pops re-key touched nodes
+        # chunks: the device nodes' immutable slots (joined only if the caller asks); unbacked:
+        # one of them has no host copy (a backup may be due); loading: a load still writes one
+        chunks, slot_bytes, unbacked, loading = tally(path, IO_LOAD)
+        n_dev = len(chunks)  # device residency is prefix-closed: the device nodes come first
+        last_dev = path[n_dev - 1] if n_dev else root  # no heap push: pops re-key touched nodes
+        last_host = path[-1] if len(path) > n_dev else last_dev
         if unbacked and self.host_alloc is not None and self.write_policy.backup_threshold:
-            for node in host:  # keep the host part alive while a backup may evict host leaves
-                node.host_ref += 1
-            self._backup_hot(dev)
-            for node in host:
-                node.host_ref -= 1
-        dev_len = (len(chunks[0]) if n_dev == 1 else sum(map(len, chunks))) >> 3
-        covered >>= 2
-        counters = self.counters
+            self._backup_after_hit(path, n_dev)
+        dev_len, covered = slot_bytes >> 3, covered >> 2
         counters.hit_device_tokens += dev_len
         counters.hit_host_tokens += covered - dev_len
         counters.miss_tokens += num_tokens - covered
-        loading = bool(self.records) and any(n.io is IO_LOAD for n in dev)
-        return MatchResult(
-            chunks, dev_len, last_dev, covered - dev_len, host[-1] if host else last_dev, loading
-        )
+        return MatchResult(chunks, dev_len, last_dev, covered - dev_len, last_host, loading)
+
+    def _backup_after_hit(self, path: list[TreeNode], n_dev: int) -> None:
+        """write_through_selective: back up the hit's device nodes that reached the threshold."""
+        host = path[n_dev:]
+        for node in host:  # keep the host part alive while a backup may evict host leaves
+            node.host_ref += 1
+        self._backup_hot(path[:n_dev])
+        for node in host:
+            node.host_ref -= 1
 
     # ---- locks -------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> int:

@@ -96,6 +96,24 @@ def descend(node: TreeNode, key: bytes, pos: int, page_bytes: int, now: int):
     return path, pos
 
 
+def tally(path: list[TreeNode], io_load: object) -> tuple[list[bytes], int, bool, bool]:
+    """A match's bookkeeping over its path: every node's hit_count += 1. Of the device nodes
+    (they come first): (their device_slots, those bytes' total, whether one has no host copy,
+    whether one's io is ``io_load``). Mutates: hit counts only."""
+    if USE_C:
+        return _tree.tally(path, io_load)
+    chunks, nbytes, unbacked, loading = [], 0, False, False
+    for node in path:
+        node.hit_count += 1
+        slots = node.device_slots
+        if slots is not None:
+            chunks.append(slots)
+            nbytes += len(slots)
+            unbacked = unbacked or node.host_pages is None
+            loading = loading or node.io is io_load
+    return chunks, nbytes, unbacked, loading
+
+
 def claim_pages(
     alloc: PagedAllocator, raw: bytes, expected: PageState, claim: PageState
 ) -> np.ndarray:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from hicache import fastpath
 from hicache.allocator import PagedAllocator, PageState
 from hicache.errors import DoubleFreeError, InvalidIndicesError
+from hicache.node import IOState, TreeNode
 from hicache.radix_tree import RadixTree
 
 needs_c = pytest.mark.skipif(fastpath._fast is None, reason="C helpers not built")
@@ -177,3 +178,38 @@ def test_descend_agrees_with_the_python_walk(ps, seqs, query, start):
         parent = path[-1] if path else node
         child = parent.children.get(key[end : end + 4 * ps])
         assert child is None or not key.startswith(child.key, end)
+
+
+@needs_c
+@settings(max_examples=100, deadline=None)
+@given(
+    nodes=st.lists(
+        st.tuples(
+            st.integers(0, 3),  # device slots (count; 0: not on the device)
+            st.booleans(),  # has a host copy
+            st.sampled_from(list(IOState)),
+            st.integers(0, 5),  # hit count
+        ),
+        max_size=6,
+    )
+)
+def test_tally_agrees_with_the_python_loop(nodes):
+    outcomes = []
+    for use_c in (True, False):
+        path = []
+        for i, (slots, host, io, hits) in enumerate(nodes):
+            node = TreeNode(i, b"", None, None)
+            node.device_slots = np.arange(slots, dtype=np.int64).tobytes() if slots else None
+            node.host_pages = np.zeros(1, np.int64) if host else None
+            node.io, node.hit_count = io, hits
+            path.append(node)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fastpath, "USE_C", use_c)
+            chunks, nbytes, unbacked, loading = fastpath.tally(path, IOState.LOAD)
+        assert [n.hit_count for n in path] == [h + 1 for *_, h in nodes]
+        outcomes.append((chunks, nbytes, unbacked, loading))
+    assert outcomes[0] == outcomes[1]
+    device = [n for n in nodes if n[0]]
+    assert outcomes[0][1] == 8 * sum(n[0] for n in device)
+    assert outcomes[0][2] == any(not n[1] for n in device)
+    assert outcomes[0][3] == any(n[2] is IOState.LOAD for n in device)
