@@ -153,7 +153,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         start backups (write_through_selective). Locks nothing: lock ``last_device_node`` to
         keep ``device_indices`` valid. When ``loading`` is true, call wait_load() first.
         """
-        return self._match(as_tokens(token_ids).tobytes(), namespace)
+        return self.match_key(as_tokens(token_ids).tobytes(), namespace, True)
 
     def match_key(
         self, key: bytes, namespace: Namespace = None, checked: bool = False
@@ -163,21 +163,18 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         ``checked=True``: the caller validated the ids already (one pass over a whole batch)."""
         if not checked:
             check_token_bytes(key)
-        return self._match(key, namespace)
-
-    def _match(self, key: bytes, namespace: Namespace) -> MatchResult:
-        counters = self.counters
+        counters, tree = self.counters, self.tree
         counters.match_calls += 1
-        root = self.tree.root(namespace)
+        root = tree.default_root if namespace is None else tree.root(namespace)
         num_tokens = len(key) >> 2
         aligned = num_tokens // self.page_size * self.page_size
         if root is None or aligned == 0:
             counters.miss_tokens += num_tokens
-            node = root or self.tree.root(None)
+            node = root or tree.default_root
             return MatchResult([], 0, node, 0, node, False)
         if aligned != num_tokens:
             key = key[: aligned * 4]
-        path, covered = self.tree.walk(root, key)
+        path, covered = tree.walk(root, key)
         # chunks: the device nodes' immutable slots (joined only if the caller asks); unbacked:
         # one of them has no host copy (a backup may be due); loading: a load still writes one
         chunks, slot_bytes, unbacked, loading = tally(path, IO_LOAD)

@@ -78,12 +78,10 @@ def common_tokens(node_key: bytes, key: bytes, pos: int) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def descend(node: TreeNode, key: bytes, pos: int, page_bytes: int, now: int):
+def descend_py(node: TreeNode, key: bytes, pos: int, page_bytes: int, now: int):
     """From ``node``, follow every child that ``key[pos:]`` covers whole, stamping its
     last_access with ``now``. Returns (those children, the key position after them); stops
     before a child that is missing or matched only in part. Mutates: last_access only."""
-    if USE_C:
-        return _tree.descend(node, key, pos, page_bytes, now)
     path, end = [], len(key)
     while pos + page_bytes <= end:
         child = node.children.get(key[pos : pos + page_bytes])
@@ -96,12 +94,10 @@ def descend(node: TreeNode, key: bytes, pos: int, page_bytes: int, now: int):
     return path, pos
 
 
-def tally(path: list[TreeNode], io_load: object) -> tuple[list[bytes], int, bool, bool]:
+def tally_py(path: list[TreeNode], io_load: object) -> tuple[list[bytes], int, bool, bool]:
     """A match's bookkeeping over its path: every node's hit_count += 1. Of the device nodes
     (they come first): (their device_slots, those bytes' total, whether one has no host copy,
     whether one's io is ``io_load``). Mutates: hit counts only."""
-    if USE_C:
-        return _tree.tally(path, io_load)
     chunks, nbytes, unbacked, loading = [], 0, False, False
     for node in path:
         node.hit_count += 1
@@ -112,6 +108,12 @@ def tally(path: list[TreeNode], io_load: object) -> tuple[list[bytes], int, bool
             unbacked = unbacked or node.host_pages is None
             loading = loading or node.io is io_load
     return chunks, nbytes, unbacked, loading
+
+
+# Chosen once: these run several times per match, where a wrapper's call would cost more
+# than the step itself (tests compare the C functions with the *_py twins directly).
+descend = _tree.descend if USE_C else descend_py
+tally = _tree.tally if USE_C else tally_py
 
 
 def claim_pages(

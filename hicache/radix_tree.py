@@ -30,7 +30,8 @@ class RadixTree:
         self.evictable_tokens = 0  # device tokens in nodes with lock_ref == 0
         self.protected_tokens = 0  # device tokens in nodes with lock_ref > 0
         self.num_nodes = 0  # nodes in the tree, roots excluded
-        self._default_root = self._roots[None] = self._new_node(b"", None, None)
+        # the root of namespace None, the one most matches start from (no lookup)
+        self.default_root = self._roots[None] = self._new_node(b"", None, None)
 
     # ---- nodes ----------------------------------------------------------------------------
     def _new_node(self, key: bytes, parent: TreeNode | None, namespace: Namespace) -> TreeNode:
@@ -42,7 +43,7 @@ class RadixTree:
     def root(self, namespace: Namespace, create: bool = False) -> TreeNode | None:
         """The root of ``namespace`` (created on demand when ``create``)."""
         if namespace is None:
-            return self._default_root
+            return self.default_root
         if not isinstance(namespace, (str, int, bytes, type(None))) or isinstance(namespace, bool):
             raise ValueError(f"namespace must be str, int, bytes or None, got {namespace!r}")
         root = self._roots.get(namespace)

@@ -164,10 +164,8 @@ def test_descend_agrees_with_the_python_walk(ps, seqs, query, start):
     pos = min(start * ps, len(key) // 4 // ps * ps) * 4
     node = root
     results = []
-    for now, use_c in ((1001, True), (1002, False)):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fastpath, "USE_C", use_c)
-            path, end = fastpath.descend(node, key, pos, 4 * ps, now)
+    for now, descend in ((1001, fastpath._tree.descend), (1002, fastpath.descend_py)):
+        path, end = descend(node, key, pos, 4 * ps, now)
         assert all(n.last_access == now for n in path)
         results.append(([n.id for n in path], end))
     assert results[0] == results[1]
@@ -195,7 +193,7 @@ def test_descend_agrees_with_the_python_walk(ps, seqs, query, start):
 )
 def test_tally_agrees_with_the_python_loop(nodes):
     outcomes = []
-    for use_c in (True, False):
+    for tally in (fastpath._tree.tally, fastpath.tally_py):
         path = []
         for i, (slots, host, io, hits) in enumerate(nodes):
             node = TreeNode(i, b"", None, None)
@@ -203,9 +201,7 @@ def test_tally_agrees_with_the_python_loop(nodes):
             node.host_pages = np.zeros(1, np.int64) if host else None
             node.io, node.hit_count = io, hits
             path.append(node)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fastpath, "USE_C", use_c)
-            chunks, nbytes, unbacked, loading = fastpath.tally(path, IOState.LOAD)
+        chunks, nbytes, unbacked, loading = tally(path, IOState.LOAD)
         assert [n.hit_count for n in path] == [h + 1 for *_, h in nodes]
         outcomes.append((chunks, nbytes, unbacked, loading))
     assert outcomes[0] == outcomes[1]
