@@ -12,7 +12,6 @@ import numpy as np
 
 from hicache.allocator import OWNED
 from hicache.daemon.sessions import Session
-from hicache.fastpath import page_ids
 from hicache.protocol import (
     ErrorCode,
     ProtocolError,
@@ -104,7 +103,7 @@ class CacheOpsMixin:
                 self.cache.wait_load(m.last_device_node)
             lock_id = self._lock(session, m) if lock else 0
             ids = []
-            for chunk in m.slot_chunks:  # the nodes' own immutable bytes, alive meanwhile
+            for chunk in m.page_chunks:  # the nodes' own immutable bytes, alive meanwhile
                 i = seen(id(chunk))
                 if i is None:
                     i = index[id(chunk)] = len(chunks)
@@ -119,14 +118,10 @@ class CacheOpsMixin:
         return session.add_lock(self.LockRecord(m.last_device_node, m.last_host_node))
 
     def _match_reply(self, results: list, chunks: list[bytes]) -> Result:
-        """Pages, not slots, travel: page_size times fewer bytes; the client expands them."""
-        ps = self.cache.page_size
-        if ps == 1:
-            frame = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        else:
-            frame = page_ids(chunks, ps)
-        pages = [len(c) // (8 * ps) for c in chunks]
-        return {"results": results, "chunk_pages": pages}, [frame]
+        """Pages, not slots, travel (the nodes' own page ids): page_size times fewer bytes than
+        slots; the client expands them."""
+        frame = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return {"results": results, "chunk_pages": [len(c) >> 3 for c in chunks]}, [frame]
 
     def load_back(self, session: Session, fields: dict, frames: Frames) -> Result:
         lock_id = self._int(fields, "lock_id", 1)

@@ -90,29 +90,55 @@ static PyObject *common_bytes(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(n);
 }
 
-/* page_ids(chunks, page_size) -> bytes: the page id (int64) of every page-aligned run of
- * ``page_size`` slots in each int64 chunk, concatenated. The tree's slot chunks are whole pages
- * in order, so this is every page_size-th slot divided by page_size. */
-static PyObject *page_ids(PyObject *self, PyObject *args) {
-    PyObject *list;
+/* page_slots(pages, page_size) -> bytearray: the slots of int64 page ids, page by page
+ * (page * page_size + offset). A bytearray: callers wrap it in a writable tensor. */
+static PyObject *page_slots(PyObject *self, PyObject *args) {
+    Py_buffer b;
     Py_ssize_t ps;
-    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &list, &ps)) return NULL;
-    if (ps < 1) { PyErr_SetString(PyExc_ValueError, "page_size < 1"); return NULL; }
-    Py_ssize_t count = 0, k = PyList_GET_SIZE(list);
-    for (Py_ssize_t c = 0; c < k; c++) {
-        PyObject *b = PyList_GET_ITEM(list, c);
-        if (!PyBytes_Check(b)) { PyErr_SetString(PyExc_TypeError, "chunks are bytes"); return NULL; }
-        count += PyBytes_GET_SIZE(b) / 8 / ps;
+    if (!PyArg_ParseTuple(args, "y*n", &b, &ps)) return NULL;
+    PyObject *out = NULL;
+    if (ps < 1 || b.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "page_slots: need page_size >= 1 and int64 pages");
+        goto release;
     }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, count * 8);
-    if (out == NULL) return NULL;
+    Py_ssize_t n = b.len / 8;
+    out = PyByteArray_FromStringAndSize(NULL, n * ps * 8);
+    if (out == NULL) goto release;
+    const int64_t *pages = (const int64_t *)b.buf;
+    int64_t *dst = (int64_t *)PyByteArray_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (Py_ssize_t j = 0; j < ps; j++) *dst++ = pages[i] * ps + j;
+release:
+    PyBuffer_Release(&b);
+    return out;
+}
+
+/* slot_pages(slots, page_size) -> bytes: for each run of page_size int64 slots, the page id it
+ * is (a whole page: page * page_size + 0, 1, ... in order), or -1 when it is not one. A trailing
+ * partial run is left out. Compared with a node's page ids, this proves a caller's slots are the
+ * tree's own without expanding the node. */
+static PyObject *slot_pages(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    Py_ssize_t ps;
+    if (!PyArg_ParseTuple(args, "y*n", &b, &ps)) return NULL;
+    PyObject *out = NULL;
+    if (ps < 1) {
+        PyErr_SetString(PyExc_ValueError, "slot_pages: need page_size >= 1");
+        goto release;
+    }
+    Py_ssize_t n = b.len / 8 / ps;
+    out = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (out == NULL) goto release;
+    const int64_t *s = (const int64_t *)b.buf;
     int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t c = 0; c < k; c++) {
-        PyObject *b = PyList_GET_ITEM(list, c);
-        const int64_t *s = (const int64_t *)PyBytes_AS_STRING(b);
-        Py_ssize_t n = PyBytes_GET_SIZE(b) / 8 / ps;
-        for (Py_ssize_t i = 0; i < n; i++) *dst++ = s[i * ps] / ps;
+    for (Py_ssize_t i = 0; i < n; i++, s += ps) {
+        int64_t page = s[0] >= 0 && s[0] % ps == 0 ? s[0] / ps : -1;
+        for (Py_ssize_t j = 1; j < ps && page >= 0; j++)
+            if (s[j] != s[0] + j) page = -1;
+        dst[i] = page;
     }
+release:
+    PyBuffer_Release(&b);
     return out;
 }
 
@@ -239,7 +265,8 @@ static PyMethodDef methods[] = {
     {"load_acquire", load_acquire, METH_VARARGS, "Load an int64 word with acquire order."},
     {"pack_shared", pack_shared, METH_VARARGS, "Concatenate int32 sequences minus shared prefixes."},
     {"unpack_shared", unpack_shared, METH_VARARGS, "Rebuild the sequences pack_shared packed."},
-    {"page_ids", page_ids, METH_VARARGS, "Page ids of whole-page int64 slot chunks."},
+    {"page_slots", page_slots, METH_VARARGS, "The int64 slots of int64 page ids."},
+    {"slot_pages", slot_pages, METH_VARARGS, "Page id of each whole-page run of slots, or -1."},
     {"whole_pages", whole_pages, METH_VARARGS, "Validate page-shaped slots; page ids or code."},
     {NULL, NULL, 0, NULL},
 };

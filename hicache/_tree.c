@@ -11,7 +11,7 @@
 #include <string.h>
 
 /* interned attribute names */
-static PyObject *s_children, *s_key, *s_last_access, *s_hit_count, *s_device_slots,
+static PyObject *s_children, *s_key, *s_last_access, *s_hit_count, *s_device_pages,
     *s_host_pages, *s_io;
 static PyObject *one; /* the int 1 */
 
@@ -90,16 +90,16 @@ static int tally_node(PyObject *node, PyObject *chunks, Py_ssize_t *nbytes, int 
     int err = PyObject_SetAttr(node, s_hit_count, more);
     Py_DECREF(more);
     if (err < 0) return -1;
-    PyObject *slots = PyObject_GetAttr(node, s_device_slots);
-    if (slots == NULL) return -1;
-    if (slots == Py_None) { Py_DECREF(slots); return 0; }
-    if (!PyBytes_Check(slots) || PyList_Append(chunks, slots) < 0) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "tally: slots must be bytes");
-        Py_DECREF(slots);
+    PyObject *pages = PyObject_GetAttr(node, s_device_pages);
+    if (pages == NULL) return -1;
+    if (pages == Py_None) { Py_DECREF(pages); return 0; }
+    if (!PyBytes_Check(pages) || PyList_Append(chunks, pages) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "tally: pages must be bytes");
+        Py_DECREF(pages);
         return -1;
     }
-    *nbytes += PyBytes_GET_SIZE(slots);
-    Py_DECREF(slots);
+    *nbytes += PyBytes_GET_SIZE(pages);
+    Py_DECREF(pages);
     PyObject *host = PyObject_GetAttr(node, s_host_pages), *io = PyObject_GetAttr(node, s_io);
     if (host == NULL || io == NULL) { Py_XDECREF(host); Py_XDECREF(io); return -1; }
     *unbacked |= host == Py_None;
@@ -112,7 +112,7 @@ static int tally_node(PyObject *node, PyObject *chunks, Py_ssize_t *nbytes, int 
 /* tally(path, io_load) -> (chunks, slot_bytes, unbacked, loading)
  *
  * A match's bookkeeping over its path: every node's hit_count += 1. Of the device-resident
- * nodes (they come first): their device_slots in order, those bytes' total, whether one has no
+ * nodes (they come first): their device_pages in order, those bytes' total, whether one has no
  * host copy, whether one's ``io`` is ``io_load`` (a load still writing it). */
 static PyObject *tally(PyObject *self, PyObject *args) {
     PyObject *path, *io_load;
@@ -144,11 +144,11 @@ PyMODINIT_FUNC PyInit__tree(void) {
     s_key = PyUnicode_InternFromString("key");
     s_last_access = PyUnicode_InternFromString("last_access");
     s_hit_count = PyUnicode_InternFromString("hit_count");
-    s_device_slots = PyUnicode_InternFromString("device_slots");
+    s_device_pages = PyUnicode_InternFromString("device_pages");
     s_host_pages = PyUnicode_InternFromString("host_pages");
     s_io = PyUnicode_InternFromString("io");
     one = PyLong_FromLong(1);
-    if (!s_children || !s_key || !s_last_access || !s_hit_count || !s_device_slots ||
+    if (!s_children || !s_key || !s_last_access || !s_hit_count || !s_device_pages ||
         !s_host_pages || !s_io || !one)
         return NULL;
     return PyModule_Create(&module);

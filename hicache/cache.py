@@ -171,23 +171,25 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         if root is None or aligned == 0:
             counters.miss_tokens += num_tokens
             node = root or tree.default_root
-            return MatchResult([], 0, node, 0, node, False)
+            return MatchResult([], self.page_size, 0, node, 0, node, False)
         if aligned != num_tokens:
             key = key[: aligned * 4]
         path, covered = tree.walk(root, key)
-        # chunks: the device nodes' immutable slots (joined only if the caller asks); unbacked:
-        # one of them has no host copy (a backup may be due); loading: a load still writes one
-        chunks, slot_bytes, unbacked, loading = tally(path, IO_LOAD)
+        # chunks: the device nodes' immutable page ids (joined only if the caller asks);
+        # unbacked: one has no host copy (a backup may be due); loading: a load still writes one
+        chunks, page_bytes, unbacked, loading = tally(path, IO_LOAD)
         n_dev = len(chunks)  # device residency is prefix-closed: the device nodes come first
         last_dev = path[n_dev - 1] if n_dev else root  # no heap push: pops re-key touched nodes
         last_host = path[-1] if len(path) > n_dev else last_dev
         if unbacked and self.host_alloc is not None and self.write_policy.backup_threshold:
             self._backup_after_hit(path, n_dev)
-        dev_len, covered = slot_bytes >> 3, covered >> 2
+        dev_len, covered = (page_bytes >> 3) * self.page_size, covered >> 2
         counters.hit_device_tokens += dev_len
         counters.hit_host_tokens += covered - dev_len
         counters.miss_tokens += num_tokens - covered
-        return MatchResult(chunks, dev_len, last_dev, covered - dev_len, last_host, loading)
+        return MatchResult(
+            chunks, self.page_size, dev_len, last_dev, covered - dev_len, last_host, loading
+        )
 
     def _backup_after_hit(self, path: list[TreeNode], n_dev: int) -> None:
         """write_through_selective: back up the hit's device nodes that reached the threshold."""
@@ -203,7 +205,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         """Lock a device node and its ancestors against eviction. Returns the evictable delta."""
         if node.parent is None:
             return 0  # a root: nothing to protect
-        if not self.tree.in_tree(node) or node.device_slots is None:
+        if not self.tree.in_tree(node) or node.device_pages is None:
             raise ValueError(f"inc_lock_ref: {node!r} is not a device node of this cache")
         self.user_locks[node] += 1
         return self.tree.inc_lock(node)

@@ -31,14 +31,26 @@ def min_token(tokens: np.ndarray | bytes) -> int:
     return min(int(arr.min()), 0) if len(arr) else 0
 
 
-def page_ids(chunks: list[bytes], page_size: int) -> bytes:
-    """Page ids (int64 bytes) of slot chunks that are whole pages in order, concatenated."""
+def page_slots(pages: bytes, page_size: int) -> bytearray:
+    """The int64 slots of int64 page ids, page by page (page * page_size + offset)."""
     if USE_C:
-        return _fast.page_ids(chunks, page_size)
-    if not chunks:
-        return b""
-    slots = np.frombuffer(b"".join(chunks), dtype=np.int64)
-    return (slots[::page_size] // page_size).tobytes()
+        return _fast.page_slots(pages, page_size)
+    ids = np.frombuffer(pages, dtype=np.int64)
+    slots = ids[:, None] * page_size + np.arange(page_size, dtype=np.int64)
+    return bytearray(slots.tobytes())
+
+
+def slot_pages(slots: bytes, page_size: int) -> bytes:
+    """For each run of ``page_size`` int64 slots: the page it is (a whole page, in order), or
+    -1. A trailing partial run is left out."""
+    if USE_C:
+        return _fast.slot_pages(slots, page_size)
+    n = len(slots) // (8 * page_size)
+    runs = np.frombuffer(slots, dtype=np.int64, count=n * page_size).reshape(n, page_size)
+    first = runs[:, 0]
+    whole = (first >= 0) & (first % page_size == 0)
+    whole &= (runs == first[:, None] + np.arange(page_size)).all(axis=1)
+    return np.where(whole, first // page_size, -1).astype(np.int64).tobytes()
 
 
 def pack_shared(arrays: list[np.ndarray]) -> tuple[bytes, list[int]]:
@@ -96,15 +108,15 @@ def descend_py(node: TreeNode, key: bytes, pos: int, page_bytes: int, now: int):
 
 def tally_py(path: list[TreeNode], io_load: object) -> tuple[list[bytes], int, bool, bool]:
     """A match's bookkeeping over its path: every node's hit_count += 1. Of the device nodes
-    (they come first): (their device_slots, those bytes' total, whether one has no host copy,
+    (they come first): (their device_pages, those bytes' total, whether one has no host copy,
     whether one's io is ``io_load``). Mutates: hit counts only."""
     chunks, nbytes, unbacked, loading = [], 0, False, False
     for node in path:
         node.hit_count += 1
-        slots = node.device_slots
-        if slots is not None:
-            chunks.append(slots)
-            nbytes += len(slots)
+        pages = node.device_pages
+        if pages is not None:
+            chunks.append(pages)
+            nbytes += len(pages)
             unbacked = unbacked or node.host_pages is None
             loading = loading or node.io is io_load
     return chunks, nbytes, unbacked, loading

@@ -1,6 +1,7 @@
 """Insert: hand a finished prefix to the tree (a mixin of HiRadixCache).
 
-Index regions of one insert call (page_size 4, 14 tokens; ``|`` marks page boundaries)::
+Index regions of one insert call (page_size 4, 14 tokens; ``|`` marks page boundaries). Nodes
+hold page ids; the caller's slots are validated and turned into page ids once::
 
     tokens   | t0..t3 | t4..t7 | t8..t11 | t12 t13 |
     tree     | node A (device) | node B  |            walk() covers A and B (8 + 4 tokens)
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.allocator import OWNED, TREE
-from hicache.fastpath import claim_pages
+from hicache.fastpath import claim_pages, slot_pages
 from hicache.node import TreeNode
 from hicache.radix_tree import Namespace
 
@@ -25,30 +26,35 @@ class InsertMixin:
     def _insert(self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace) -> int:
         ps, alloc = self.page_size, self.device_alloc
         aligned = len(tokens) // ps * ps
-        raw = slots.astype("<i8", copy=False).tobytes()  # 8 bytes per slot, like node values
+        raw = slots.astype("<i8", copy=False).tobytes()  # 8 bytes per slot
         root = self.tree.root(namespace, create=True)
         key = tokens.tobytes() if aligned == len(tokens) else tokens[:aligned].tobytes()
         path, covered = self.tree.walk(root, key)
-        dup, adopt = self._classify(path, raw)
-        new = raw[2 * covered : 8 * aligned]
+        n_covered = covered >> 2  # tokens the tree holds already (whole pages)
+        dup, adopt = self._classify(path, raw, n_covered)
         try:
             # Only slots that are not the tree's own (at their own place) need checking: they
             # must be the caller's whole pages (plus one partial tail page), distinct. Tree
             # pages are TREE, not OWNED, so passing them anywhere else fails here. All of them
             # become TREE now; the duplicates and the tail page are released just below.
-            theirs = raw[2 * covered :]  # the new whole pages, then the partial tail page
+            theirs = raw[8 * n_covered :]  # the new whole pages, then the partial tail page
             if dup or adopt:
                 theirs = b"".join([*dup, *(m for _, m in adopt), theirs])
-            pages = claim_pages(alloc, theirs, OWNED, TREE)
+            pages = claim_pages(alloc, theirs, OWNED, TREE)  # in the order of ``theirs``
         except Exception:
             self._drop_empty_root(root)
             raise
+        used = n_dup = sum(map(len, dup)) // (8 * ps) if dup else 0
         for node, mine in adopt:
-            self.tree.set_device(node, mine)
-        leaf = self.tree.add_leaf(path[-1] if path else root, key[covered:], new) if new else None
+            n = len(mine) // (8 * ps)
+            self.tree.set_device(node, pages[used : used + n].tobytes())
+            used += n
+        leaf = None
+        if aligned > n_covered:  # the rest becomes one new leaf
+            new = pages[used : used + (aligned - n_covered) // ps].tobytes()
+            leaf = self.tree.add_leaf(path[-1] if path else root, key[covered:], new)
         if dup or aligned < len(tokens):  # duplicates and the partial tail page go back
             tail = pages[len(pages) - 1 :] if aligned < len(tokens) else pages[:0]
-            n_dup = sum(len(d) for d in dup) // (8 * ps)
             alloc.release(np.concatenate([pages[:n_dup], tail]) if dup else tail)
         last = leaf or (path[-1] if path else None)
         if last is None:
@@ -57,32 +63,38 @@ class InsertMixin:
         self._push_device(last)
         if self.host_alloc is not None:
             self._backup_hot(path + [leaf] if leaf else path)
-        return covered >> 2
+        return n_covered
 
-    def _classify(self, path: list[TreeNode], raw: bytes) -> tuple[list[bytes], list]:
-        """Split the covered part of ``raw`` (slot bytes) into duplicates of device nodes (to
-        free) and slots for host-only nodes (to adopt); the tree's own slots are neither.
+    def _classify(self, path: list[TreeNode], raw: bytes, covered: int) -> tuple[list[bytes], list]:
+        """Split the first ``covered`` slots of ``raw`` (slot bytes; the tokens ``path``
+        covers) into duplicates of device nodes (to free) and slots for host-only nodes (to
+        adopt); the tree's own slots are neither.
 
-        A caller may pass the tree's own slots for part of a node and its own for the rest (an
-        engine that recomputed the last page of a full hit): the check is then page by page.
+        The caller's slots are compared as page ids (-1 for a run that is not a whole page)
+        with the nodes' pages, one memcmp per node. A caller may pass the tree's own pages for
+        part of a node and its own for the rest (an engine that recomputed the last page of a
+        full hit): the check is then page by page.
         """
         if not path:
             return [], []
-        dup, adopt, pos = [], [], 0
+        ps = self.page_size
+        # one int64 per caller page (at page size 1 the slots are the pages: no copy)
+        theirs = raw if ps == 1 else slot_pages(memoryview(raw)[: 8 * covered], ps)
+        dup, adopt, pos = [], [], 0  # pos: byte offset into ``theirs``
         for node in path:
-            own = node.device_slots
-            if own is not None and raw.startswith(own, pos):  # the tree's own slots: no copy
+            own = node.device_pages
+            if own is not None and theirs.startswith(own, pos):  # the tree's own: no copy
                 pos += len(own)
                 continue
-            mine = raw[pos : pos + 8 * node.num_tokens]
-            pos += len(mine)
+            size = 8 * node.num_tokens // ps  # bytes of this node's page ids
+            mine = raw[pos * ps : (pos + size) * ps]  # the caller's slots for this node
             if own is None:
                 adopt.append((node, mine))
-                continue
-            ps = self.page_size
-            theirs = np.frombuffer(mine, dtype=np.int64).reshape(-1, ps)
-            differ = (theirs != np.frombuffer(own, dtype=np.int64).reshape(-1, ps)).any(axis=1)
-            dup.append(theirs[differ].tobytes())
+            else:
+                ids = np.frombuffer(theirs, dtype=np.int64, count=size // 8, offset=pos)
+                differ = ids != np.frombuffer(own, dtype=np.int64)
+                dup.append(np.frombuffer(mine, dtype=np.int64).reshape(-1, ps)[differ].tobytes())
+            pos += size
         return dup, adopt
 
     def _drop_empty_root(self, root: TreeNode) -> None:

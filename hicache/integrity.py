@@ -35,21 +35,20 @@ def _check_node_shape(cache: HiRadixCache, node: TreeNode) -> None:
         _fail(f"{node}: namespace differs from its parent's")
     if node.host_pages is not None and len(node.host_pages) * ps != node.num_tokens:
         _fail(f"{node}: host pages do not cover its key")
-    if node.device_slots is not None:
-        slots = node.slot_array()
-        if len(slots) != node.num_tokens:
-            _fail(f"{node}: {len(slots)} device slots for {node.num_tokens} tokens")
-        pages = node.device_page_ids(ps)
-        if ps > 1 and not np.array_equal(slots, (pages[:, None] * ps + np.arange(ps)).ravel()):
-            _fail(f"{node}: device slots are not whole pages in order")
-    if node.device_slots is None and node.host_pages is None:
+    if node.device_pages is not None:
+        if not isinstance(node.device_pages, bytes) or len(node.device_pages) % 8:
+            _fail(f"{node}: device pages are not int64 bytes")
+        pages = len(node.device_pages) // 8
+        if pages * ps != node.num_tokens:
+            _fail(f"{node}: {pages} device pages for {node.num_tokens} tokens")
+    if node.device_pages is None and node.host_pages is None:
         _fail(f"{node}: resident on neither tier")
-    if node.device_slots is not None and parent.parent is not None and parent.device_slots is None:
+    if node.device_pages is not None and parent.parent is not None and parent.device_pages is None:
         _fail(f"{node}: on the device below a host-only parent (device set not prefix-closed)")
 
 
 def _check_node_state(cache: HiRadixCache, node: TreeNode) -> None:
-    if node.device_slots is None:  # host-only
+    if node.device_pages is None:  # host-only
         if node.lock_ref or node.host_ref or node.io is not IOState.NONE:
             _fail(f"{node}: host-only yet locked, protected or in flight")
         return
@@ -87,7 +86,7 @@ def _check_locks(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
             _fail(f"{node}: lock_ref {node.lock_ref} != {expected[node]} locks held")
         if node.host_ref != protect[node]:
             _fail(f"{node}: host_ref {node.host_ref} != {protect[node]} loads reading it")
-        if node.lock_ref and node.device_slots is None:
+        if node.lock_ref and node.device_pages is None:
             _fail(f"{node}: locked but not on the device")
     for node in direct:
         if not cache.tree.in_tree(node):
@@ -139,7 +138,7 @@ def check_cache_integrity(cache: HiRadixCache) -> None:
         _check_node_shape(cache, node)
         _check_node_state(cache, node)
     _check_locks(cache, nodes)
-    device = [n for n in nodes if n.device_slots is not None]
+    device = [n for n in nodes if n.device_pages is not None]
     evictable = sum(n.num_tokens for n in device if not n.lock_ref)
     protected = sum(n.num_tokens for n in device if n.lock_ref)
     if (evictable, protected) != (tree.evictable_tokens, tree.protected_tokens):
@@ -147,8 +146,7 @@ def check_cache_integrity(cache: HiRadixCache) -> None:
             f"evictable/protected counters {tree.evictable_tokens}/{tree.protected_tokens} "
             f"!= {evictable}/{protected} device tokens in the tree"
         )
-    ps = cache.page_size
-    _check_pages(cache.device_alloc, [n.device_page_ids(ps) for n in device], "device")
+    _check_pages(cache.device_alloc, [n.device_page_ids() for n in device], "device")
     if cache.host_alloc is not None:
         host = [n.host_pages for n in nodes if n.host_pages is not None]
         _check_pages(cache.host_alloc, host, "host")

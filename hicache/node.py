@@ -12,7 +12,7 @@ State machine of a node (``io`` is explicit; residency follows from the two page
     HOST ──host eviction──▶ removed from the tree
     DEVICE (never backed up) ──device eviction──▶ removed from the tree
 
-A node is always resident somewhere: ``device_slots`` or ``host_pages`` is set. Device
+A node is always resident somewhere: ``device_pages`` or ``host_pages`` is set. Device
 residency is prefix-closed (a device node's ancestors are on the device), because device
 eviction only takes device leaves and load-back loads a whole host-only chain at once.
 """
@@ -22,11 +22,6 @@ from __future__ import annotations
 from enum import IntEnum
 
 import numpy as np
-
-
-def node_pages(slots: np.ndarray, page_size: int) -> np.ndarray:
-    """Page ids of page-aligned slots that are known to be whole pages in order."""
-    return slots if page_size == 1 else slots[::page_size] // page_size
 
 
 class IOState(IntEnum):
@@ -50,7 +45,7 @@ class TreeNode:
         "children",
         "parent",
         "namespace",
-        "device_slots",
+        "device_pages",
         "host_pages",
         "lock_ref",
         "host_ref",
@@ -69,9 +64,10 @@ class TreeNode:
         self.children: dict[bytes, TreeNode] = {}
         self.parent = parent  # None for roots and for nodes removed from the tree
         self.namespace = namespace  # the namespace of the root this node hangs under
-        # device slots, one per token, as int64 little-endian bytes: immutable, so it can be
-        # compared and joined without numpy calls, and never aliases a caller's array
-        self.device_slots: bytes | None = None
+        # device page ids, one per key page, as int64 little-endian bytes (slot = page *
+        # page_size + offset): immutable, so it is compared and joined without numpy calls,
+        # never aliases a caller's array, and costs page_size times less than slots
+        self.device_pages: bytes | None = None
         self.host_pages: np.ndarray | None = None  # int64 host page ids, one per key page
         self.lock_ref = 0  # locks held on this node or on any descendant (device protection)
         self.host_ref = 0  # loads reading this node's host pages (host protection)
@@ -88,7 +84,7 @@ class TreeNode:
 
     @property
     def on_device(self) -> bool:
-        return self.device_slots is not None
+        return self.device_pages is not None
 
     @property
     def on_host(self) -> bool:
@@ -102,18 +98,14 @@ class TreeNode:
         """The node's token ids as a read-only int32 array (zero-copy view of the key)."""
         return np.frombuffer(self.key, dtype=np.int32)
 
-    def slot_array(self) -> np.ndarray:
-        """The device slots as a read-only int64 array (zero-copy)."""
-        return np.frombuffer(self.device_slots, dtype=np.int64)
-
-    def device_page_ids(self, page_size: int) -> np.ndarray:
-        """Device page ids of the node (its slots are whole pages, in order)."""
-        return node_pages(self.slot_array(), page_size)
+    def device_page_ids(self) -> np.ndarray:
+        """The device page ids as a read-only int64 array (zero-copy)."""
+        return np.frombuffer(self.device_pages, dtype=np.int64)
 
     def has_device_child(self) -> bool:
         if not self.children:
             return False
-        return any(c.device_slots is not None for c in self.children.values())
+        return any(c.device_pages is not None for c in self.children.values())
 
     def __repr__(self) -> str:
         where = ("D" if self.on_device else "") + ("H" if self.on_host else "")

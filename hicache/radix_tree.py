@@ -101,10 +101,10 @@ class RadixTree:
         upper = self._new_node(node.key[:nbytes], node.parent, node.namespace)
         for field in ("lock_ref", "host_ref", "hit_count", "last_access", "created", "io"):
             setattr(upper, field, getattr(node, field))
-        if node.device_slots is not None:
-            upper.device_slots, node.device_slots = (
-                node.device_slots[: 2 * nbytes],  # 8 slot bytes per 4 key bytes
-                node.device_slots[2 * nbytes :],
+        if node.device_pages is not None:
+            upper.device_pages, node.device_pages = (
+                node.device_pages[: 8 * pages],
+                node.device_pages[8 * pages :],
             )
         if node.host_pages is not None:
             upper.host_pages, node.host_pages = node.host_pages[:pages], node.host_pages[pages:]
@@ -119,10 +119,11 @@ class RadixTree:
         return upper
 
     # ---- adding and removing ----------------------------------------------------------------
-    def add_leaf(self, parent: TreeNode, key: bytes, device_slots: bytes) -> TreeNode:
-        """A new unlocked device leaf under ``parent``. Counts its tokens as evictable."""
+    def add_leaf(self, parent: TreeNode, key: bytes, device_pages: bytes) -> TreeNode:
+        """A new unlocked device leaf under ``parent`` (page ids as int64 bytes, one per key
+        page). Counts its tokens as evictable."""
         leaf = self._new_node(key, parent, parent.namespace)
-        leaf.device_slots = device_slots
+        leaf.device_pages = device_pages
         leaf.hit_count = 1
         parent.children[key[: self.page_bytes]] = leaf
         self.evictable_tokens += leaf.num_tokens
@@ -131,7 +132,7 @@ class RadixTree:
 
     def remove_leaf(self, node: TreeNode) -> None:
         """Detach a childless node with no pages left. Drops an empty non-default root."""
-        assert not node.children and node.device_slots is None and node.host_pages is None
+        assert not node.children and node.device_pages is None and node.host_pages is None
         parent = node.parent
         assert parent is not None
         del parent.children[node.key[: self.page_bytes]]
@@ -141,11 +142,11 @@ class RadixTree:
             del self._roots[parent.namespace]
 
     # ---- device residency and locks ---------------------------------------------------------
-    def set_device(self, node: TreeNode, slots: bytes | None) -> None:
-        """Attach or drop a node's device slots, keeping the size counters exact."""
-        had = node.device_slots is not None
-        node.device_slots = slots
-        delta = node.num_tokens * ((slots is not None) - had)
+    def set_device(self, node: TreeNode, pages: bytes | None) -> None:
+        """Attach or drop a node's device pages (int64 bytes), keeping the size counters exact."""
+        had = node.device_pages is not None
+        node.device_pages = pages
+        delta = node.num_tokens * ((pages is not None) - had)
         if node.lock_ref:
             self.protected_tokens += delta
         else:

@@ -30,7 +30,7 @@ class TieringMixin:
     def _device_candidate(node: TreeNode) -> bool:
         return (
             node.parent is not None
-            and node.device_slots is not None
+            and node.device_pages is not None
             and node.lock_ref == 0
             and node.io is IO_NONE
             and not node.has_device_child()
@@ -40,7 +40,7 @@ class TieringMixin:
     def _host_candidate(node: TreeNode) -> bool:
         return (
             node.parent is not None
-            and node.device_slots is None
+            and node.device_pages is None
             and node.host_pages is not None
             and not node.children
             and node.host_ref == 0
@@ -89,7 +89,7 @@ class TieringMixin:
 
     def _drop_device(self, node: TreeNode) -> int:
         """Free a synced node's device pages; it stays in the tree as host-only."""
-        self.device_alloc.release(node.device_page_ids(self.page_size))
+        self.device_alloc.release(node.device_page_ids())
         self.tree.set_device(node, None)
         self._push_host(node)
         self._push_device(node.parent)
@@ -98,7 +98,7 @@ class TieringMixin:
     def _delete_device_leaf(self, node: TreeNode) -> int:
         """Free a device-only childless node and remove it from the tree."""
         parent = node.parent
-        self.device_alloc.release(node.device_page_ids(self.page_size))
+        self.device_alloc.release(node.device_page_ids())
         self.tree.set_device(node, None)
         self.tree.remove_leaf(node)
         self._push_device(parent)

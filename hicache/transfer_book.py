@@ -56,7 +56,7 @@ class TransferBookMixin:
         hot = [
             n
             for n in nodes
-            if n.host_pages is None and n.device_slots is not None and wants(n.hit_count)
+            if n.host_pages is None and n.device_pages is not None and wants(n.hit_count)
         ]
         if hot:
             self._backup(hot, evict_on_ack=False)
@@ -70,7 +70,7 @@ class TransferBookMixin:
         if host is None:
             self.counters.backup_failed_tokens += tokens
             return False
-        device = np.concatenate([n.device_page_ids(ps) for n in nodes])
+        device = np.concatenate([n.device_page_ids() for n in nodes])
         ticket = self.engine.submit(Direction.BACKUP, device, host)
         locked = [] if evict_on_ack else list(nodes)
         record = TransferRecord(ticket, Direction.BACKUP, list(nodes), locked, tokens, evict_on_ack)
@@ -97,7 +97,7 @@ class TransferBookMixin:
             raise ValueError(f"load_back: {node!r} is not a node of this cache")
         self.counters.load_back_calls += 1
         chain, anchor = [], node
-        while anchor.parent is not None and anchor.device_slots is None:
+        while anchor.parent is not None and anchor.device_pages is None:
             chain.append(anchor)
             anchor = anchor.parent
         if not chain:
@@ -126,13 +126,13 @@ class TransferBookMixin:
         host = np.concatenate([n.host_pages for n in chain])
         ticket = self.engine.submit(Direction.LOAD, device, host)
         record = TransferRecord(ticket, Direction.LOAD, list(chain), [chain[-1]], tokens)
-        slots = self.device_alloc.slots_of_pages(device)
-        for n, mine in zip(chain, _split_pages(slots, chain, 1), strict=True):
-            self.tree.set_device(n, mine.tobytes())
+        for n, mine in zip(chain, _split_pages(device, chain, self.page_size), strict=True):
+            self.tree.set_device(n, mine.astype("<i8", copy=False).tobytes())
             n.io, n.transfer = IOState.LOAD, record
         self.tree.inc_lock(chain[-1])
         self.records[ticket] = record
-        return torch.from_numpy(slots.copy())  # never alias the tree's arrays
+        slots = self.device_alloc.slots_of_pages(device)
+        return torch.from_numpy(slots.copy())  # never alias the engine's page array
 
     def load_ticket(self, node: TreeNode) -> Ticket | None:
         """Ticket of the load still writing ``node`` or an ancestor (the deepest), if any."""

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, NamedTuple, NewType
 
 import torch
 
+from hicache.fastpath import page_slots
+
 if TYPE_CHECKING:
     from hicache.node import TreeNode
 
@@ -22,59 +24,60 @@ NodeId = NewType("NodeId", int)  # id of a tree node, unique per cache
 class MatchResult:
     """What match_prefix found. The indices are only safe to use while the node is locked.
 
-    The slots are kept as the nodes' immutable byte chunks and turned into a tensor only when
-    ``device_indices`` is read: a daemon sends the chunks as they are, with no copy.
+    The prefix is kept as the nodes' immutable page-id chunks and turned into tensors only when
+    ``device_pages`` or ``device_indices`` is read: a daemon sends the chunks as they are.
     """
 
     __slots__ = (
-        "slot_chunks",
+        "page_chunks",
+        "page_size",
         "device_hit_length",
         "last_device_node",
         "host_hit_length",
         "last_host_node",
         "loading",
-        "_indices",
     )
 
     def __init__(
         self,
-        slot_chunks: list[bytes],
+        page_chunks: list[bytes],
+        page_size: int,
         device_hit_length: int,
         last_device_node: TreeNode,
         host_hit_length: int,
         last_host_node: TreeNode,
         loading: bool,
     ):
-        self.slot_chunks = slot_chunks  # int64 LE slots of the device prefix, node by node
-        self.device_hit_length = device_hit_length  # tokens in those chunks
+        self.page_chunks = page_chunks  # int64 LE page ids of the device prefix, node by node
+        self.page_size = page_size  # slot = page * page_size + offset
+        self.device_hit_length = device_hit_length  # tokens in those pages
         self.last_device_node = last_device_node  # deepest node of that prefix (or a root)
         self.host_hit_length = host_hit_length  # tokens after it that are on the host only
         self.last_host_node = last_host_node  # deepest node of the host part
         self.loading = loading  # a node of the prefix is still being loaded: wait_load() first
-        self._indices: torch.Tensor | None = None
+
+    @property
+    def device_pages(self) -> torch.Tensor:
+        """int64 page ids of the device-resident prefix, in order (a new tensor you own)."""
+        return _int64_tensor(bytearray().join(self.page_chunks))
 
     @property
     def device_indices(self) -> torch.Tensor:
-        """int64 slots of the device-resident prefix, in token order (a tensor you own)."""
-        if self._indices is None:
-            joined = bytearray().join(self.slot_chunks)
-            self._indices = (
-                torch.frombuffer(joined, dtype=torch.int64)
-                if joined
-                else torch.empty(0, dtype=torch.int64)
-            )
-        return self._indices
-
-    def slot_bytes(self) -> bytes:
-        """The slots as one immutable bytes object (zero-copy for a one-node prefix)."""
-        chunks = self.slot_chunks
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        """int64 slots of the device-resident prefix, in token order (a new tensor you own)."""
+        if self.page_size == 1:  # page ids are the slots
+            return self.device_pages
+        return _int64_tensor(page_slots(b"".join(self.page_chunks), self.page_size))
 
     def __repr__(self) -> str:
         return (
             f"MatchResult(device_hit_length={self.device_hit_length}, "
             f"host_hit_length={self.host_hit_length}, loading={self.loading})"
         )
+
+
+def _int64_tensor(buf: bytearray) -> torch.Tensor:
+    """A tensor over a writable buffer of int64 (torch.frombuffer refuses an empty one)."""
+    return torch.frombuffer(buf, dtype=torch.int64) if buf else torch.empty(0, dtype=torch.int64)
 
 
 class EvictResult(NamedTuple):

@@ -104,17 +104,33 @@ def test_common_tokens_agree(a, b, pos):
 
 
 @pytest.mark.parametrize("use_c", [pytest.param(True, marks=needs_c), False])
-@settings(max_examples=100, deadline=None)
-@given(ps=st.sampled_from([1, 2, 16]), pages=st.lists(st.lists(st.integers(0, 999), max_size=5)))
-def test_page_ids_of_whole_page_chunks(use_c, ps, pages):
-    chunks = [
-        (np.array(c, dtype=np.int64)[:, None] * ps + np.arange(ps)).astype(np.int64).tobytes()
-        for c in pages
-    ]
+@settings(max_examples=150, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 4]),
+    pages=st.lists(st.integers(0, 99), max_size=6),
+    damage=st.lists(st.tuples(st.integers(0, 30), st.integers(-5, 500)), max_size=3),
+    tail=st.integers(0, 3),
+)
+def test_page_slots_and_slot_pages(use_c, ps, pages, damage, tail):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fastpath, "USE_C", use_c)
-        got = np.frombuffer(fastpath.page_ids(chunks, ps), dtype=np.int64)
-    assert got.tolist() == [p for c in pages for p in c]
+        slots = np.frombuffer(
+            fastpath.page_slots(np.array(pages, np.int64).tobytes(), ps), np.int64
+        )
+        want = [p * ps + j for p in pages for j in range(ps)]
+        assert slots.tolist() == want
+        runs = slots.copy()
+        for at, value in damage:  # break some runs: they must come back as -1
+            if at < len(runs):
+                runs[at] = value
+        raw = np.concatenate([runs, np.arange(min(tail, ps - 1), dtype=np.int64)]).tobytes()
+        got = np.frombuffer(fastpath.slot_pages(raw, ps), np.int64).tolist()
+    expect = []
+    for i in range(len(pages)):
+        run = runs[i * ps : (i + 1) * ps].tolist()
+        whole = run[0] >= 0 and run[0] % ps == 0 and run == list(range(run[0], run[0] + ps))
+        expect.append(run[0] // ps if whole else -1)
+    assert got == expect  # the partial tail run is left out
 
 
 @pytest.mark.parametrize("use_c", [pytest.param(True, marks=needs_c), False])
@@ -183,7 +199,7 @@ def test_descend_agrees_with_the_python_walk(ps, seqs, query, start):
 @given(
     nodes=st.lists(
         st.tuples(
-            st.integers(0, 3),  # device slots (count; 0: not on the device)
+            st.integers(0, 3),  # device pages (count; 0: not on the device)
             st.booleans(),  # has a host copy
             st.sampled_from(list(IOState)),
             st.integers(0, 5),  # hit count
@@ -197,7 +213,7 @@ def test_tally_agrees_with_the_python_loop(nodes):
         path = []
         for i, (slots, host, io, hits) in enumerate(nodes):
             node = TreeNode(i, b"", None, None)
-            node.device_slots = np.arange(slots, dtype=np.int64).tobytes() if slots else None
+            node.device_pages = np.arange(slots, dtype=np.int64).tobytes() if slots else None
             node.host_pages = np.zeros(1, np.int64) if host else None
             node.io, node.hit_count = io, hits
             path.append(node)
