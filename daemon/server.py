@@ -34,6 +34,9 @@ SNDMORE = int(zmq.SNDMORE)
 # Frames below this are copied into the message: a zero-copy send makes pyzmq wake its garbage
 # thread to release the buffer later, which costs more than a memcpy of up to a MiB here.
 COPY_BELOW = 1 << 20
+# Received frames below this are copied into bytes (cheaper than keeping pyzmq's Frame); larger
+# ones stay in zmq's buffer, read through a memoryview (a batch of prompts: no 500 KiB copy).
+KEEP_FROM = 1 << 16
 HOUSEKEEP_S = 0.05  # acks and leases are looked at least this often
 POLL_MS = int(HOUSEKEEP_S * 1000)
 
@@ -115,7 +118,6 @@ class Daemon:
         next_housekeep = time.monotonic()
         while not self.stopping:
             try:  # blocks up to POLL_MS (RCVTIMEO): one call per message, no separate poll
-                # copied: a memcpy of the frames is cheaper than pyzmq's Frame objects
                 frames = self._recv_frames()
             except zmq.Again:
                 frames = None
@@ -125,7 +127,7 @@ class Daemon:
                 self.handlers.housekeep()
                 next_housekeep = time.monotonic() + HOUSEKEEP_S
 
-    def _serve_one(self, frames: list[bytes]) -> None:
+    def _serve_one(self, frames: list[bytes | memoryview]) -> None:
         identity, rest = frames[0], frames[1:]
         if len(rest) > 1 and len(rest[0]) == 0:  # a REQ peer adds an empty delimiter
             rest = rest[1:]
@@ -135,14 +137,14 @@ class Daemon:
         except zmq.ZMQError as exc:  # the peer went away: nothing to do
             log.debug("reply dropped: %s", exc)
 
-    def _recv_frames(self) -> list[bytes]:
+    def _recv_frames(self) -> list[bytes | memoryview]:
         """One multipart message; raises zmq.Again after RCVTIMEO."""
         sock = self.sock  # Frame.more, not getsockopt(RCVMORE): that costs 2 us per frame
         frame = _recv(sock, 0, False)
         parts = [frame.bytes]
         while frame.more:
             frame = _recv(sock, 0, False)
-            parts.append(frame.bytes)
+            parts.append(frame.buffer if len(frame) >= KEEP_FROM else frame.bytes)
         return parts
 
     def _send_frames(self, frames: list) -> None:

@@ -23,11 +23,11 @@ except ImportError:  # built without a C compiler
 USE_C = _fast is not None and _tree is not None and not os.environ.get("HICACHE_NO_C")
 
 
-def min_token(tokens: np.ndarray | bytes) -> int:
+def min_token(tokens: np.ndarray | bytes | memoryview) -> int:
     """Smallest id of contiguous int32 (an array or LE bytes), or 0 when none is negative."""
     if USE_C:
         return _fast.min_int32(tokens)
-    arr = np.frombuffer(tokens, dtype=np.int32) if isinstance(tokens, bytes) else tokens
+    arr = tokens if isinstance(tokens, np.ndarray) else np.frombuffer(tokens, dtype=np.int32)
     return min(int(arr.min()), 0) if len(arr) else 0
 
 
@@ -64,7 +64,7 @@ def pack_shared(arrays: list[np.ndarray]) -> tuple[bytes, list[int]]:
     return b"".join(a[s:].tobytes() for a, s in zip(arrays, shared, strict=True)), shared
 
 
-def unpack_shared(frame: bytes, lengths: list[int], shared: list[int]) -> list[bytes]:
+def unpack_shared(frame: bytes | memoryview, lengths: list[int], shared: list[int]) -> list[bytes]:
     """The sequences pack_shared packed, as int32 byte strings. The caller has checked that
     ``lengths`` and ``shared`` agree with each other and with the frame."""
     if USE_C:
@@ -72,7 +72,7 @@ def unpack_shared(frame: bytes, lengths: list[int], shared: list[int]) -> list[b
     out, pos, prev = [], 0, b""
     for n, s in zip(lengths, shared, strict=True):
         take = 4 * (n - s)
-        key = frame[pos : pos + take] if not s else prev[: 4 * s] + frame[pos : pos + take]
+        key = bytes(frame[pos : pos + take]) if not s else prev[: 4 * s] + frame[pos : pos + take]
         pos += take
         out.append(key)
         prev = key

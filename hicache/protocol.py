@@ -205,7 +205,7 @@ def split(values: np.ndarray, lengths: Any, what: str) -> list[np.ndarray]:
     return out
 
 
-def split_tokens(frame: bytes, lengths: Any, shared: Any = None) -> list[bytes]:
+def split_tokens(frame: bytes | memoryview, lengths: Any, shared: Any = None) -> list[bytes]:
     """Cut a token frame into per-sequence int32 LE byte strings (the tree's key form), with no
     numpy on the way: the match path keys the tree with these bytes directly.
 
@@ -214,11 +214,9 @@ def split_tokens(frame: bytes, lengths: Any, shared: Any = None) -> list[bytes]:
     """
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"token ids frame of {len(frame)} bytes")
-    if type(frame) is not bytes:
-        frame = bytes(frame)  # the daemon receives bytes; tests may pass other buffers
     if shared is None and type(lengths) is list and len(lengths) == 1:
-        if lengths[0] * 4 == len(frame):
-            return [frame]
+        if lengths[0] * 4 == len(frame):  # one sequence: the frame is its key
+            return [frame if type(frame) is bytes else bytes(frame)]
     shared = _check_shared(lengths, shared)
     if sum(lengths) - sum(shared) != len(frame) // 4 or len(frame) % 4:
         raise ProtocolError(ErrorCode.BAD_FIELD, "lengths: must be ints summing to the token ids")

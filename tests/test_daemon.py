@@ -181,6 +181,35 @@ def test_a_restarted_daemon_is_noticed(tmp_path):
         stop_daemon(proc)
 
 
+def test_frames_past_the_zero_copy_threshold(tmp_path):
+    """Token and slot frames above the daemon's copy threshold are read in zmq's own buffer."""
+    ep = f"ipc://{tmp_path}/big.sock"
+    proc = start_daemon(ep, "--device-tokens", "65536", "--host-tokens", "131072")
+    try:
+        rng = np.random.default_rng(1)
+        system = rng.integers(1, 1000, 8192, dtype=np.int32)
+        seqs = [
+            np.concatenate([system, rng.integers(1, 1000, 10000, dtype=np.int32)]) for _ in "abc"
+        ]
+        with HiCacheClient(ep, name="big") as hc:
+            slots = [hc.alloc(len(s)) for s in seqs]  # 218 KiB of tokens, 437 KiB of slots
+            assert hc.insert_batch(list(zip(seqs, slots, strict=True))) == [0, 8192, 8192]
+            matches = hc.match_batch([*seqs, seqs[0]])  # 72 KiB of tokens after sharing
+            assert [m.device_hit_length for m in matches] == [18192] * 4
+            assert torch.equal(matches[0].device_indices, slots[0])
+            assert torch.equal(matches[3].device_indices, slots[0])
+            for m, own in zip(matches[1:3], slots[1:], strict=True):
+                assert torch.equal(m.device_indices[:8192], slots[0][:8192])  # the tree's copy
+                assert torch.equal(m.device_indices[8192:], own[8192:])
+            longer = np.concatenate([seqs[2], np.full(20000, 5, np.int32)])  # one 153 KiB frame
+            single = hc.match_prefix(longer)
+            assert (single.device_hit_length, single.host_hit_length) == (18192, 0)
+            hc.release(*matches, single)
+            assert hc.stats(check=True)["integrity"] == "ok"
+    finally:
+        stop_daemon(proc)
+
+
 def test_cli_ping_info_and_stats(endpoint):
     import json
     import subprocess
