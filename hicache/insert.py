@@ -32,18 +32,11 @@ class InsertMixin:
         path, covered = self.tree.walk(root, key)
         n_covered = covered >> 2  # tokens the tree holds already (whole pages)
         dup, adopt = self._classify(path, raw, n_covered)
-        try:
-            # Only slots that are not the tree's own (at their own place) need checking: they
-            # must be the caller's whole pages (plus one partial tail page), distinct. Tree
-            # pages are TREE, not OWNED, so passing them anywhere else fails here. All of them
-            # become TREE now; the duplicates and the tail page are released just below.
-            theirs = raw[8 * n_covered :]  # the new whole pages, then the partial tail page
-            if dup or adopt:
-                theirs = b"".join([*dup, *(m for _, m in adopt), theirs])
-            pages = claim_pages(alloc, theirs, OWNED, TREE)  # in the order of ``theirs``
-        except Exception:
-            self._drop_empty_root(root)
-            raise
+        # the duplicates, the adopted pages, the new whole pages, then the partial tail page
+        theirs = raw[8 * n_covered :]
+        if dup or adopt:
+            theirs = b"".join([*dup, *(m for _, m in adopt), theirs])
+        pages = self._claim(root, theirs)
         used = n_dup = sum(map(len, dup)) // (8 * ps) if dup else 0
         for node, mine in adopt:
             n = len(mine) // (8 * ps)
@@ -64,6 +57,20 @@ class InsertMixin:
         if self.host_alloc is not None:
             self._backup_hot(path + [leaf] if leaf else path)
         return n_covered
+
+    def _claim(self, root: TreeNode, theirs: bytes) -> np.ndarray:
+        """Page ids of the caller's slots ``theirs``, now TREE (in their order).
+
+        Only slots that are not the tree's own (at their own place) reach here: they must be
+        the caller's whole pages (plus one partial tail page), distinct. Tree pages are TREE,
+        not OWNED, so passing them anywhere else fails here, and nothing changes. The caller
+        releases the duplicates and the tail page right after.
+        """
+        try:
+            return claim_pages(self.device_alloc, theirs, OWNED, TREE)
+        except Exception:
+            self._drop_empty_root(root)
+            raise
 
     def _classify(self, path: list[TreeNode], raw: bytes, covered: int) -> tuple[list[bytes], list]:
         """Split the first ``covered`` slots of ``raw`` (slot bytes; the tokens ``path``
