@@ -17,6 +17,22 @@ def test_match_is_truncated_to_whole_pages():
     cache.check_integrity()
 
 
+def test_match_gives_the_inserted_slots_as_pages_and_slots():
+    cache = make_cache(page_size=4, device_tokens=64, host_tokens=0)
+    first = put(cache, list(range(1, 9)))  # two nodes after the next insert splits this one
+    second = put(cache, [1, 2, 3, 4, 50, 51, 52, 53])
+    m = cache.match_prefix([1, 2, 3, 4, 50, 51, 52, 53, 7])
+    want = torch.cat([first[:4], second[4:]])  # the tree kept its own copy of the first page
+    assert torch.equal(m.device_indices, want)
+    assert torch.equal(m.device_pages, want[::4] // 4)
+    assert m.device_pages.dtype == m.device_indices.dtype == torch.int64
+    m.device_indices[0] = -1  # a tensor the caller owns: the tree is untouched
+    assert torch.equal(cache.match_prefix([1, 2, 3, 4]).device_indices, first[:4])
+    miss = cache.match_prefix([99, 98, 97, 96])
+    assert miss.device_indices.shape == miss.device_pages.shape == (0,)
+    cache.check_integrity()
+
+
 def test_split_carries_locks_hits_and_host_pages():
     cache = make_cache(page_size=2)
     put(cache, [1, 2, 3, 4, 5, 6])
