@@ -15,10 +15,11 @@ static PyObject *s_children, *s_key, *s_last_access, *s_hit_count, *s_device_pag
     *s_host_pages, *s_io;
 static PyObject *one; /* the int 1 */
 
-/* The child of ``node`` whose key ``key[pos:]`` starts with, as a new reference; NULL with no
- * error set when there is none (or it is matched only in part), NULL with an error on failure. */
+/* The child of ``node`` whose key ``key[pos:]`` starts with, as a new reference, its key's
+ * length in ``*klen``; NULL with no error set when there is none (or it is matched only in
+ * part), NULL with an error on failure. */
 static PyObject *next_child(PyObject *node, const char *key, Py_ssize_t pos, Py_ssize_t end,
-                            Py_ssize_t step) {
+                            Py_ssize_t step, Py_ssize_t *klen) {
     PyObject *children = PyObject_GetAttr(node, s_children);
     if (children == NULL) return NULL;
     if (!PyDict_Check(children)) {
@@ -35,9 +36,9 @@ static PyObject *next_child(PyObject *node, const char *key, Py_ssize_t pos, Py_
     if (child == NULL) return NULL;
     PyObject *ckey = PyObject_GetAttr(child, s_key);
     if (ckey == NULL) { Py_DECREF(child); return NULL; }
-    int whole = PyBytes_Check(ckey) &&
-                PyBytes_GET_SIZE(ckey) <= end - pos &&
-                memcmp(PyBytes_AS_STRING(ckey), key + pos, PyBytes_GET_SIZE(ckey)) == 0;
+    *klen = PyBytes_Check(ckey) ? PyBytes_GET_SIZE(ckey) : -1;
+    int whole = *klen >= 0 && *klen <= end - pos &&
+                memcmp(PyBytes_AS_STRING(ckey), key + pos, *klen) == 0;
     Py_DECREF(ckey);
     if (!whole) { Py_DECREF(child); return NULL; }
     return child;
@@ -62,21 +63,18 @@ static PyObject *descend(PyObject *self, PyObject *args) {
     if (path == NULL) return NULL;
     Py_INCREF(node);
     while (pos + step <= end) {
-        PyObject *child = next_child(node, k, pos, end, step);
+        Py_ssize_t klen;
+        PyObject *child = next_child(node, k, pos, end, step, &klen);
         Py_DECREF(node);
         node = child;
         if (child == NULL) break;
         if (PyObject_SetAttr(child, s_last_access, now) < 0 || PyList_Append(path, child) < 0)
             break;
-        PyObject *ckey = PyObject_GetAttr(child, s_key);
-        if (ckey == NULL) break;
-        pos += PyBytes_GET_SIZE(ckey);
-        Py_DECREF(ckey);
+        pos += klen;
     }
     Py_XDECREF(node);
     if (PyErr_Occurred()) { Py_DECREF(path); return NULL; }
-    PyObject *out = Py_BuildValue("(Nn)", path, pos);
-    return out;
+    return Py_BuildValue("(Nn)", path, pos);
 }
 
 /* Counts one hit on ``node`` and folds its device state into the tally; 0, or -1 with an error. */
