@@ -1,8 +1,9 @@
-"""One-pass checks for the match/insert hot path: C helpers when built, numpy otherwise.
+"""The match/insert hot path's one-pass helpers: C when built (``_fast.c``: checks, packing,
+page ids; ``_tree.c``: the tree walk and a match's bookkeeping), numpy or Python otherwise.
 
-Both paths accept and reject exactly the same input (the tests run both); the C one exists
-because numpy's per-call cost, not the data, dominated these checks. Set HICACHE_NO_C=1 to use
-the fallback.
+Both paths accept and reject exactly the same input and leave the same state (the tests run
+both); the C one exists because numpy's per-call cost and Python's per-step cost, not the data,
+dominated. Set HICACHE_NO_C=1 to use the fallback.
 """
 
 from __future__ import annotations
