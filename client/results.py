@@ -8,6 +8,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from hicache.types import slots_of_page_ids
+
 
 class PageFrame:
     """A match reply's page ids: every distinct node's pages once, shared by its Matches.
@@ -60,10 +62,7 @@ class Match:
     @property
     def device_indices(self) -> torch.Tensor:
         """int64 token slots of the device-resident prefix: page * page_size + offset."""
-        pages, ps = self._page_array(), self._frame.page_size
-        if ps > 1:
-            pages = (pages[:, None] * ps + np.arange(ps, dtype=np.int64)).reshape(-1)
-        return torch.from_numpy(pages)
+        return slots_of_page_ids(self._page_array(), self._frame.page_size)
 
     def __repr__(self) -> str:
         return (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple, NewType
 
+import numpy as np
 import torch
 
 from hicache.fastpath import page_slots
@@ -64,15 +65,22 @@ class MatchResult:
     @property
     def device_indices(self) -> torch.Tensor:
         """int64 slots of the device-resident prefix, in token order (a new tensor you own)."""
-        if self.page_size == 1:  # page ids are the slots
-            return self.device_pages
-        return _int64_tensor(page_slots(b"".join(self.page_chunks), self.page_size))
+        return slots_of_page_ids(b"".join(self.page_chunks), self.page_size)
 
     def __repr__(self) -> str:
         return (
             f"MatchResult(device_hit_length={self.device_hit_length}, "
             f"host_hit_length={self.host_hit_length}, loading={self.loading})"
         )
+
+
+def slots_of_page_ids(pages: bytes | np.ndarray, page_size: int) -> torch.Tensor:
+    """A new int64 tensor of the slots of int64 page ids (page * page_size + offset), in order.
+    The one expansion of pages into slots that match results use (the core's and the client's).
+    """
+    if page_size == 1:  # page ids are the slots
+        return _int64_tensor(bytearray(pages))
+    return _int64_tensor(page_slots(pages, page_size))
 
 
 def _int64_tensor(buf: bytearray) -> torch.Tensor:
