@@ -1,18 +1,50 @@
-"""hicache.client: the engine-side client library and the `hicache` CLI."""
+"""hicache.client: the engine-side client library and the `hicache` CLI.
 
-from hicache.client.client import HiCacheClient
-from hicache.client.connection import DaemonError, DaemonTimeout, EpochChanged
-from hicache.client.pools import AttachedPools
-from hicache.client.results import LoadTicket, Match
-from hicache.progress import LoadFailed
+Names are imported on first use: the CLI never imports torch.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "HiCacheClient": "hicache.client.client",
+    "Inserted": "hicache.client.client",
+    "DaemonError": "hicache.client.connection",
+    "DaemonTimeout": "hicache.client.connection",
+    "EpochChanged": "hicache.client.connection",
+    "LeaseLost": "hicache.client.connection",
+    "AttachedPools": "hicache.client.pools",
+    "LoadTicket": "hicache.client.results",
+    "Match": "hicache.client.results",
+    "LoadFailed": "hicache.progress",
+}
 __all__ = [
     "AttachedPools",
     "DaemonError",
     "DaemonTimeout",
     "EpochChanged",
     "HiCacheClient",
+    "Inserted",
+    "LeaseLost",
     "LoadFailed",
     "LoadTicket",
     "Match",
 ]
+
+if TYPE_CHECKING:
+    from hicache.client.client import HiCacheClient, Inserted
+    from hicache.client.connection import DaemonError, DaemonTimeout, EpochChanged, LeaseLost
+    from hicache.client.pools import AttachedPools
+    from hicache.client.results import LoadTicket, Match
+    from hicache.progress import LoadFailed
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache.client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,7 +1,11 @@
 """Connection: one DEALER socket to the daemon, request/reply with timeouts. No API here.
 
-Replies are matched to requests by id; a late reply to a request that timed out is dropped.
-Every reply's boot epoch is compared with the one seen first: a restarted daemon raises
+Replies are matched to requests by id. A request that timed out may still run in the daemon:
+its late reply, when it arrives while a later request waits, goes to ``on_late`` (the client
+gives back what it brought: a lock, slots), never to the later request.
+
+Every request names the daemon life it belongs to (the boot epoch learned from the first
+reply); a restarted daemon refuses it before doing anything, and the client raises
 EpochChanged, so slot indices from the old daemon are never used.
 """
 
@@ -9,13 +13,15 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
+    MAX_FRAME_BYTES,
     ErrorCode,
     Op,
     Reply,
@@ -27,6 +33,7 @@ from hicache.protocol import (
 # The backend's methods with int flags: pyzmq's multipart helpers cost twice as much in Python.
 _send, _recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
 SNDMORE = int(zmq.SNDMORE)
+MAX_LATE = 4096  # timed-out requests remembered (whose late replies are given back)
 
 
 class DaemonError(RuntimeError):
@@ -35,14 +42,25 @@ class DaemonError(RuntimeError):
     def __init__(self, code: ErrorCode, message: str):
         super().__init__(f"{code.name}: {message}")
         self.code = code
+        self.message = message
 
 
 class EpochChanged(DaemonError):
-    """The daemon restarted: every slot index and lock from before is void."""
+    """The daemon restarted: every slot index, lock and Match from before is void, and this
+    client's session is gone. Drop them all, open a new HiCacheClient and attach again."""
+
+
+class LeaseLost(DaemonError):
+    """This session's lease ran out (the engine was stalled or cut off past the lease): its
+    locks and pages are being taken back. Stop using every slot and Match it had, at once, and
+    open a new HiCacheClient."""
 
 
 class DaemonTimeout(TimeoutError):
     """No reply within the timeout (the daemon is down, or busy for too long)."""
+
+
+LateHandler = Callable[[Op, Reply, list], None]
 
 
 class Connection:
@@ -56,35 +74,60 @@ class Connection:
         self.sock.connect(endpoint)
         self.session = 0  # set by hello
         self.epoch = 0  # the daemon's boot epoch, learned from the first reply
+        self.on_late: LateHandler | None = None  # what to do with a timed-out request's reply
         self._ids = itertools.count(1)
         self._pid = os.getpid()
+        self._timed_out: OrderedDict[int, Op] = OrderedDict()
 
     def call(
         self, op: Op, fields: dict | None = None, frames: Sequence[Any] = ()
     ) -> tuple[Reply, list[zmq.Frame]]:
         """Send one request and wait for its reply. Raises DaemonError, EpochChanged,
-        DaemonTimeout."""
+        LeaseLost, DaemonTimeout."""
         if os.getpid() != self._pid:
             raise RuntimeError("a Connection cannot be used after fork; make a new one")
+        for frame in frames:
+            if len(frame) > MAX_FRAME_BYTES:
+                raise DaemonError(
+                    ErrorCode.TOO_LARGE,
+                    f"{op.name}: a frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES} "
+                    "limit (16M token ids or 8M slots); split the request",
+                )
         request_id = next(self._ids)
-        header = encode_request(Request(op, request_id, self.session, fields or {}))
-        self._send(header, frames)
+        request = Request(op, request_id, self.session, self.epoch, fields or {})
+        self._send(encode_request(request), frames)
         while True:
             try:
                 parts = self._recv()
             except zmq.Again:
+                self._timed_out[request_id] = op
+                if len(self._timed_out) > MAX_LATE:
+                    self._timed_out.popitem(last=False)
                 raise DaemonTimeout(f"no reply from {self.endpoint} to {op.name}") from None
             reply = decode_reply(parts[0].buffer)
             if reply.request_id == request_id:
-                break  # anything else answers an earlier request that timed out
-        if self.epoch and reply.boot_epoch != self.epoch:
+                break
+            late = self._timed_out.pop(reply.request_id, None)
+            if late is not None and self.on_late is not None and reply.ok:
+                self.on_late(late, reply, parts[1:])
+        return self._check(reply), parts[1:]
+
+    def _check(self, reply: Reply) -> Reply:
+        if reply.status is ErrorCode.EPOCH_MISMATCH or (
+            self.epoch and reply.boot_epoch != self.epoch
+        ):
             raise EpochChanged(
-                ErrorCode.UNKNOWN_SESSION, "the daemon restarted; reconnect and start over"
+                ErrorCode.EPOCH_MISMATCH,
+                "the daemon restarted: every slot, lock and Match from before is void; "
+                "open a new HiCacheClient",
             )
         self.epoch = self.epoch or reply.boot_epoch
-        if not reply.ok:
-            raise DaemonError(reply.status, str(reply.fields.get("message", "")))
-        return reply, parts[1:]
+        if reply.ok:
+            return reply
+        message = str(reply.fields.get("message", ""))
+        if reply.status is ErrorCode.LEASE_EXPIRED:
+            raise LeaseLost(reply.status, message)
+        raise DaemonError(reply.status, message)
 
     def _send(self, header: bytes, frames: Sequence[Any]) -> None:
         sock = self.sock

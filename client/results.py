@@ -37,17 +37,38 @@ class Match:
     """A prefix match. The prefix's pages arrive as page ids (page_size times smaller than
     slots); ``device_pages`` and ``device_indices`` are built on first use. Read-only."""
 
-    __slots__ = ("device_hit_length", "host_hit_length", "lock_id", "_frame", "_ids", "_pages")
+    __slots__ = (
+        "device_hit_length",
+        "host_hit_length",
+        "lock_id",
+        "released",
+        "_frame",
+        "_ids",
+        "_pages",
+    )
 
     def __init__(self, frame: PageFrame, ids: list[int], device: int, host: int, lock_id: int):
         self.device_hit_length = device  # tokens cached on the device
         self.host_hit_length = host  # tokens after those, cached on the host only (load_back)
         self.lock_id = lock_id  # the session's lock on this prefix (0: not locked)
+        self.released = False  # after release its slots may hold other KV: they are refused
         self._frame = frame
         self._ids = ids  # the nodes of the prefix, in order (indices into the frame)
         self._pages: np.ndarray | None = None
 
+    def check_live(self) -> None:
+        """Raise unless the match's slots are still its own (not released)."""
+        if self.released:
+            raise RuntimeError(
+                "this Match was released: its slots may already hold other KV; match again"
+            )
+
+    def mark_released(self) -> None:
+        if self.lock_id:
+            self.released = True
+
     def _page_array(self) -> np.ndarray:
+        self.check_live()
         if self._pages is None:
             parts = self._frame.node_pages(self._ids)
             # a copy: the caller owns a writable array, and the reply frame can go
@@ -67,7 +88,8 @@ class Match:
     def __repr__(self) -> str:
         return (
             f"Match(device_hit_length={self.device_hit_length}, "
-            f"host_hit_length={self.host_hit_length}, lock_id={self.lock_id})"
+            f"host_hit_length={self.host_hit_length}, lock_id={self.lock_id}"
+            f"{', released' if self.released else ''})"
         )
 
 

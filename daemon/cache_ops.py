@@ -1,7 +1,8 @@
 """Handlers of the cache operations (a mixin of Handlers), with per-session ownership.
 
 A session may pass, free or insert only pages it owns (or, for insert, the tree's own pages
-at their place, which the cache itself checks). Every check happens before the cache changes.
+at their place, which the cache itself checks). Every check, limits included, happens before
+the cache changes.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from hicache.allocator import OWNED
+from hicache.daemon.limits import out_of_memory
 from hicache.daemon.sessions import Session
 from hicache.protocol import (
     ErrorCode,
@@ -26,6 +28,7 @@ from hicache.types import MatchResult
 
 Frames = list[Any]
 Result = tuple[dict[str, Any], Frames]
+_NO_SLOTS = np.empty(0, np.int64)
 
 
 def _need_frames(frames: Frames, count: int, op: str) -> None:
@@ -41,13 +44,18 @@ class CacheOpsMixin:
         self.cache.device_alloc.check_slot_range(slots)
         return np.unique(slots // self.cache.page_size).tolist()
 
-    def _grant(self, session: Session, slots: np.ndarray | None) -> Result:
+    def _grant(self, session: Session, slots: Any, pages: int) -> Result:
+        """Record the pages of ``slots`` (a tensor, or None when the pool had no room) as the
+        session's."""
         if slots is None:
-            raise ProtocolError(ErrorCode.OUT_OF_MEMORY, "the device pool is full of locked data")
+            raise out_of_memory(self.cache, self.sessions.holders(), pages)
+        slots = slots.numpy()
         session.owned.update(self._pages(slots))
         return {"num_tokens": len(slots)}, [slots_frame(slots)]
 
     def _check_partial(self, session: Session, filled: np.ndarray, last_loc: np.ndarray) -> None:
+        """A request that continues a partly filled page must own that page (the cache checks
+        that ``last_loc`` sits where the request's last token belongs in it)."""
         partial = filled % self.cache.page_size != 0
         if partial.any():
             session.check_owned(self._pages(last_loc[partial]))
@@ -55,8 +63,9 @@ class CacheOpsMixin:
     # ---- allocation ----
     def alloc(self, session: Session, fields: dict, frames: Frames) -> Result:
         n = self._int(fields, "num_tokens", 0, self.cache.config.device_tokens)
-        slots = self.cache.alloc(n)
-        return self._grant(session, None if slots is None else slots.numpy())
+        pages = -(-n // self.cache.page_size)
+        self.limits.check_owned(session, pages)
+        return self._grant(session, self.cache.alloc(n), pages)
 
     def alloc_extend(self, session: Session, fields: dict, frames: Frames) -> Result:
         _need_frames(frames, 3, "alloc_extend")
@@ -64,8 +73,9 @@ class CacheOpsMixin:
         if not len(prefix) == len(seq) == len(last) or (prefix > seq).any() or (prefix < 0).any():
             raise ProtocolError(ErrorCode.BAD_FIELD, "alloc_extend: need 0 <= prefix <= seq")
         self._check_partial(session, prefix, last)
-        out = self.cache.alloc_extend(prefix, seq, last)
-        return self._grant(session, None if out is None else out.numpy())
+        pages = self.cache.device_alloc.extend_pages_needed(prefix, seq)
+        self.limits.check_owned(session, pages)
+        return self._grant(session, self.cache.alloc_extend(prefix, seq, last), pages)
 
     def alloc_decode(self, session: Session, fields: dict, frames: Frames) -> Result:
         _need_frames(frames, 2, "alloc_decode")
@@ -73,8 +83,9 @@ class CacheOpsMixin:
         if len(seq) != len(last) or (seq < 1).any():
             raise ProtocolError(ErrorCode.BAD_FIELD, "alloc_decode: need seq_len >= 1")
         self._check_partial(session, seq - 1, last)
-        out = self.cache.alloc_decode(seq, last)
-        return self._grant(session, None if out is None else out.numpy())
+        pages = int(((seq - 1) % self.cache.page_size == 0).sum())
+        self.limits.check_owned(session, pages)
+        return self._grant(session, self.cache.alloc_decode(seq, last), pages)
 
     def free(self, session: Session, fields: dict, frames: Frames) -> Result:
         _need_frames(frames, 1, "free")
@@ -91,26 +102,34 @@ class CacheOpsMixin:
         batch = split_tokens(frames[0], fields.get("lengths"), fields.get("shared"))
         check_token_bytes(frames[0])  # every key is built from this frame: one pass for all
         spaces = self._namespaces(fields, len(batch))
-        lock = fields.get("lock", True) is not False
+        lock = self._bool(fields, "lock", True)
+        if lock:
+            self.limits.check_locks(session, len(batch))
         match_key = self.cache.match_key
-        # A node shared by several matches (a system prompt) travels once: the reply frame holds
-        # each distinct node's page ids, and each result lists the chunks its prefix is made of.
-        results, chunks, index = [], [], {}
-        add_result, seen = results.append, index.get
+        results, state = [], ([], {})
         for tokens, space in zip(batch, spaces, strict=True):
             m = match_key(tokens, space, True)
-            if m.loading:  # another session's load still writes this prefix: let it land
-                self.cache.wait_load(m.last_device_node)
-            lock_id = self._lock(session, m) if lock else 0
-            ids = []
-            for chunk in m.page_chunks:  # the nodes' own immutable bytes, alive meanwhile
-                i = seen(id(chunk))
-                if i is None:
-                    i = index[id(chunk)] = len(chunks)
-                    chunks.append(chunk)
-                ids.append(i)
-            add_result([m.device_hit_length, m.host_hit_length, lock_id, ids])
-        return self._match_reply(results, chunks)
+            results.append(self._result(session, m, lock, state))
+        return self._match_reply(results, state[0])
+
+    def _result(self, session: Session, m: MatchResult, lock: bool, state: tuple) -> list:
+        """One match's reply entry. A node shared by several matches (a system prompt) travels
+        once: ``state`` holds each distinct node's page ids, and the entry lists the chunks its
+        prefix is made of."""
+        if m.loading:  # another session's load still writes this prefix: let it land
+            self.cache.wait_load(m.last_device_node)
+            if m.last_device_node.device_pages is None or not m.page_chunks:
+                raise ProtocolError(ErrorCode.INTERNAL, "a load under this prefix failed")
+        lock_id = self._lock(session, m) if lock else 0
+        chunks, index = state
+        ids = []
+        for chunk in m.page_chunks:  # the nodes' own immutable bytes, alive meanwhile
+            i = index.get(id(chunk))
+            if i is None:
+                i = index[id(chunk)] = len(chunks)
+                chunks.append(chunk)
+            ids.append(i)
+        return [m.device_hit_length, m.host_hit_length, lock_id, ids]
 
     def _lock(self, session: Session, m: MatchResult) -> int:
         """Lock a match's device prefix for ``session``; returns the lock id."""
@@ -125,13 +144,19 @@ class CacheOpsMixin:
 
     def load_back(self, session: Session, fields: dict, frames: Frames) -> Result:
         lock_id = self._int(fields, "lock_id", 1)
-        wait = fields.get("wait", True) is not False  # False: answer at once with a ticket
+        wait = self._bool(fields, "wait", True)  # False: answer at once with a ticket
         record = session.locks.get(lock_id)
         if record is None:
-            raise ProtocolError(ErrorCode.NOT_OWNED, f"lock {lock_id} is not held")
-        none = {"loaded": 0, "ticket": 0}, [slots_frame(np.empty(0, np.int64))]
+            raise ProtocolError(
+                ErrorCode.NOT_OWNED,
+                f"lock {lock_id} is not held by this session (released, or not from a locked "
+                "match)",
+            )
+        none = {"loaded": 0, "ticket": 0}, [slots_frame(_NO_SLOTS)]
         if not self.cache.tree.in_tree(record.host_node):  # host-evicted since the match
             return none
+        session.loads.intersection_update(self.cache.records)  # those still in flight
+        self.limits.check_loads(session, len(session.loads))
         loaded = self.cache.load_back(record.host_node)
         if loaded is None or not len(loaded):
             return none
@@ -139,7 +164,11 @@ class CacheOpsMixin:
         events = self.cache.engine.layer_handles(ticket) if ticket else None
         if wait:
             self.cache.wait_load(record.host_node)
+            if record.host_node.device_pages is None:  # the copy failed: a miss, recompute
+                return {**none[0], "failed": True}, none[1]
             ticket, events = 0, None
+        elif ticket:
+            session.loads.add(ticket)
         self.cache.inc_lock_ref(record.host_node)  # the lock now covers the loaded part
         self.cache.dec_lock_ref(record.node)
         record.node = record.host_node
@@ -150,36 +179,61 @@ class CacheOpsMixin:
 
     def insert(self, session: Session, fields: dict, frames: Frames) -> Result:
         """Insert each sequence in turn; a bad one stops the batch with an error reply, and the
-        sequences before it stay inserted (their pages are the tree's now)."""
+        sequences before it stay inserted (their pages are the tree's now).
+
+        ``lock: true`` (an unfinished request, SGLang's cache_unfinished_req): only whole pages
+        are inserted, the partial tail page stays the session's, and the reply is a locked
+        match of what is now cached (MATCH's reply form): the pages the request must use for
+        its prefix from now on (where another engine cached the same tokens first, its pages,
+        and the caller's duplicates are freed)."""
         _need_frames(frames, 2, "insert")
+        lock = self._bool(fields, "lock", False)
         tokens = split(decode_tokens(frames[0]), fields.get("lengths"), "token ids")
         slots = split(decode_slots(frames[1]), fields.get("lengths"), "slot indices")
         spaces = self._namespaces(fields, len(tokens))
-        prefix_lens = []
-        state = self.cache.device_alloc.state
+        if lock:
+            self.limits.check_locks(session, len(tokens))
+        prefix_lens, results, state = [], [], ([], {})
+        ps, alloc_state = self.cache.page_size, self.cache.device_alloc.state
         for seq, seq_slots, space in zip(tokens, slots, spaces, strict=True):
+            if lock:  # the partial tail page stays the caller's
+                aligned = len(seq) // ps * ps
+                seq, seq_slots = seq[:aligned], seq_slots[:aligned]
             pages = np.asarray(self._pages(seq_slots), dtype=np.int64)
-            mine = pages[state[pages] == OWNED].tolist() if len(pages) else []
-            session.check_owned(mine)  # never another session's pages
+            mine = pages[alloc_state[pages] == OWNED] if len(pages) else pages
+            session.check_owned(mine.tolist())  # never another session's pages
             prefix_lens.append(self.cache.insert(seq, seq_slots, namespace=space))
-            session.owned.difference_update(mine)
-        return {"prefix_lens": prefix_lens}, []
+            # what is no longer OWNED joined the tree or was freed as a duplicate
+            session.owned.difference_update(mine[alloc_state[mine] != OWNED].tolist())
+            if lock:
+                m = self.cache.match_key(seq.tobytes(), space, True, count=False)
+                results.append(self._result(session, m, True, state))
+        if not lock:
+            return {"prefix_lens": prefix_lens}, []
+        fields, out = self._match_reply(results, state[0])
+        return {**fields, "prefix_lens": prefix_lens}, out
 
     # ---- locks ----
     def lock(self, session: Session, fields: dict, frames: Frames) -> Result:
-        record = session.locks.get(self._int(fields, "lock_id", 1))
+        lock_id = self._int(fields, "lock_id", 1)
+        record = session.locks.get(lock_id)
         if record is None:
-            raise ProtocolError(ErrorCode.NOT_OWNED, "lock is not held")
+            raise ProtocolError(ErrorCode.NOT_OWNED, f"lock {lock_id} is not held")
+        self.limits.check_locks(session, 1)
         self.cache.inc_lock_ref(record.node)
         return {"lock_id": session.add_lock(self.LockRecord(record.node, record.host_node))}, []
 
     def release(self, session: Session, fields: dict, frames: Frames) -> Result:
         ids = fields.get("lock_ids")
-        if not isinstance(ids, list) or len(set(map(repr, ids))) != len(ids):
+        if (
+            not isinstance(ids, list)
+            or not all(type(i) is int for i in ids)
+            or len(set(ids)) != len(ids)
+        ):
             raise ProtocolError(ErrorCode.BAD_FIELD, "release: lock_ids must be distinct ints")
         missing = [i for i in ids if i not in session.locks]
         if missing:
-            raise ProtocolError(ErrorCode.NOT_OWNED, f"locks {missing} are not held")
+            raise ProtocolError(ErrorCode.NOT_OWNED, f"locks {missing[:8]} are not held")
         for lock_id in ids:
             self.cache.dec_lock_ref(session.pop_lock(lock_id).node)
         return {}, []

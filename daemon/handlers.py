@@ -3,23 +3,29 @@
 No sockets here (server.py moves frames). ``Handlers.handle`` never raises: a bad request gets
 an error reply with a stable code, an unexpected exception an INTERNAL reply, and the daemon
 keeps serving. Handlers run on the control thread only.
+
+Order of checks for every request, before anything changes: the header decodes; the request
+names this daemon life (``epoch``, else ``EPOCH_MISMATCH``); its session is live (else
+``LEASE_EXPIRED`` or ``UNKNOWN_SESSION``); an admin operation comes from an admin session
+(else ``FORBIDDEN``). Only then does the operation run.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from hicache.allocator import OWNED
 from hicache.cache import HiRadixCache
 from hicache.daemon.cache_ops import CacheOpsMixin
-from hicache.daemon.sessions import Ended, Session, SessionTable
-from hicache.errors import HiCacheError, InvalidIndicesError
+from hicache.daemon.limits import SessionLimits
+from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
+from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
 from hicache.node import TreeNode
 from hicache.protocol import ErrorCode, Op, ProtocolError, Reply, decode_request, encode_reply
 
@@ -27,6 +33,8 @@ log = logging.getLogger("hicache.daemon")
 Frames = list[Any]
 Result = tuple[dict[str, Any], Frames]
 NO_SESSION_OPS = {Op.HELLO, Op.PING, Op.STATS}
+ADMIN_OPS = {Op.EVICT, Op.FLUSH}
+MAX_SESSION_LIST = 1000  # sessions listed by stats (the count is always exact)
 
 
 @dataclass
@@ -42,6 +50,13 @@ def _int(fields: dict, name: str, lo: int = 0, hi: int = 2**62) -> int:
     return value
 
 
+def _bool(fields: dict, name: str, default: bool) -> bool:
+    value = fields.get(name, default)
+    if type(value) is not bool:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{name}: expected true or false")
+    return value
+
+
 def _namespaces(fields: dict, count: int) -> list:
     spaces = fields.get("namespaces")
     if spaces is None:
@@ -54,6 +69,7 @@ def _namespaces(fields: dict, count: int) -> list:
 class Handlers(CacheOpsMixin):
     LockRecord = LockRecord
     _int = staticmethod(_int)
+    _bool = staticmethod(_bool)
     _namespaces = staticmethod(_namespaces)
 
     def __init__(
@@ -62,18 +78,22 @@ class Handlers(CacheOpsMixin):
         sessions: SessionTable,
         boot_epoch: int,
         info: dict[str, Any],
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
+        limits: SessionLimits | None = None,
     ):
         self.cache = cache
         self.sessions = sessions
         self.boot_epoch = boot_epoch
         self.info = info  # hello's config and pool description, and server facts for stats
-        self.clock = clock
-        self.started = clock()
+        # leases run on the service clock: time the daemon was not running does not count
+        self.clock = clock or ServiceClock(max_gap=min(1.0, sessions.lease_s / 4))
+        self.limits = limits or SessionLimits.for_pool(cache.device_alloc.capacity_pages)
+        self.started = self.clock()
+        self.housekeep_errors = 0  # exceptions caught in housekeeping (each one is a bug)
+        self.server_counters: Callable[[], dict[str, int]] = dict  # the transport's counters
         self.table: dict[Op, Callable[[Session | None, dict, Frames], Result]] = {
             Op.HELLO: self.hello,
             Op.HEARTBEAT: self.heartbeat,
-            Op.GOODBYE: self.goodbye,
             Op.MATCH: self.match,
             Op.LOAD_BACK: self.load_back,
             Op.ALLOC: self.alloc,
@@ -97,8 +117,19 @@ class Handlers(CacheOpsMixin):
             req = decode_request(header)
             request_id = req.request_id
             session = None
+            if req.op is Op.GOODBYE:  # also ends a session in quarantine
+                return self._goodbye(req), []
             if req.op not in NO_SESSION_OPS:
+                self._check_epoch(req.epoch, required=True)
                 session = self.sessions.touch(req.session, self.clock())
+                if req.op in ADMIN_OPS and not session.admin:
+                    raise ProtocolError(
+                        ErrorCode.FORBIDDEN,
+                        f"{req.op.name.lower()} acts for every session: open the session as "
+                        "admin (HiCacheClient(admin=True), or the hicache CLI)",
+                    )
+            else:
+                self._check_epoch(req.epoch, required=False)
             fields, out = self.table[req.op](session, req.fields, frames)
             return self._reply(ErrorCode.OK, request_id, fields), out
         except ProtocolError as exc:
@@ -112,47 +143,85 @@ class Handlers(CacheOpsMixin):
             message = f"internal error: {type(exc).__name__}: {exc}"
             return self._reply(ErrorCode.INTERNAL, request_id, {"message": message}), []
 
+    def _check_epoch(self, epoch: int, required: bool) -> None:
+        """A request from another daemon life is refused before anything happens."""
+        if epoch == self.boot_epoch or (epoch == 0 and not required):
+            return
+        raise ProtocolError(
+            ErrorCode.EPOCH_MISMATCH,
+            "the request belongs to another daemon life (the daemon restarted): its session, "
+            "slots and locks are void; open a new client",
+        )
+
     def _reply(self, status: ErrorCode, request_id: int, fields: dict) -> bytes:
         return encode_reply(Reply(status, request_id, self.boot_epoch, fields))
 
     def housekeep(self) -> list[Ended]:
-        """Process transfer acks and end sessions whose lease ran out."""
-        self.cache.poll()
-        ended = self.sessions.expire(self.clock())
+        """Process transfer acks and give back what sessions past their quarantine held.
+        Never raises: a bug here is logged and counted, and the daemon keeps serving."""
+        try:
+            self.cache.poll()
+            ended = self.sessions.expire(self.clock())
+        except Exception:
+            self.housekeep_errors += 1
+            log.exception("housekeeping failed")
+            return []
         for gone in ended:
-            self.give_back(gone)
+            try:
+                self.give_back(gone)
+            except Exception:
+                self.housekeep_errors += 1
+                log.exception("giving back session %d failed", gone.session.id)
         return ended
 
     def give_back(self, ended: Ended) -> None:
-        """Release every lock and free every page an ended session still held."""
+        """Release every lock and free every page an ended session still held. Only pages the
+        allocator still counts as owned are freed: nothing of the tree's or the free list's."""
         session = ended.session
         for record in session.locks.values():
             self.cache.dec_lock_ref(record.node)
+        session.locks.clear()
         if session.owned:
             pages = np.fromiter(session.owned, dtype=np.int64)
+            pages = pages[self.cache.device_alloc.state[pages] == OWNED]
             self.cache.free(pages * self.cache.page_size)
+            session.owned.clear()
         log.info("session %d (%s) ended: %s", session.id, session.client, ended.reason)
 
     # ---- sessions ----
     def hello(self, _: Session | None, fields: dict, frames: Frames) -> Result:
         client = fields.get("client", "")
         pid = fields.get("pid", 0)
-        if not isinstance(client, str) or isinstance(pid, bool) or not isinstance(pid, int):
-            raise ProtocolError(ErrorCode.BAD_FIELD, "hello: client is a str and pid an int")
-        session = self.sessions.open(client, pid, self.clock())
-        return {"session": session.id, "lease_s": session.lease_s, **self.info}, []
+        if not isinstance(client, str) or len(client) > 256:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "hello: client is a str of <= 256 chars")
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 2**62:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "hello: pid is an int >= 0")
+        admin = self._bool(fields, "admin", False)
+        session = self.sessions.open(client, pid, self.clock(), admin)
+        return {
+            "session": session.id,
+            "lease_s": session.lease_s,
+            "quarantine_s": self.sessions.quarantine_s,
+            "limits": vars(self.limits),
+            **self.info,
+        }, []
 
     def heartbeat(self, session: Session, fields: dict, frames: Frames) -> Result:
         return {}, []
 
-    def goodbye(self, session: Session, fields: dict, frames: Frames) -> Result:
-        self.give_back(self.sessions.end(session.id))  # type: ignore[arg-type]
-        return {}, []
+    def _goodbye(self, req: Any) -> bytes:
+        """End the session now (live or in quarantine); a stale epoch is refused first."""
+        self._check_epoch(req.epoch, required=True)
+        ended = self.sessions.end(req.session)
+        if ended is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"no session {req.session}")
+        self.give_back(ended)
+        return self._reply(ErrorCode.OK, req.request_id, {})
 
     def ping(self, _: Session | None, fields: dict, frames: Frames) -> Result:
         return {"pong": True, "pid": os.getpid()}, []
 
-    # ---- maintenance ----
+    # ---- maintenance (admin) ----
     def _settle(self) -> None:
         """Wait for in-flight copies and process their acks (admin ops act on settled data)."""
         if self.cache.engine is not None:
@@ -186,32 +255,65 @@ class Handlers(CacheOpsMixin):
         return {"device_freed": freed, "host_freed": freed_host}, []
 
     def stats(self, _: Session | None, fields: dict, frames: Frames) -> Result:
+        check = self._bool(fields, "check", False)
         out: dict[str, Any] = self.cache.stats().as_dict()
+        listed = [
+            {
+                "id": s.id,
+                "client": s.client,
+                "pid": s.pid,
+                "owned_pages": len(s.owned),
+                "locks": len(s.locks),
+                "admin": s.admin,
+                "lapsed": bool(s.release_at),
+            }
+            for s, _ in zip(self.sessions.holders(), range(MAX_SESSION_LIST), strict=False)
+        ]
+        quarantined = self.sessions.quarantined()
         out.update(
             sessions=len(self.sessions),
+            sessions_quarantined=len(quarantined),
+            quarantined_tokens=sum(len(s.owned) for s in quarantined) * self.cache.page_size,
             boot_epoch=self.boot_epoch,
             uptime_s=round(self.clock() - self.started, 3),
             pid=os.getpid(),
             token_bytes=self.cache.config.token_bytes,
             endpoint=self.info.get("endpoint", ""),
-            session_list=[
-                {
-                    "id": s.id,
-                    "client": s.client,
-                    "pid": s.pid,
-                    "owned_pages": len(s.owned),
-                    "locks": len(s.locks),
-                }
-                for s in self.sessions
-            ],
+            housekeep_errors=self.housekeep_errors,
+            **self.server_counters(),
+            session_list=listed,
         )
-        if fields.get("check"):
+        if check:
             try:
-                self.cache.check_integrity()
+                self.check_integrity()
                 out["integrity"] = "ok"
             except AssertionError as exc:
                 out["integrity"] = f"BROKEN: {exc}"
         return out, []
+
+    def check_integrity(self) -> None:
+        """The cache's invariants, plus the sessions' against it: every OWNED page is owned by
+        exactly one session (live or in quarantine) and every session lock is a lock the
+        cache holds on an in-tree node. Raises IntegrityError."""
+        self.cache.check_integrity()
+        state = self.cache.device_alloc.state
+        seen: dict[int, int] = {}
+        locks: dict[TreeNode, int] = {}
+        for s in self.sessions.holders():
+            for page in s.owned:
+                if page in seen:
+                    raise IntegrityError(f"page {page} owned by sessions {seen[page]} and {s.id}")
+                seen[page] = s.id
+                if state[page] != OWNED:
+                    raise IntegrityError(f"session {s.id} owns page {page}, which is not OWNED")
+            for record in s.locks.values():
+                locks[record.node] = locks.get(record.node, 0) + 1
+        owned = int(np.count_nonzero(state == OWNED))
+        if owned != len(seen):
+            raise IntegrityError(f"{owned} OWNED pages, {len(seen)} owned by sessions")
+        for node, count in locks.items():
+            if self.cache.lock_count(node) < count:
+                raise IntegrityError(f"{node}: sessions hold {count} locks the cache does not")
 
     def tree(self, session: Session, fields: dict, frames: Frames) -> Result:
         limit = self._int(fields, "max_nodes", 1, 100_000) if "max_nodes" in fields else 1000

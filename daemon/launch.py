@@ -2,28 +2,63 @@
 
 from __future__ import annotations
 
+import collections
 import signal
 import subprocess
 import sys
+import threading
+
+READY = "hicache-daemon ready"
+KEEP_LINES = 10_000  # of the daemon's output after start-up (older lines are dropped)
 
 
-def start_daemon(endpoint: str, *flags: str) -> subprocess.Popen:
-    """Spawn ``python -m hicache.daemon`` and return once it reports ready (or raise)."""
-    proc = subprocess.Popen(
+class DaemonProcess(subprocess.Popen):
+    """A daemon child whose output is read all along by a thread (a full pipe would block the
+    daemon's logging, and so the daemon), keeping the last KEEP_LINES lines."""
+
+    def start_draining(self, before: list[str]) -> None:
+        self.lines: collections.deque[str] = collections.deque(before, maxlen=KEEP_LINES)
+        self._drain = threading.Thread(target=self._read, daemon=True, name="daemon-output")
+        self._drain.start()
+
+    def _read(self) -> None:
+        for line in self.stdout:  # type: ignore[union-attr]
+            self.lines.append(line)
+
+    def output(self) -> str:
+        """What the daemon printed so far (all of it once it has exited and been waited for)."""
+        if self.poll() is not None:
+            self._drain.join(timeout=5)
+        return "".join(self.lines)
+
+
+def start_daemon(endpoint: str, *flags: str) -> DaemonProcess:
+    """Spawn ``python -m hicache.daemon`` and return once it reports ready (or raise with what
+    it printed). Lines before the ready line (log messages) are kept, not mistaken for it."""
+    proc = DaemonProcess(
         [sys.executable, "-m", "hicache.daemon", "--endpoint", endpoint, *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    line = proc.stdout.readline()  # blocks until the daemon says it is ready, or dies
-    if "ready" not in line:
+    seen: list[str] = []
+    for line in proc.stdout:  # type: ignore[union-attr]  # until ready, or the daemon exits
+        seen.append(line)
+        if line.startswith(READY):
+            proc.start_draining(seen)
+            return proc
+    proc.wait()
+    raise RuntimeError(f"hicache-daemon did not start (exit {proc.returncode}): {''.join(seen)}")
+
+
+def stop_daemon(proc: DaemonProcess, timeout: float = 30) -> str:
+    """SIGTERM, wait, and return everything the daemon printed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
         proc.kill()
-        raise RuntimeError(f"hicache-daemon did not start: {line}{proc.stdout.read()}")
-    return proc
-
-
-def stop_daemon(proc: subprocess.Popen, timeout: float = 30) -> str:
-    """SIGTERM, wait, and return what the daemon printed after starting."""
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=timeout)
-    return out
+        proc.wait()
+        raise
+    return proc.output()

@@ -20,9 +20,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(settings.as_dict(), indent=2))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from hicache.daemon.server import run  # zmq and the pools only when serving
+    from hicache.daemon.server import EndpointError, run  # zmq and the pools only when serving
+    from hicache.errors import InsufficientMemoryError
 
-    run(settings)
+    try:
+        run(settings)
+    except (EndpointError, InsufficientMemoryError, OSError) as exc:
+        print(f"hicache-daemon: {exc}", file=sys.stderr)  # one line, no traceback
+        return 2
     return 0
 
 

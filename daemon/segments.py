@@ -1,19 +1,24 @@
 """Names of the daemon's shared-memory segments, and removal of those a dead daemon left.
 
 A segment is named ``hicache-<uid>-<pid>-<token>-<pool>`` in /dev/shm: the uid keeps users
-apart, the pid tells whether its creator still runs, the random token makes each daemon
-instance unique even when a pid is reused.
+apart, the random token makes each daemon instance unique. Whether the instance still runs is
+told by a lock, not by its pid: each daemon holds an exclusive ``flock`` on its
+``...-<token>-lock`` file for its whole life. The kernel drops the lock when the process dies,
+however it dies, and the lock means the same in every PID namespace that shares /dev/shm
+(containers), where a pid would name another process or none (and pid 1 is always "alive").
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 
 from hicache.backing import SHM_DIR
 
 PREFIX = "hicache"
+LOCK = "lock"  # the instance lock's pool name
 
 
 def instance_token() -> str:
@@ -24,29 +29,60 @@ def segment_name(pool: str, token: str, pid: int | None = None) -> str:
     return f"{PREFIX}-{os.getuid()}-{pid or os.getpid()}-{token}-{pool}"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+class InstanceLock:
+    """The flock that says this daemon instance is alive; taken before any segment exists."""
+
+    def __init__(self, token: str, directory: str = SHM_DIR):
+        self.path = os.path.join(directory, segment_name(LOCK, token))
+        # born under a temporary name and renamed once locked: a cleaner never sees it unlocked
+        tmp = f"{self.path}.{secrets.token_hex(4)}.tmp"
+        self.fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        os.rename(tmp, self.path)
+
+    def close(self) -> None:
+        """Remove the lock file and release the lock (after the segments are gone)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self.fd)
+
+
+def _instances(directory: str) -> dict[str, list[str]]:
+    """This user's segment names grouped by instance (``<pid>-<token>``)."""
+    mine = f"{PREFIX}-{os.getuid()}-"
+    groups: dict[str, list[str]] = {}
+    for name in os.listdir(directory):
+        if not name.startswith(mine) or name.endswith(".tmp"):
+            continue
+        parts = name[len(mine) :].split("-")
+        if len(parts) == 3:
+            groups.setdefault(f"{parts[0]}-{parts[1]}", []).append(name)
+    return groups
 
 
 def remove_stale(directory: str = SHM_DIR) -> list[str]:
-    """Unlink this user's segments whose creating daemon is gone; returns their names."""
-    mine = f"{PREFIX}-{os.getuid()}-"
+    """Unlink this user's segments whose daemon is gone (its instance lock is free, or there is
+    none); returns their names. Segments of a live daemon are never touched."""
     removed = []
-    for name in os.listdir(directory):
-        if not name.startswith(mine):
-            continue
-        try:
-            pid = int(name[len(mine) :].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _alive(pid):
-            with contextlib.suppress(FileNotFoundError):  # another cleaner got there first
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
+    for instance, names in _instances(directory).items():
+        lock_name = f"{PREFIX}-{os.getuid()}-{instance}-{LOCK}"
+        fd = None
+        if lock_name in names:
+            try:
+                fd = os.open(os.path.join(directory, lock_name), os.O_RDWR)
+            except FileNotFoundError:  # its daemon just stopped and removed it
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # alive
+                os.close(fd)
+                continue
+        try:  # the lock file goes last: while we hold it, nobody else judges this instance
+            for name in sorted(names, key=lambda n: n == lock_name):
+                with contextlib.suppress(FileNotFoundError):  # another cleaner got there first
+                    os.unlink(os.path.join(directory, name))
+                    removed.append(name)
+        finally:
+            if fd is not None:
+                os.close(fd)
     return removed

@@ -3,6 +3,12 @@
 One control loop: poll the socket with a timeout, hand each request to Handlers, send the
 reply; between requests (and at least every HOUSEKEEP_S) process transfer acks and expire
 sessions. Copies run on the transfer engine's own thread meanwhile.
+
+Replies never block the loop: a peer that does not read its replies (its pipe is full) loses
+them, counted in ``replies_dropped``, and everyone else is served on.
+
+Start-up claims the endpoint (no second daemon on one ipc path), binds, then creates the pools;
+whatever fails, what was made so far is undone (no shared memory left behind).
 """
 
 from __future__ import annotations
@@ -18,8 +24,10 @@ import zmq
 
 from hicache.backing import CudaBacking, SharedMemoryBacking
 from hicache.cache import HiRadixCache
+from hicache.daemon.endpoint import EndpointClaim, EndpointError, bind_address
 from hicache.daemon.handlers import Handlers
-from hicache.daemon.segments import instance_token, remove_stale, segment_name
+from hicache.daemon.limits import SessionLimits
+from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, segment_name
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
 from hicache.progress import DEFAULT_CAPACITY as PROGRESS_CAPACITY
@@ -30,7 +38,7 @@ log = logging.getLogger("hicache.daemon")
 # pyzmq's send_multipart/recv_multipart do enum flag arithmetic in Python for every frame; the
 # backend methods with int flags do the same work in half the time (measured: 7 vs 15 us).
 _send, _recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
-SNDMORE = int(zmq.SNDMORE)
+SNDMORE, NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
 # Frames below this are copied into the message: a zero-copy send makes pyzmq wake its garbage
 # thread to release the buffer later, which costs more than a memcpy of up to a MiB here.
 COPY_BELOW = 1 << 20
@@ -40,22 +48,44 @@ KEEP_FROM = 1 << 16
 HOUSEKEEP_S = 0.05  # acks and leases are looked at least this often
 POLL_MS = int(HOUSEKEEP_S * 1000)
 
-
-def bind_address(endpoint: str) -> str:
-    """tcp endpoints without an explicit host bind to loopback only."""
-    if endpoint.startswith("tcp://*:") or endpoint.startswith("tcp://:"):
-        return "tcp://127.0.0.1:" + endpoint.rsplit(":", 1)[1]
-    return endpoint
+__all__ = ["Daemon", "EndpointError", "bind_address", "run"]
 
 
 class Daemon:
     def __init__(self, settings: DaemonSettings):
         self.settings = settings
+        self.stopping = False
+        self.replies_dropped = 0  # replies a peer's full pipe refused (it does not read)
+        # what close() undoes, in its order; set as each is made, so a failed start undoes
+        # exactly what it made
+        self.sock: zmq.Socket | None = None
+        self._claim: EndpointClaim | None = None
+        self._lock: InstanceLock | None = None
+        self._backings: list = []
+        self.cache: HiRadixCache | None = None
+        self.progress: SharedMemoryBacking | None = None
+        try:
+            self._start(settings)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, settings: DaemonSettings) -> None:
         cfg = settings.config
+        self._claim = EndpointClaim(settings.endpoint)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+        self.sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
+        self.sock.setsockopt(zmq.SNDTIMEO, 0)
+        self._bind(settings.endpoint)
         removed = remove_stale()
         if removed:
             log.info("removed %d stale shared-memory segments", len(removed))
         token = instance_token()
+        self._lock = InstanceLock(token)  # taken before any segment exists
         self.boot_epoch = secrets.randbits(62) | 1  # never 0: 0 means "no epoch yet"
         device = (
             SharedMemoryBacking(segment_name("device", token))
@@ -63,6 +93,7 @@ class Daemon:
             else CudaBacking(cfg.device)
         )
         host = SharedMemoryBacking(segment_name("host", token)) if cfg.host_enabled else None
+        self._backings = [b for b in (device, host) if b is not None]
         self.cache = HiRadixCache(cfg, device, host)
         self.progress = self._share_progress(token)
         info = {
@@ -78,40 +109,37 @@ class Daemon:
                 else {**self.progress.describe(), "capacity": PROGRESS_CAPACITY},
             },
         }
-        self.handlers = Handlers(
-            self.cache, SessionTable(settings.lease_seconds), self.boot_epoch, info
+        limits = SessionLimits.for_pool(
+            self.cache.device_alloc.capacity_pages,
+            settings.session_owned_fraction,
+            settings.session_max_locks,
+            settings.session_max_loads,
         )
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
-        self.sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
-        self._ipc_path = self._bind(settings.endpoint)
-        self.stopping = False
+        sessions = SessionTable(settings.lease_seconds, settings.quarantine)
+        self.handlers = Handlers(self.cache, sessions, self.boot_epoch, info, limits=limits)
+        self.handlers.server_counters = self._counters
+
+    def _counters(self) -> dict[str, int]:
+        return {"replies_dropped": self.replies_dropped}
 
     def _share_progress(self, token: str) -> SharedMemoryBacking | None:
         """The layer-progress table engines read to wait for single layers of a load."""
         engine = self.cache.engine
         if engine is None:
             return None
-        backing = SharedMemoryBacking(segment_name("progress", token))
+        backing = self.progress = SharedMemoryBacking(segment_name("progress", token))
         words = backing.allocate(PROGRESS_CAPACITY * 8, "layer progress").numpy().view(np.int64)
         engine.progress = LayerProgress(words, self.cache.config.num_layers)
         return backing
 
-    def _bind(self, endpoint: str) -> str | None:
-        if not endpoint.startswith("ipc://"):
-            self.sock.bind(bind_address(endpoint))
-            return None
-        path = endpoint[len("ipc://") :]
-        os.makedirs(os.path.dirname(path) or ".", mode=0o700, exist_ok=True)
-        old = os.umask(0o177)  # the socket file is born 0600: no window for other users
+    def _bind(self, endpoint: str) -> None:
+        old = os.umask(0o177)  # an ipc socket file is born 0600: no window for other users
         try:
-            self.sock.bind(endpoint)
+            self.sock.bind(bind_address(endpoint))
+        except zmq.ZMQError as exc:
+            raise EndpointError(f"cannot listen on {endpoint}: {exc}") from None
         finally:
             os.umask(old)
-        return path
 
     def serve(self) -> None:
         """Serve until stop() (or a signal) sets ``stopping``."""
@@ -134,6 +162,8 @@ class Daemon:
         reply, out = self.handlers.handle(rest[0] if rest else b"", rest[1:])
         try:
             self._send_frames([identity, reply, *out])
+        except zmq.Again:  # the peer's pipe is full: it does not read, so it loses this reply
+            self.replies_dropped += 1
         except zmq.ZMQError as exc:  # the peer went away: nothing to do
             log.debug("reply dropped: %s", exc)
 
@@ -148,23 +178,37 @@ class Daemon:
         return parts
 
     def _send_frames(self, frames: list) -> None:
-        """pyzmq's zero-copy send costs more than a memcpy below its 64 KiB threshold."""
+        """Never blocks: a full pipe refuses the whole message at its first frame (zmq checks
+        the high-water mark per message), so a reply is sent whole or not at all.
+        pyzmq's zero-copy send costs more than a memcpy below its 64 KiB threshold."""
         sock, last = self.sock, len(frames) - 1
         for i, frame in enumerate(frames):
-            _send(sock, frame, SNDMORE if i < last else 0, len(frame) < COPY_BELOW)
+            flags = (SNDMORE if i < last else 0) | NOBLOCK
+            _send(sock, frame, flags, len(frame) < COPY_BELOW)
 
     def stop(self, *_: object) -> None:
         self.stopping = True
 
     def close(self) -> None:
-        """Refuse new work, finish in-flight copies, free the pools, remove the socket."""
-        self.sock.close(linger=0)
-        self.ctx.term()
-        self.cache.close()
-        if self.progress is not None:
-            self.progress.close()
-        if self._ipc_path and os.path.exists(self._ipc_path):
-            os.unlink(self._ipc_path)
+        """Refuse new work, finish in-flight copies, free the pools, remove the socket.
+        Undoes whatever a start made, however far it got; safe to call twice."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.ctx.term()
+            self.sock = None
+        if self.cache is not None:
+            self.cache.close()  # waits for copies that may still publish progress
+            self.cache = None
+        for backing in (*self._backings, self.progress):
+            if backing is not None:
+                backing.close()  # idempotent; frees what a failed start left
+        self._backings, self.progress = [], None
+        if self._lock is not None:
+            self._lock.close()  # after the segments are gone
+            self._lock = None
+        if self._claim is not None:
+            self._claim.close()
+            self._claim = None
 
 
 def run(settings: DaemonSettings) -> None:

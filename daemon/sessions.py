@@ -1,20 +1,55 @@
 """Sessions: who owns which device pages and holds which locks, and for how long.
 
 Every device page the daemon hands out is owned by exactly one session until that session
-inserts it, frees it, or ends. A session ends by goodbye or when its lease runs out (a killed
-engine sends nothing more); either way ``SessionTable.end`` returns what must be given back:
-the pages it still owns and the locks it still holds. The table never touches the cache itself:
-the handlers do, so that this module stays a plain, testable bookkeeping object.
+inserts it, frees it, or ends. A session ends by goodbye, or its lease runs out (a killed or
+stalled engine sends nothing more). A lapsed session is not given back at once: it stays in
+quarantine for ``quarantine_s``, still holding its pages and locks, so that an engine that was
+only stalled (SIGSTOP, swapping, a debugger) and writes on into its pages when it resumes
+cannot write into pages already handed to someone else. Its requests are refused with
+``LEASE_EXPIRED`` from the moment the lease lapsed; a goodbye ends the quarantine early.
+
+Leases run on a ``ServiceClock``: time the daemon itself was not running (paused, a frozen VM,
+one long operation on its only thread) does not count against its clients, who could not be
+heard meanwhile.
+
+The table never touches the cache itself: the handlers do, so this module stays a plain,
+testable bookkeeping object. Control thread only.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from hicache.node import TreeNode
 from hicache.protocol import DEFAULT_LEASE_S, ErrorCode, ProtocolError
+
+FORGET_AFTER = 65536  # lapsed session ids remembered (to answer LEASE_EXPIRED, not UNKNOWN)
+
+
+class ServiceClock:
+    """Seconds the daemon has been running: monotonic time minus the part of every gap between
+    two readings beyond ``max_gap``. The control loop reads it at least every 50 ms while it
+    runs, so only a pause (or one operation longer than ``max_gap``) loses time."""
+
+    def __init__(self, max_gap: float = 1.0, source: Callable[[], float] = time.monotonic):
+        if max_gap <= 0:
+            raise ValueError(f"max_gap: must be > 0, got {max_gap}")
+        self.max_gap = max_gap
+        self.source = source
+        self._last = source()
+        self.skipped = 0.0  # seconds not counted so far
+
+    def __call__(self) -> float:
+        now = self.source()
+        gap = now - self._last
+        if gap > self.max_gap:
+            self.skipped += gap - self.max_gap
+        self._last = now
+        return now - self.skipped
 
 
 @dataclass
@@ -23,18 +58,21 @@ class Session:
     client: str  # the engine's self-reported name (for `hicache info`)
     pid: int  # the engine's self-reported pid
     lease_s: float  # lifetime without messages
-    expires: float  # monotonic deadline; renewed by every message
+    expires: float  # service-clock deadline; renewed by every message
+    admin: bool = False  # may flush and evict for everyone
     owned: set[int] = field(default_factory=set)  # device pages allocated, not inserted or freed
-    locks: dict[int, TreeNode] = field(default_factory=dict)  # lock id -> node locked for it
+    locks: dict[int, Any] = field(default_factory=dict)  # lock id -> what the handlers locked
+    loads: set[int] = field(default_factory=set)  # tickets of loads this session started
+    release_at: float = 0.0  # in quarantine: when its pages and locks are given back
     _lock_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
-    def add_lock(self, node: TreeNode) -> int:
+    def add_lock(self, record: Any) -> int:
         """Record a lock taken for this session; returns its id (what RELEASE names)."""
         lock_id = next(self._lock_ids)
-        self.locks[lock_id] = node
+        self.locks[lock_id] = record
         return lock_id
 
-    def pop_lock(self, lock_id: int) -> TreeNode:
+    def pop_lock(self, lock_id: int) -> Any:
         try:
             return self.locks.pop(lock_id)
         except KeyError:
@@ -45,7 +83,9 @@ class Session:
         missing = [p for p in pages if p not in self.owned]
         if missing:
             raise ProtocolError(
-                ErrorCode.NOT_OWNED, f"{len(missing)} page(s) not owned by this session"
+                ErrorCode.NOT_OWNED,
+                f"{len(missing)} page(s) not owned by this session (e.g. page {missing[0]}: "
+                "freed already, inserted, another session's, or never allocated)",
             )
 
 
@@ -58,41 +98,70 @@ class Ended:
 
 
 class SessionTable:
-    def __init__(self, lease_s: float = DEFAULT_LEASE_S):
+    def __init__(self, lease_s: float = DEFAULT_LEASE_S, quarantine_s: float | None = None):
         if lease_s <= 0:
             raise ValueError(f"lease_seconds: must be > 0, got {lease_s}")
+        quarantine_s = lease_s if quarantine_s is None else quarantine_s
+        if quarantine_s < 0:
+            raise ValueError(f"quarantine_seconds: must be >= 0, got {quarantine_s}")
         self.lease_s = lease_s
-        self._sessions: dict[int, Session] = {}
+        self.quarantine_s = quarantine_s
+        self._sessions: dict[int, Session] = {}  # live
+        self._quarantine: dict[int, Session] = {}  # lapsed, still holding what they held
+        self._lapsed: OrderedDict[int, None] = OrderedDict()  # ids whose lease ran out
         self._ids = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
 
-    def open(self, client: str, pid: int, now: float) -> Session:
-        session = Session(next(self._ids), client, pid, self.lease_s, now + self.lease_s)
+    def quarantined(self) -> list[Session]:
+        return list(self._quarantine.values())
+
+    def holders(self) -> Iterator[Session]:
+        """Every session that holds pages or locks: live and quarantined."""
+        yield from list(self._sessions.values())
+        yield from list(self._quarantine.values())
+
+    def open(self, client: str, pid: int, now: float, admin: bool = False) -> Session:
+        session = Session(next(self._ids), client, pid, self.lease_s, now + self.lease_s, admin)
         self._sessions[session.id] = session
         return session
 
     def touch(self, session_id: int, now: float) -> Session:
-        """The live session ``session_id``, its lease renewed; UNKNOWN_SESSION otherwise."""
+        """The live session ``session_id``, its lease renewed. LEASE_EXPIRED for a session
+        whose lease ran out (it must not act any more), UNKNOWN_SESSION otherwise."""
         session = self._sessions.get(session_id)
-        if session is None or session.expires < now:
-            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"no live session {session_id}")
-        session.expires = now + session.lease_s
-        return session
+        if session is not None and session.expires >= now:
+            session.expires = now + session.lease_s
+            return session
+        if session is not None or session_id in self._lapsed:
+            raise ProtocolError(
+                ErrorCode.LEASE_EXPIRED,
+                f"session {session_id}: its lease ran out; its locks and pages are taken back",
+            )
+        raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"no live session {session_id}")
 
     def end(self, session_id: int, reason: str = "goodbye") -> Ended | None:
-        session = self._sessions.pop(session_id, None)
+        """End a live or quarantined session now; None when there is none by that id."""
+        session = self._sessions.pop(session_id, None) or self._quarantine.pop(session_id, None)
         return None if session is None else Ended(session, reason)
 
     def expire(self, now: float) -> list[Ended]:
-        """End every session whose lease ran out before ``now``."""
-        dead = [s.id for s in self._sessions.values() if s.expires < now]
-        return [self.end(sid, "lease expired") for sid in dead]  # type: ignore[misc]
+        """Move every session whose lease ran out before ``now`` to quarantine, and return the
+        quarantined ones whose grace period is over (to give back now)."""
+        for sid in [s.id for s in self._sessions.values() if s.expires < now]:
+            session = self._sessions.pop(sid)
+            session.release_at = session.expires + self.quarantine_s
+            self._quarantine[sid] = session
+            self._lapsed[sid] = None
+            if len(self._lapsed) > FORGET_AFTER:
+                self._lapsed.popitem(last=False)
+        due = [s.id for s in self._quarantine.values() if s.release_at <= now]
+        return [Ended(self._quarantine.pop(sid), "lease expired") for sid in due]
 
     def owner_of(self, page: int) -> Session | None:
         """The session owning ``page`` (linear; for error messages and tests)."""
-        return next((s for s in self._sessions.values() if page in s.owned), None)
+        return next((s for s in self.holders() if page in s.owned), None)

@@ -2,19 +2,22 @@
 
 Precedence, lowest first: embedded default < ``--config`` TOML file < ``HICACHE_<FIELD>``
 environment variables < command-line flags (``--<field-name>`` in kebab case). Every
-HiCacheConfig field can be set each way, plus ``endpoint`` and ``lease_seconds``.
+HiCacheConfig field can be set each way, plus the daemon's own settings (``DAEMON_FIELDS``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import os
+import re
 import tomllib
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
-from hicache.config import HiCacheConfig
+from hicache.config import DTYPES, HiCacheConfig
 from hicache.endpoints import env_endpoint
 from hicache.protocol import DEFAULT_LEASE_S
 
@@ -30,16 +33,54 @@ EMBEDDED_DEFAULT: dict[str, Any] = {
     "host_ratio": 4.0,
 }
 
+# The daemon's own settings: name -> (type, default, help). None: computed (see the help).
+DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
+    "endpoint": (
+        str,
+        None,
+        "where to listen: ipc://PATH or tcp://HOST:PORT (default: "
+        "$HICACHE_ENDPOINT, else ipc:// under $XDG_RUNTIME_DIR or /tmp/hicache-UID)",
+    ),
+    "lease_seconds": (
+        float,
+        DEFAULT_LEASE_S,
+        "a session without messages for this long lapses (its client heartbeats 3 times per lease)",
+    ),
+    "quarantine_seconds": (
+        float,
+        None,
+        "a lapsed session's pages and locks are held this "
+        "long before reuse, in case its engine was only stalled "
+        "(default: the lease)",
+    ),
+    "session_owned_fraction": (
+        float,
+        0.75,
+        "the share of the device pool one session may own (allocated, not yet inserted) at once",
+    ),
+    "session_max_locks": (int, 65536, "locks one session may hold at once"),
+    "session_max_loads": (int, 256, "load-backs one session may have in flight at once"),
+}
+
 
 @dataclass(frozen=True)
 class DaemonSettings:
     config: HiCacheConfig
     endpoint: str  # ipc://path or tcp://host:port
     lease_seconds: float  # session lease without messages
+    quarantine_seconds: float | None = None  # None: the lease
+    session_owned_fraction: float = 0.75
+    session_max_locks: int = 65536
+    session_max_loads: int = 256
+
+    @property
+    def quarantine(self) -> float:
+        return self.lease_seconds if self.quarantine_seconds is None else self.quarantine_seconds
 
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: _plain(getattr(self.config, f.name)) for f in _fields()}
-        out.update(endpoint=self.endpoint, lease_seconds=self.lease_seconds)
+        out.update({name: getattr(self, name) for name in DAEMON_FIELDS})
+        out["quarantine_seconds"] = self.quarantine
         return out
 
 
@@ -63,8 +104,7 @@ _TYPES = {
     "write_through_threshold": int,
     "load_back_threshold": int,
     "host_ratio": float,
-    "lease_seconds": float,
-}
+} | {name: kind for name, (kind, _, _) in DAEMON_FIELDS.items()}
 
 
 def _convert(name: str, raw: str) -> Any:
@@ -75,21 +115,67 @@ def _convert(name: str, raw: str) -> Any:
         raise ValueError(f"{name}: {raw!r} is not a valid {kind.__name__}") from None
 
 
+def config_help() -> dict[str, str]:
+    """Each HiCacheConfig field's comment in config.py: the one place it is written."""
+    source = inspect.getsource(HiCacheConfig)
+    return dict(re.findall(r"^\s+(\w+): [^=\n]+(?:=[^#\n]*)?#\s*(.+)$", source, re.M))
+
+
+def _choices(field: dataclasses.Field) -> list[str] | None:
+    if field.name == "dtype":
+        return list(DTYPES)
+    enum = next((t for t in _enum_types() if t.__name__ in str(field.type)), None)
+    return [m.value for m in enum] if enum else None
+
+
+def _enum_types() -> list[type[Enum]]:
+    from hicache import config
+
+    return [v for v in vars(config).values() if isinstance(v, type) and issubclass(v, Enum)]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="hicache-daemon", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="hicache-daemon",
+        description="hicache-daemon: serve a hierarchical KV cache to engines over ZeroMQ. "
+        "Each setting below can also come from a TOML file (--config) or HICACHE_<NAME>.",
+    )
     ap.add_argument("--config", help="TOML file with any of the settings below")
     ap.add_argument("--print-config", action="store_true", help="print the settings and exit")
-    for name in [f.name for f in _fields()] + ["endpoint", "lease_seconds"]:
-        ap.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None)
+    comments = config_help()
+    model = ap.add_argument_group("cache (HiCacheConfig; defaults are the embedded default)")
+    for f in _fields():
+        default = EMBEDDED_DEFAULT.get(f.name, _plain(f.default))
+        help_ = comments.get(f.name, "")
+        choices = _choices(f)
+        if choices:
+            help_ = f"{help_} (one of: {', '.join(choices)})".strip()
+        flag = f"--{f.name.replace('_', '-')}"
+        model.add_argument(flag, dest=f.name, metavar=f.name.upper(), help=help_ or " ")
+        _shown_default(model, f.name, default)
+    daemon = ap.add_argument_group("daemon")
+    for name, (_, default, help_) in DAEMON_FIELDS.items():
+        flag = f"--{name.replace('_', '-')}"
+        daemon.add_argument(flag, dest=name, metavar=name.upper(), help=help_)
+        _shown_default(daemon, name, default)
     return ap
+
+
+def _shown_default(group: argparse._ArgumentGroup, name: str, default: Any) -> None:
+    """Show ``default`` in --help while the parsed value stays None (meaning: not given)."""
+    action = group._group_actions[-1]
+    if default is not None:
+        action.help = f"{action.help} [default: {default}]"
+    action.default = None
 
 
 def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> DaemonSettings:
     """Merge the four sources; raises ValueError naming the bad field."""
     environ = os.environ if environ is None else environ
     merged: dict[str, Any] = dict(EMBEDDED_DEFAULT)
-    merged.update(endpoint=env_endpoint(), lease_seconds=DEFAULT_LEASE_S)
-    names = [f.name for f in _fields()] + ["endpoint", "lease_seconds"]
+    merged.update({name: default for name, (_, default, _) in DAEMON_FIELDS.items()})
+    merged["endpoint"] = env_endpoint(environ)
+    names = [f.name for f in _fields()] + list(DAEMON_FIELDS)
     if args.config:
         with open(args.config, "rb") as fh:
             table = tomllib.load(fh)
@@ -105,7 +191,25 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         raw = getattr(args, name, None)
         if raw is not None:
             merged[name] = _convert(name, raw)
-    endpoint, lease = merged.pop("endpoint"), float(merged.pop("lease_seconds"))
-    if lease <= 0:
+    daemon = {name: merged.pop(name) for name in DAEMON_FIELDS}
+    lease = float(daemon["lease_seconds"])
+    if not lease > 0:
         raise ValueError(f"lease_seconds: must be > 0, got {lease}")
-    return DaemonSettings(HiCacheConfig(**merged), endpoint, lease)
+    quarantine = daemon["quarantine_seconds"]
+    if quarantine is not None and not float(quarantine) >= 0:
+        raise ValueError(f"quarantine_seconds: must be >= 0, got {quarantine}")
+    fraction = float(daemon["session_owned_fraction"])
+    if not 0 < fraction <= 1:
+        raise ValueError(f"session_owned_fraction: must be in (0, 1], got {fraction}")
+    for name in ("session_max_locks", "session_max_loads"):
+        if isinstance(daemon[name], bool) or not isinstance(daemon[name], int) or daemon[name] < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {daemon[name]!r}")
+    return DaemonSettings(
+        HiCacheConfig(**merged),
+        str(daemon["endpoint"]),
+        lease,
+        None if quarantine is None else float(quarantine),
+        fraction,
+        daemon["session_max_locks"],
+        daemon["session_max_loads"],
+    )

@@ -1,28 +1,34 @@
 """hicache: a hierarchical GPU/CPU KV-cache tier (HiRadixCache) for LLM inference engines.
 
 The core is pure: no sockets, no CLI, no metrics sinks. See README.md for the public API.
+Names are imported on first use, so that light users (the ``hicache`` CLI, the wire schema)
+never pay for torch.
 """
 
-from hicache.cache import HiRadixCache
-from hicache.config import (
-    EvictionPolicyName,
-    HiCacheConfig,
-    HostLayout,
-    KVFormat,
-    TransferBackend,
-    WritePolicyName,
-)
-from hicache.errors import (
-    DoubleFreeError,
-    HiCacheError,
-    InsufficientMemoryError,
-    IntegrityError,
-    InvalidIndicesError,
-)
-from hicache.node import IOState, TreeNode
-from hicache.stats import CacheStats
-from hicache.types import EvictResult, MatchResult
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "HiRadixCache": "hicache.cache",
+    "EvictionPolicyName": "hicache.config",
+    "HiCacheConfig": "hicache.config",
+    "HostLayout": "hicache.config",
+    "KVFormat": "hicache.config",
+    "TransferBackend": "hicache.config",
+    "WritePolicyName": "hicache.config",
+    "DoubleFreeError": "hicache.errors",
+    "HiCacheError": "hicache.errors",
+    "InsufficientMemoryError": "hicache.errors",
+    "IntegrityError": "hicache.errors",
+    "InvalidIndicesError": "hicache.errors",
+    "IOState": "hicache.node",
+    "TreeNode": "hicache.node",
+    "CacheStats": "hicache.stats",
+    "EvictResult": "hicache.types",
+    "MatchResult": "hicache.types",
+}
 __all__ = [
     "CacheStats",
     "DoubleFreeError",
@@ -32,14 +38,44 @@ __all__ = [
     "HiCacheError",
     "HiRadixCache",
     "HostLayout",
-    "TransferBackend",
     "IOState",
     "InsufficientMemoryError",
     "IntegrityError",
     "InvalidIndicesError",
     "KVFormat",
     "MatchResult",
+    "TransferBackend",
     "TreeNode",
     "WritePolicyName",
 ]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from hicache.cache import HiRadixCache
+    from hicache.config import (
+        EvictionPolicyName,
+        HiCacheConfig,
+        HostLayout,
+        KVFormat,
+        TransferBackend,
+        WritePolicyName,
+    )
+    from hicache.errors import (
+        DoubleFreeError,
+        HiCacheError,
+        InsufficientMemoryError,
+        IntegrityError,
+        InvalidIndicesError,
+    )
+    from hicache.node import IOState, TreeNode
+    from hicache.stats import CacheStats
+    from hicache.types import EvictResult, MatchResult
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hicache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -20,10 +20,12 @@ from hicache.allocator import PagedAllocator, PageState
 from hicache.backing import Backing
 from hicache.config import HiCacheConfig
 from hicache.copiers import Copier, make_copier
+from hicache.errors import InvalidIndicesError
 from hicache.eviction_policy import LeafHeap, make_priority
 from hicache.fastpath import tally
 from hicache.insert import InsertMixin
 from hicache.integrity import check_cache_integrity
+from hicache.locks import MovedLocks
 from hicache.node import IO_LOAD, TreeNode
 from hicache.pools import DevicePool, HostPool
 from hicache.radix_tree import Namespace, RadixTree
@@ -79,6 +81,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         self.device_heap = LeafHeap(priority)  # device eviction candidates
         self.host_heap = LeafHeap(priority)  # host eviction candidates
         self.user_locks: Counter[TreeNode] = Counter()  # inc_lock_ref calls not yet undone
+        self.moved_locks = MovedLocks()  # user locks moved off nodes a failed load dropped
         self._init_transfers()
 
     # ---- allocation (device pool) ---------------------------------------------------------
@@ -126,11 +129,19 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         return None if out is None else torch.from_numpy(out)
 
     def _check_partial_pages(self, filled: np.ndarray, last_loc: np.ndarray) -> None:
-        """A request that continues a partly filled page must own that page."""
+        """A request that continues a partly filled page must own that page, and ``last_loc``
+        must be where its last token sits in it (offset ``(filled - 1) % page_size``): the
+        slots after it are then in the same page, never in the next one."""
         partial = filled % self.page_size != 0
         if partial.any():
-            pages = self.device_alloc.pages_of_slots(last_loc[partial])
+            last = last_loc[partial]
+            pages = self.device_alloc.pages_of_slots(last)  # range-checked
             self.device_alloc.check_pages(np.unique(pages), PageState.OWNED)
+            if ((last + 1) % self.page_size != filled[partial] % self.page_size).any():
+                raise InvalidIndicesError(
+                    "last_loc: not the slot of the request's last token (its offset in the "
+                    "page must be (len - 1) % page_size); the next slots would leave the page"
+                )
 
     def free(self, indices: object) -> None:
         """Return caller-owned slots; every page they touch is freed. Raises if any is not owned
@@ -156,14 +167,17 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         return self.match_key(as_tokens(token_ids).tobytes(), namespace, True)
 
     def match_key(
-        self, key: bytes, namespace: Namespace = None, checked: bool = False
+        self, key: bytes, namespace: Namespace = None, checked: bool = False, count: bool = True
     ) -> MatchResult:
         """match_prefix for token ids already packed as int32 little-endian bytes (the wire
         form): no array on the way. Raises ValueError for a ragged key or a negative id;
-        ``checked=True``: the caller validated the ids already (one pass over a whole batch)."""
+        ``checked=True``: the caller validated the ids already (one pass over a whole batch).
+        ``count=False``: a look-up that is not a request (after an insert): no hit counters,
+        no backups after hits."""
         if not checked:
             check_token_bytes(key)
-        counters, tree = self.counters, self.tree
+        # a look-up that is not a request counts into a scratch object nobody reads
+        counters, tree = self.counters if count else Counters(), self.tree
         counters.match_calls += 1
         root = tree.default_root if namespace is None else tree.root(namespace)
         num_tokens = len(key) >> 2
@@ -181,8 +195,9 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         n_dev = len(chunks)  # device residency is prefix-closed: the device nodes come first
         last_dev = path[n_dev - 1] if n_dev else root  # no heap push: pops re-key touched nodes
         last_host = path[-1] if len(path) > n_dev else last_dev
-        if unbacked and self.host_alloc is not None and self.write_policy.backup_threshold:
-            self._backup_after_hit(path, n_dev)
+        if unbacked and count and self.host_alloc is not None:
+            if self.write_policy.backup_threshold:
+                self._backup_after_hit(path, n_dev)
         dev_len, covered = (page_bytes >> 3) * self.page_size, covered >> 2
         counters.hit_device_tokens += dev_len
         counters.hit_host_tokens += covered - dev_len
@@ -202,18 +217,31 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
 
     # ---- locks -------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> int:
-        """Lock a device node and its ancestors against eviction. Returns the evictable delta."""
+        """Lock a device node and its ancestors against eviction. Returns the evictable delta.
+
+        A node whose device copy a failed load dropped while it was locked (see locks.py) can
+        still be locked through a lock taken on it before: the new lock goes where those went.
+        """
         if node.parent is None:
             return 0  # a root: nothing to protect
         if not self.tree.in_tree(node) or node.device_pages is None:
-            raise ValueError(f"inc_lock_ref: {node!r} is not a device node of this cache")
+            target = self.moved_locks.target(node)
+            if target is None:
+                raise ValueError(f"inc_lock_ref: {node!r} is not a device node of this cache")
+            self.moved_locks.add(node, target)
+            return self.inc_lock_ref(target)
         self.user_locks[node] += 1
         return self.tree.inc_lock(node)
 
     def dec_lock_ref(self, node: TreeNode) -> int:
-        """Release one inc_lock_ref on ``node``; raises if that node holds no such lock."""
+        """Release one inc_lock_ref on ``node``; raises if that node holds no such lock.
+        A lock that moved (a failed load dropped the node's device copy) is released where it
+        went."""
         if node.parent is None:
             return 0
+        target = self.moved_locks.take(node)
+        if target is not None:
+            return self.dec_lock_ref(target)
         if self.user_locks[node] <= 0:
             del self.user_locks[node]
             raise ValueError(f"dec_lock_ref: {node!r} holds no lock taken by inc_lock_ref")
@@ -223,6 +251,10 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         delta = self.tree.dec_lock(node)
         self._push_device(node)
         return delta
+
+    def lock_count(self, node: TreeNode) -> int:
+        """inc_lock_ref calls on ``node`` not yet undone (moved ones included)."""
+        return self.user_locks.get(node, 0) + self.moved_locks.count(node)
 
     # ---- insert ------------------------------------------------------------------------------
     def insert(

@@ -88,7 +88,7 @@ class HiCacheConfig:
     num_kv_heads: int = 0  # KV heads per layer (MHA; ignored for MLA)
     head_dim: int = 0  # head dimension (MHA; ignored for MLA)
     dtype: str = "float16"  # element type of the KV pools, a key of DTYPES
-    kv_format: KVFormat | str = KVFormat.MHA
+    kv_format: KVFormat | str = KVFormat.MHA  # mha: separate K and V; mla: one latent row
     kv_lora_rank: int = 0  # MLA latent width
     qk_rope_head_dim: int = 0  # MLA rotary part width
     page_size: int = 1  # tokens per page; tree keys and all allocations are page multiples
@@ -96,10 +96,10 @@ class HiCacheConfig:
     device_tokens: int = 65536  # device pool capacity (a page multiple, padding page not counted)
     host_tokens: int | None = None  # host pool capacity; None: device_tokens * host_ratio; 0: off
     host_ratio: float = 2.0  # host/device size ratio when host_tokens is None (must be > 1)
-    host_layout: HostLayout | str = HostLayout.LAYER_FIRST
-    transfer_backend: TransferBackend | str = TransferBackend.AUTO
-    write_policy: WritePolicyName | str = WritePolicyName.WRITE_THROUGH
-    eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU
+    host_layout: HostLayout | str = HostLayout.LAYER_FIRST  # order of the host pool's dims
+    transfer_backend: TransferBackend | str = TransferBackend.AUTO  # how pages move between pools
+    write_policy: WritePolicyName | str = WritePolicyName.WRITE_THROUGH  # when KV is backed up
+    eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU  # which leaf goes first
     write_through_threshold: int = 2  # hits before a backup under write_through_selective
     load_back_threshold: int = 10  # host hits shorter than this (tokens) are recomputed instead
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from hicache.allocator import OWNED, TREE
 from hicache.fastpath import claim_pages, slot_pages
-from hicache.node import TreeNode
+from hicache.node import IO_LOAD, TreeNode
 from hicache.radix_tree import Namespace
 
 
@@ -30,6 +30,11 @@ class InsertMixin:
         root = self.tree.root(namespace, create=True)
         key = tokens.tobytes() if aligned == len(tokens) else tokens[:aligned].tobytes()
         path, covered = self.tree.walk(root, key)
+        if path and any(node.io is IO_LOAD for node in path):
+            # a load still writes part of this prefix and may yet fail: let it land, so that
+            # nothing new hangs below KV that could turn out to be garbage
+            self.wait_load(path[-1])
+            path, covered = self.tree.walk(root, key)
         n_covered = covered >> 2  # tokens the tree holds already (whole pages)
         dup, adopt = self._classify(path, raw, n_covered)
         # the duplicates, the adopted pages, the new whole pages, then the partial tail page

@@ -5,11 +5,13 @@ A message is a multipart frame list:
     request:  [header, array frame, array frame, ...]
     reply:    [header, array frame, array frame, ...]
 
-The header is msgpack. Requests: ``[version, op, request_id, session, fields]``; replies:
-``[version, status, request_id, boot_epoch, fields]`` where status 0 is success and anything
-else an ErrorCode (``fields["message"]`` says why). Arrays never travel inside msgpack: token
-ids are raw int32 little-endian frames, slot indices raw int64 little-endian frames, in the
-order the op defines. Nothing is ever pickled.
+The header is msgpack. Requests: ``[version, op, request_id, session, epoch, fields]``;
+replies: ``[version, status, request_id, boot_epoch, fields]`` where status 0 is success and
+anything else an ErrorCode (``fields["message"]`` says why). A request names the daemon life
+(boot epoch) its session belongs to: a restarted daemon refuses a request from an earlier life
+(``EPOCH_MISMATCH``) before anything happens, so a stale session id never acts on a new session.
+Arrays never travel inside msgpack: token ids are raw int32 little-endian frames, slot indices
+raw int64 little-endian frames, in the order the op defines. Nothing is ever pickled.
 """
 
 from __future__ import annotations
@@ -20,9 +22,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-from hicache.fastpath import unpack_shared
-
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: requests carry the boot epoch
 
 # Liveness (seconds). A session's lease is renewed by any message; clients heartbeat at
 # HEARTBEAT_INTERVAL_S, so a lease survives LEASE_S / HEARTBEAT_INTERVAL_S missed beats.
@@ -30,7 +30,8 @@ HEARTBEAT_INTERVAL_S = 2.0
 DEFAULT_LEASE_S = 10.0
 DEFAULT_TIMEOUT_S = 30.0  # a client gives up on a reply after this long
 
-MAX_HEADER_BYTES = 1 << 20  # a header larger than this is refused (TOO_LARGE)
+MAX_HEADER_BYTES = 1 << 20  # a request header larger than this is refused (TOO_LARGE)
+MAX_REPLY_HEADER_BYTES = 64 << 20  # replies (stats, tree dumps) may be larger
 MAX_FRAME_BYTES = 64 << 20  # one array frame: 16M token ids or 8M slots
 MAX_BATCH = 1024  # sequences in one batched match or insert
 
@@ -72,6 +73,10 @@ class ErrorCode(IntEnum):
     UNKNOWN_SESSION = 6
     TOO_LARGE = 7
     INTERNAL = 8  # a bug in the daemon; the daemon keeps serving
+    EPOCH_MISMATCH = 9  # the request names another daemon life: refused, nothing happened
+    LEASE_EXPIRED = 10  # the session's lease ran out: its locks and pages are taken back
+    FORBIDDEN = 11  # an admin operation from a session that did not open as admin
+    QUOTA_EXCEEDED = 12  # the session would hold more pages, locks or loads than allowed
 
 
 _OPS = {int(op): op for op in Op}  # a dict lookup: calling an enum class is slow
@@ -90,6 +95,7 @@ class Request(NamedTuple):  # NamedTuples: built per message, a frozen dataclass
     op: Op
     request_id: int  # echoed in the reply, so a client matches replies to requests
     session: int  # 0 before hello
+    epoch: int  # the boot epoch the session was opened in (0 before hello)
     fields: dict[str, Any]
 
 
@@ -105,7 +111,9 @@ class Reply(NamedTuple):
 
 
 def encode_request(req: Request) -> bytes:
-    return msgpack.packb([PROTOCOL_VERSION, int(req.op), req.request_id, req.session, req.fields])
+    return msgpack.packb(
+        [PROTOCOL_VERSION, int(req.op), req.request_id, req.session, req.epoch, req.fields]
+    )
 
 
 def encode_reply(reply: Reply) -> bytes:
@@ -114,36 +122,41 @@ def encode_reply(reply: Reply) -> bytes:
     )
 
 
-def _unpack(frame: bytes | memoryview, what: str) -> list:
-    if len(frame) > MAX_HEADER_BYTES:
+def _unpack(frame: bytes | memoryview, what: str, size: int, limit: int) -> list:
+    if len(frame) > limit:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{what} header of {len(frame)} bytes")
     try:
         head = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types for garbage
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header is not msgpack: {exc}") from None
-    if not isinstance(head, list) or len(head) != 5:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header must be a 5-element array")
+    if not isinstance(head, list) or not head:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header must be a {size}-element array")
     if head[0] != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.WRONG_VERSION, f"protocol version {head[0]!r}, expected {PROTOCOL_VERSION}"
         )
-    if type(head[1]) is not int or type(head[2]) is not int or type(head[3]) is not int:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header: op, id and session are ints")
-    if type(head[4]) is not dict:
+    if len(head) != size:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header must be a {size}-element array")
+    if not all(type(x) is int for x in head[1:-1]):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header: {_INT_PARTS[what]} are ints")
+    if type(head[-1]) is not dict:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header: fields must be a map")
     return head
 
 
+_INT_PARTS = {"request": "op, id, session and epoch", "reply": "status, id and epoch"}
+
+
 def decode_request(frame: bytes | memoryview) -> Request:
-    _, op, request_id, session, fields = _unpack(frame, "request")
+    _, op, request_id, session, epoch, fields = _unpack(frame, "request", 6, MAX_HEADER_BYTES)
     known = _OPS.get(op)
     if known is None:
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {op}")
-    return Request(known, request_id, session, fields)
+    return Request(known, request_id, session, epoch, fields)
 
 
 def decode_reply(frame: bytes | memoryview) -> Reply:
-    _, status, request_id, epoch, fields = _unpack(frame, "reply")
+    _, status, request_id, epoch, fields = _unpack(frame, "reply", 5, MAX_REPLY_HEADER_BYTES)
     known = _CODES.get(status)
     if known is None:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"unknown status {status}")
@@ -220,6 +233,8 @@ def split_tokens(frame: bytes | memoryview, lengths: Any, shared: Any = None) ->
     shared = _check_shared(lengths, shared)
     if sum(lengths) - sum(shared) != len(frame) // 4 or len(frame) % 4:
         raise ProtocolError(ErrorCode.BAD_FIELD, "lengths: must be ints summing to the token ids")
+    from hicache.fastpath import unpack_shared  # the schema alone imports no torch
+
     return unpack_shared(frame, lengths, shared)
 
 

@@ -102,6 +102,11 @@ class TransferBookMixin:
             anchor = anchor.parent
         if not chain:
             return torch.empty(0, dtype=torch.int64)
+        if self.load_ticket(anchor) is not None:
+            # a load still writes the anchor's prefix: let it land first, so that a load never
+            # stacks on another whose copy may yet fail (and take the anchor off the device)
+            self.wait_load(anchor)
+            return self.load_back(node, mem_quota)
         chain.reverse()
         tokens = sum(n.num_tokens for n in chain)
         if tokens < self.config.load_back_threshold or (
@@ -201,12 +206,31 @@ class TransferBookMixin:
         if ok:
             self.counters.load_tokens += record.tokens
             self.counters.load_bytes += record.tokens * self.config.token_bytes
-        else:  # the device copy is garbage: drop it where nobody holds it
-            for node in sorted(record.nodes, key=lambda n: -self._depth(n)):
-                if self._device_candidate(node):
-                    self._drop_device(node)
+        else:
+            self._drop_failed_load(record)
         for node in record.nodes:
             self._push_device(node)
+
+    def _drop_failed_load(self, record: TransferRecord) -> None:
+        """A failed load's device pages hold garbage: every node of the chain loses its device
+        copy now, locked or not (it stays host-only, its host copy intact), and the pages go
+        back to the free list. Locks callers hold on those nodes move to the chain's anchor,
+        the device node the chain hangs from (locks.py). Nothing below the chain is on the
+        device: inserts and loads through a loading node wait for its ack first."""
+        nodes = sorted(record.nodes, key=lambda n: -self._depth(n))  # deepest first
+        anchor = nodes[-1].parent
+        for node in nodes:
+            held = self.user_locks.pop(node, 0)
+            for _ in range(held):
+                self.tree.dec_lock(node)
+            if held:
+                self.moved_locks.add(node, anchor, held)
+                if anchor.parent is not None:
+                    self.user_locks[anchor] += held
+                    for _ in range(held):
+                        self.tree.inc_lock(anchor)
+            assert node.lock_ref == 0, f"{node}: locked below a failed load"
+            self._drop_device(node)
 
     @staticmethod
     def _depth(node: TreeNode) -> int:

@@ -129,7 +129,7 @@ def test_layerwise_load_through_a_cuda_daemon(tmp_path):
     ep = f"ipc://{tmp_path}/cuda-layers.sock"
     proc = start_daemon(ep, "--device", "cuda")
     try:
-        with HiCacheClient(ep) as hc:
+        with HiCacheClient(ep, admin=True) as hc:
             pools = hc.attach()
             tokens = list(range(1, 33))
             slots = hc.alloc(32)

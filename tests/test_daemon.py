@@ -52,7 +52,8 @@ def test_socket_is_private_and_shutdown_cleans_up(tmp_path):
         assert stat.S_IMODE(os.stat(tmp_path / "d.sock").st_mode) == 0o600
         mine = f"hicache-{os.getuid()}-{proc.pid}-"
         segments = [n for n in os.listdir("/dev/shm") if n.startswith(mine)]
-        assert sorted(s.rsplit("-", 1)[1] for s in segments) == ["device", "host", "progress"]
+        pools = sorted(s.rsplit("-", 1)[1] for s in segments)
+        assert pools == ["device", "host", "lock", "progress"]
     finally:
         output = stop_daemon(proc)  # a failed check must not leave a daemon behind
     assert "stopped" in output
@@ -65,7 +66,7 @@ def test_another_process_reads_the_bytes_an_engine_wrote(endpoint):
     with SPAWN.Pool(1) as pool:
         pool.apply(write_sequence, (endpoint, tokens))
     want = kv_value(np.array(tokens))
-    with HiCacheClient(endpoint, name="reader") as hc:
+    with HiCacheClient(endpoint, name="reader", admin=True) as hc:
         pools = hc.attach()
         m = hc.match_prefix(tokens)
         assert m.device_hit_length == 28
@@ -114,7 +115,12 @@ def test_a_killed_engine_gives_everything_back_after_its_lease(endpoint, tmp_pat
         assert s["device_owned_tokens"] == 20 and s["device_protected_tokens"] == 40
         os.kill(victim.pid, signal.SIGKILL)
         victim.join()
-        wait_until(lambda: hc.stats()["sessions"] == 1)  # only the watcher is left
+        wait_until(lambda: hc.stats()["sessions"] == 1)  # the lease lapsed: only the watcher
+        s = hc.stats(check=True)
+        if s["sessions_quarantined"]:  # held through the quarantine, then given back
+            assert s["device_owned_tokens"] == s["quarantined_tokens"] == 20
+            assert [x["lapsed"] for x in s["session_list"]].count(True) == 1
+        wait_until(lambda: hc.stats()["sessions_quarantined"] == 0)
         s = hc.stats(check=True)
         assert s["device_owned_tokens"] == 0 and s["device_protected_tokens"] == 0
         assert s["integrity"] == "ok"
@@ -132,13 +138,15 @@ def test_bad_input_gets_error_replies_and_changes_nothing(endpoint):
         mine = owner.alloc(8)
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(endpoint)
-        hdr = lambda op, fields, session=other.session: msgpack.packb(  # noqa: E731
-            [PROTOCOL_VERSION, op, 1, session, fields]
+        epoch = other.conn.epoch
+        hdr = lambda op, fields, session=other.session, epoch=epoch: msgpack.packb(  # noqa: E731
+            [PROTOCOL_VERSION, op, 1, session, epoch, fields]
         )
         cases = [
             ((b"\xc1not msgpack",), ErrorCode.BAD_FIELD),
             ((hdr(999, {}),), ErrorCode.UNKNOWN_OP),
             ((msgpack.packb([PROTOCOL_VERSION + 1, Op.PING, 1, 0, {}]),), ErrorCode.WRONG_VERSION),
+            ((msgpack.packb([PROTOCOL_VERSION, Op.PING, 1, 0, {}]),), ErrorCode.BAD_FIELD),
             ((hdr(Op.ALLOC, {"num_tokens": "many"}),), ErrorCode.BAD_FIELD),
             ((hdr(Op.ALLOC, {"num_tokens": 10**9}),), ErrorCode.BAD_FIELD),
             ((hdr(Op.FREE, {}), bytes(slots_frame([10**9]))), ErrorCode.NOT_OWNED),
@@ -149,6 +157,11 @@ def test_bad_input_gets_error_replies_and_changes_nothing(endpoint):
             ((hdr(Op.RELEASE, {"lock_ids": [12345]}),), ErrorCode.NOT_OWNED),
             ((hdr(Op.PING, {}, session=0),), ErrorCode.OK),
             ((hdr(Op.ALLOC, {"num_tokens": 4}, session=777),), ErrorCode.UNKNOWN_SESSION),
+            ((hdr(Op.ALLOC, {"num_tokens": 4}, epoch=epoch + 2),), ErrorCode.EPOCH_MISMATCH),
+            ((hdr(Op.ALLOC, {"num_tokens": 4}, epoch=0),), ErrorCode.EPOCH_MISMATCH),
+            ((hdr(Op.RELEASE, {"lock_ids": [True]}),), ErrorCode.BAD_FIELD),
+            ((hdr(Op.STATS, {"check": 1}),), ErrorCode.BAD_FIELD),
+            ((hdr(Op.FLUSH, {}),), ErrorCode.FORBIDDEN),
         ]
         for frames, code in cases:
             status, fields = raw_call(sock, *frames)
@@ -184,7 +197,9 @@ def test_a_restarted_daemon_is_noticed(tmp_path):
 def test_frames_past_the_zero_copy_threshold(tmp_path):
     """Token and slot frames above the daemon's copy threshold are read in zmq's own buffer."""
     ep = f"ipc://{tmp_path}/big.sock"
-    proc = start_daemon(ep, "--device-tokens", "65536", "--host-tokens", "131072")
+    proc = start_daemon(
+        ep, "--device-tokens", "65536", "--host-tokens", "131072", "--session-owned-fraction", "1"
+    )
     try:
         rng = np.random.default_rng(1)
         system = rng.integers(1, 1000, 8192, dtype=np.int32)

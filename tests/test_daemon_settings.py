@@ -1,5 +1,6 @@
 """Daemon settings precedence, stale segment cleanup, and the CLI's INFO sections."""
 
+import fcntl
 import json
 import os
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 from hicache.client.cli import sections
-from hicache.daemon.segments import remove_stale, segment_name
+from hicache.daemon.segments import InstanceLock, remove_stale
 from hicache.daemon.settings import build_parser, resolve
 
 
@@ -65,16 +66,33 @@ def test_print_config_shows_the_result():
     assert bad.returncode == 2 and "page_size" in bad.stderr
 
 
-def test_stale_segments_of_dead_daemons_are_removed(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = tmp_path / segment_name("device", "abcd", pid=dead.pid)
-    live = tmp_path / segment_name("device", "ef01", pid=os.getpid())
+def test_stale_segments_are_told_by_their_lock_not_their_pid(tmp_path):
+    uid = os.getuid()
+    # a live daemon of another PID namespace: its pid means nothing here, its lock is held
+    alive = [tmp_path / f"hicache-{uid}-999999999-aaaa-{pool}" for pool in ("lock", "device")]
+    # a dead daemon that was pid 1 in its container (pid 1 is always "alive" here): lock free
+    dead = [tmp_path / f"hicache-{uid}-1-bbbb-{pool}" for pool in ("lock", "device", "host")]
+    legacy = tmp_path / f"hicache-{uid}-{os.getpid()}-cccc-device"  # no lock file at all
     other = tmp_path / "hicache-99999-1-zz-device"  # another user's: never touched
-    for path in (stale, live, other):
+    for path in (*alive, *dead, legacy, other):
         path.write_bytes(b"x")
-    assert remove_stale(str(tmp_path)) == [stale.name]
-    assert not stale.exists() and live.exists() and other.exists()
+    held = os.open(alive[0], os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        removed = remove_stale(str(tmp_path))
+    finally:
+        os.close(held)
+    assert sorted(removed) == sorted(p.name for p in (*dead, legacy))
+    order = [removed.index(p.name) for p in dead]
+    assert order[0] == max(order)  # an instance's lock file goes last
+    assert all(p.exists() for p in (*alive, other))
+    lock = InstanceLock("dddd", str(tmp_path))  # held by this process: alive
+    try:  # the first instance's lock was released above: it is gone now, this one is not
+        assert sorted(remove_stale(str(tmp_path))) == sorted(p.name for p in alive)
+        assert os.path.exists(lock.path)
+    finally:
+        lock.close()
+    assert not os.path.exists(lock.path)
 
 
 def test_info_sections_group_the_stats():

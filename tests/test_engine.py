@@ -49,7 +49,7 @@ def test_cached_prefix_logits_equal_a_full_recompute(tmp_path, ps, policy):
         base = rng.integers(0, 512, 64, dtype=np.int32)
         p1 = np.concatenate([base, rng.integers(0, 512, 40, dtype=np.int32)])
         p2 = np.concatenate([base, rng.integers(0, 512, 40, dtype=np.int32)])
-        with HiCacheClient(ep, name="engine") as hc:
+        with HiCacheClient(ep, name="engine", admin=True) as hc:
             engine = ReferenceEngine(hc)
             assert check(engine, p1).computed_from == 0
             served = check(engine, p2)  # device hit on the shared base

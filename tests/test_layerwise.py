@@ -76,7 +76,7 @@ def test_a_reader_process_reads_each_layer_before_the_last_is_copied(gated_daemo
     endpoint, gates, daemon = gated_daemon
     tokens = list(range(1, 33))  # 8 pages of 4
     write_sequence(endpoint, tokens)
-    with HiCacheClient(endpoint, name="admin") as hc:
+    with HiCacheClient(endpoint, name="admin", admin=True) as hc:
         hc.evict(device_tokens=1 << 20)  # the prefix now lives on the host only
     daemon.cache.device_pool.buffer.fill_(0xFF)  # freed pages keep old KV: poison them
     out = SPAWN.Queue()
@@ -96,7 +96,7 @@ def test_a_waiting_reader_times_out_and_a_failed_load_is_reported(gated_daemon):
     endpoint, gates, daemon = gated_daemon
     tokens = list(range(100, 116))
     write_sequence(endpoint, tokens)
-    with HiCacheClient(endpoint, name="engine") as hc:
+    with HiCacheClient(endpoint, name="engine", admin=True) as hc:
         hc.evict(device_tokens=1 << 20)
         m = hc.match_prefix(tokens)
         load = hc.load_back_async(m)
@@ -117,7 +117,7 @@ def test_a_match_on_a_prefix_still_loading_waits_for_the_load(gated_daemon):
     write_sequence(endpoint, tokens)
     want = kv_value(np.array(tokens))
     with (
-        HiCacheClient(endpoint, name="first") as first,
+        HiCacheClient(endpoint, name="first", admin=True) as first,
         HiCacheClient(endpoint, name="second") as second,
     ):
         first.evict(device_tokens=1 << 20)

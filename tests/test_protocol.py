@@ -26,7 +26,7 @@ from hicache.protocol import (
 
 
 def test_request_and_reply_round_trip():
-    req = Request(Op.MATCH, 7, 42, {"namespaces": [None, "a"]})
+    req = Request(Op.MATCH, 7, 42, 2**62 + 1, {"namespaces": [None, "a"]})
     assert decode_request(encode_request(req)) == req
     reply = Reply(ErrorCode.NOT_OWNED, 7, 123456789, {"message": "slot 5 is not yours"})
     back = decode_reply(encode_reply(reply))
@@ -57,11 +57,14 @@ def test_decoded_tokens_take_the_cache_fast_path():
     [
         (b"\xc1garbage", ErrorCode.BAD_FIELD),
         (msgpack.packb({"op": 1}), ErrorCode.BAD_FIELD),
-        (msgpack.packb([PROTOCOL_VERSION + 1, 1, 0, 0, {}]), ErrorCode.WRONG_VERSION),
-        (msgpack.packb([PROTOCOL_VERSION, 999, 0, 0, {}]), ErrorCode.UNKNOWN_OP),
-        (msgpack.packb([PROTOCOL_VERSION, "match", 0, 0, {}]), ErrorCode.BAD_FIELD),
-        (msgpack.packb([PROTOCOL_VERSION, 1, 0, 0, [1, 2]]), ErrorCode.BAD_FIELD),
-        (msgpack.packb([PROTOCOL_VERSION, 1, True, 0, {}]), ErrorCode.BAD_FIELD),
+        (msgpack.packb([PROTOCOL_VERSION + 1, 1, 0, 0, 0, {}]), ErrorCode.WRONG_VERSION),
+        (msgpack.packb([1, 1, 0, 0, {}]), ErrorCode.WRONG_VERSION),  # a version-1 client
+        (msgpack.packb([PROTOCOL_VERSION, 999, 0, 0, 0, {}]), ErrorCode.UNKNOWN_OP),
+        (msgpack.packb([PROTOCOL_VERSION, "match", 0, 0, 0, {}]), ErrorCode.BAD_FIELD),
+        (msgpack.packb([PROTOCOL_VERSION, 1, 0, 0, 0, [1, 2]]), ErrorCode.BAD_FIELD),
+        (msgpack.packb([PROTOCOL_VERSION, 1, True, 0, 0, {}]), ErrorCode.BAD_FIELD),
+        (msgpack.packb([PROTOCOL_VERSION, 1, 0, 0, 1.5, {}]), ErrorCode.BAD_FIELD),
+        (msgpack.packb([PROTOCOL_VERSION, 1, 0, 0, {}]), ErrorCode.BAD_FIELD),  # no epoch
         (b"\x00" * (2 << 20), ErrorCode.TOO_LARGE),
     ],
 )

@@ -1,0 +1,85 @@
+"""Claiming the endpoint the daemon listens on, so that no two daemons share it.
+
+For ``ipc://PATH``: the folder must be ours (or root's) and not writable by others unless it is
+sticky (as /tmp is), or another user could swap the socket for their own; it is created 0700
+when missing. A live daemon holds an exclusive ``flock`` on ``PATH.lock`` for its whole life: a
+second daemon on the same path is refused at once instead of taking the socket over, and a
+socket file left by a dead daemon is removed. The lock file itself stays (removing it while
+another daemon opens it would let two daemons hold "the" lock).
+
+``tcp://`` endpoints need no claim: the kernel refuses a second bind to a busy port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+
+
+class EndpointError(RuntimeError):
+    """The endpoint cannot be used; the message says why and what to do."""
+
+
+def bind_address(endpoint: str) -> str:
+    """tcp endpoints without an explicit host bind to loopback only."""
+    if endpoint.startswith("tcp://*:") or endpoint.startswith("tcp://:"):
+        return "tcp://127.0.0.1:" + endpoint.rsplit(":", 1)[1]
+    return endpoint
+
+
+def check_folder(folder: str) -> None:
+    """Raise EndpointError unless ``folder`` is a directory only we (or root) control."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise EndpointError(f"{folder}: not a directory (a symlink is refused too)")
+    if st.st_uid not in (os.getuid(), 0):
+        raise EndpointError(
+            f"{folder}: owned by uid {st.st_uid}, not by you ({os.getuid()}): whoever owns it "
+            "could replace the daemon's socket; use a folder of your own"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise EndpointError(
+            f"{folder}: writable by other users (mode {oct(stat.S_IMODE(st.st_mode))}): they "
+            "could replace the daemon's socket; chmod go-w it or use another folder"
+        )
+
+
+class EndpointClaim:
+    """Holds an ipc endpoint's path for this daemon (nothing to hold for tcp)."""
+
+    def __init__(self, endpoint: str):
+        self.path: str | None = None
+        self._fd: int | None = None
+        if not endpoint.startswith("ipc://"):
+            return
+        path = endpoint[len("ipc://") :]
+        if len(path.encode()) > 107:  # sun_path holds 108 bytes with the terminating NUL
+            raise EndpointError(f"{endpoint}: an ipc path is at most 107 bytes; use a shorter one")
+        check_folder(os.path.dirname(os.path.abspath(path)))
+        fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise EndpointError(
+                f"{endpoint}: another hicache-daemon serves this endpoint; stop it first, or "
+                "give this one another --endpoint"
+            ) from None
+        self.path, self._fd = path, fd
+        with contextlib.suppress(FileNotFoundError):  # a dead daemon's socket file
+            os.unlink(path)
+
+    def close(self) -> None:
+        """Remove the socket file and release the claim (the daemon's socket is closed)."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # type: ignore[arg-type]
+        os.close(self._fd)
+        self._fd = None
