@@ -15,6 +15,7 @@ _EXPORTS = {
     "DaemonTimeout": "hicache.client.connection",
     "EpochChanged": "hicache.client.connection",
     "LeaseLost": "hicache.client.connection",
+    "NotOwned": "hicache.client.connection",
     "AttachedPools": "hicache.client.pools",
     "LoadTicket": "hicache.client.results",
     "Match": "hicache.client.results",
@@ -31,11 +32,18 @@ __all__ = [
     "LoadFailed",
     "LoadTicket",
     "Match",
+    "NotOwned",
 ]
 
 if TYPE_CHECKING:
     from hicache.client.client import HiCacheClient, Inserted
-    from hicache.client.connection import DaemonError, DaemonTimeout, EpochChanged, LeaseLost
+    from hicache.client.connection import (
+        DaemonError,
+        DaemonTimeout,
+        EpochChanged,
+        LeaseLost,
+        NotOwned,
+    )
     from hicache.client.pools import AttachedPools
     from hicache.client.results import LoadTicket, Match
     from hicache.progress import LoadFailed

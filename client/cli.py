@@ -1,15 +1,24 @@
-"""hicache: command-line client. `hicache ping`, `hicache info [section]`, `hicache stats --json`.
+"""hicache: command-line client of hicache-daemon.
 
-`info` prints Redis-INFO style sections (`# Section`, then `key:value` lines, with `_human`
-twins for sizes); `stats --json` prints the same facts as one JSON object.
+    hicache ping                     is it there (and which life: pid, epoch)
+    hicache info [SECTION]           Redis-INFO style sections (`# Section`, `key:value` lines,
+                                     `_human` twins for sizes); `hicache stats --json` is the
+                                     same facts as one JSON object
+    hicache tree [--max-nodes N]     a bounded dump of the tree
+    hicache evict --device-tokens N  admin: evict unlocked tokens (also --host-tokens)
+    hicache flush                    admin: evict every unlocked token from both tiers
+
+Imports no torch: a call costs a round trip, not seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from hicache import __version__
 from hicache.client.connection import Connection, DaemonError, DaemonTimeout
 from hicache.endpoints import env_endpoint
 from hicache.protocol import Op
@@ -28,12 +37,17 @@ def _ratio(part: int, whole: int) -> str:
     return f"{part / whole:.4f}" if whole else "0.0000"
 
 
+def _pick(stats: dict, *keys: str) -> dict:
+    return {k: stats[k] for k in keys if k in stats}
+
+
 def sections(stats: dict) -> dict[str, dict]:
     """Group the daemon's stats into INFO sections (shared by `info` and tests)."""
     requested = stats["hit_device_tokens"] + stats["hit_host_tokens"] + stats["miss_tokens"]
     tb = stats.get("token_bytes", 0)
     return {
-        "server": {k: stats[k] for k in ("pid", "endpoint", "boot_epoch", "uptime_s")},
+        "server": _pick(stats, "version", "protocol", "pid", "endpoint", "boot_epoch", "uptime_s"),
+        "config": dict(stats.get("config", {})),
         "memory": {
             "device_capacity_tokens": stats["device_capacity_tokens"],
             "device_capacity_human": _human(stats["device_capacity_tokens"], tb),
@@ -41,20 +55,16 @@ def sections(stats: dict) -> dict[str, dict]:
             "host_capacity_human": _human(stats["host_capacity_tokens"], tb),
             "page_size": stats["page_size"],
         },
-        "device_pool": {
-            k: stats[k]
-            for k in (
-                "device_free_tokens",
-                "device_cached_tokens",
-                "device_owned_tokens",
-                "device_protected_tokens",
-                "device_evictable_tokens",
-                "evicted_device_tokens",
-            )
-        },
-        "host_pool": {
-            k: stats[k] for k in ("host_free_tokens", "host_cached_tokens", "evicted_host_tokens")
-        },
+        "device_pool": _pick(
+            stats,
+            "device_free_tokens",
+            "device_cached_tokens",
+            "device_owned_tokens",
+            "device_protected_tokens",
+            "device_evictable_tokens",
+            "evicted_device_tokens",
+        ),
+        "host_pool": _pick(stats, "host_free_tokens", "host_cached_tokens", "evicted_host_tokens"),
         "hits": {
             "hit_device_tokens": stats["hit_device_tokens"],
             "hit_host_tokens": stats["hit_host_tokens"],
@@ -63,29 +73,41 @@ def sections(stats: dict) -> dict[str, dict]:
             "hit_ratio_host": _ratio(stats["hit_host_tokens"], requested),
             "hit_ratio": _ratio(stats["hit_device_tokens"] + stats["hit_host_tokens"], requested),
         },
-        "transfers": {
-            k: stats[k]
-            for k in (
-                "backup_tokens",
-                "backup_bytes",
-                "load_tokens",
-                "load_bytes",
-                "inflight_transfers",
-                "backup_failed_tokens",
-                "transfer_errors",
-            )
-        },
-        "sessions": {"sessions": stats["sessions"]}
+        "transfers": _pick(
+            stats,
+            "backup_tokens",
+            "backup_bytes",
+            "load_tokens",
+            "load_bytes",
+            "inflight_transfers",
+            "backup_failed_tokens",
+            "transfer_errors",
+        ),
+        "sessions": _pick(
+            stats, "sessions", "sessions_quarantined", "quarantined_tokens", "replies_dropped"
+        )
         | {
             f"session_{s['id']}": f"client={s['client']},pid={s['pid']},"
             f"owned_pages={s['owned_pages']},locks={s['locks']}"
+            + (",lapsed" if s.get("lapsed") else "")
             for s in stats.get("session_list", [])
         },
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hicache", description=__doc__.splitlines()[0])
+def _heading(name: str) -> str:
+    return name.replace("_", " ").title().replace(" ", "")
+
+
+def _normal(name: str) -> str:
+    return name.replace("_", "").replace("-", "").lower()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="hicache", description="Command-line client of hicache-daemon (no torch import)."
+    )
+    ap.add_argument("--version", action="version", version=f"hicache {__version__}")
     ap.add_argument(
         "--endpoint", default=None, help="default: $HICACHE_ENDPOINT or the ipc default"
     )
@@ -93,31 +115,91 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("ping", help="check that the daemon answers")
     info = sub.add_parser("info", help="human-readable stats by section")
-    info.add_argument("section", nargs="?", help="one section only (e.g. hits)")
+    info.add_argument("section", nargs="?", help="one section only (e.g. hits, DevicePool)")
     stats = sub.add_parser("stats", help="all stats")
     stats.add_argument("--json", action="store_true", help="as one JSON object")
-    args = ap.parse_args(argv)
-    conn = Connection(args.endpoint or env_endpoint(), args.timeout)
+    tree = sub.add_parser("tree", help="a bounded dump of the tree's nodes")
+    tree.add_argument("--max-nodes", type=int, default=100)
+    tree.add_argument("--json", action="store_true", help="as one JSON object")
+    evict = sub.add_parser("evict", help="admin: evict unlocked tokens")
+    evict.add_argument("--device-tokens", type=int, default=0)
+    evict.add_argument("--host-tokens", type=int, default=0)
+    sub.add_parser("flush", help="admin: evict every unlocked token from both tiers")
+    return ap
+
+
+def _in_session(conn: Connection, op: Op, fields: dict) -> dict:
+    """One operation in an admin session of its own (the CLI is an operator's tool), ended at
+    once."""
+    hello = {"client": "hicache-cli", "pid": os.getpid(), "admin": True}
+    conn.session = conn.call(Op.HELLO, hello)[0].fields["session"]
     try:
-        if args.command == "ping":
-            reply, _ = conn.call(Op.PING)
-            print(f"PONG pid={reply.fields['pid']} epoch={reply.boot_epoch}")
+        return conn.call(op, fields)[0].fields
+    finally:
+        conn.call(Op.GOODBYE)
+
+
+def _run(args: argparse.Namespace, conn: Connection) -> int:
+    if args.command == "ping":
+        reply, _ = conn.call(Op.PING)
+        print(f"PONG pid={reply.fields['pid']} epoch={reply.boot_epoch}")
+        return 0
+    if args.command in ("evict", "flush"):
+        fields = (
+            {"device_tokens": args.device_tokens, "host_tokens": args.host_tokens}
+            if args.command == "evict"
+            else {}
+        )
+        out = _in_session(conn, Op.EVICT if args.command == "evict" else Op.FLUSH, fields)
+        print("\n".join(f"{k}:{v}" for k, v in out.items()))
+        return 0
+    if args.command == "tree":
+        out = _in_session(conn, Op.TREE, {"max_nodes": args.max_nodes})
+        if args.json:
+            print(json.dumps(out, sort_keys=True))
             return 0
-        data = conn.call(Op.STATS)[0].fields
+        print(f"# Tree\nnodes:{out['total']}\nshown:{len(out['nodes'])}")
+        for n in out["nodes"]:
+            where = ("D" if n["device"] else "-") + ("H" if n["host"] else "-")
+            print(
+                f"node_{n['id']}:parent={n['parent']},tokens={n['tokens']},at={where},"
+                f"lock_ref={n['lock_ref']},hits={n['hits']},io={n['io']}"
+            )
+        return 0
+    data = conn.call(Op.STATS)[0].fields
+    if args.command == "stats":
+        print(json.dumps(data, indent=None if args.json else 2, sort_keys=True))
+        return 0
+    groups = sections(data)
+    if args.section:
+        wanted = {_normal(name): name for name in groups}.get(_normal(args.section))
+        if wanted is None:
+            print(
+                f"hicache: no section {args.section!r}; sections: {', '.join(groups)}",
+                file=sys.stderr,
+            )
+            return 2
+        groups = {wanted: groups[wanted]}
+    for name, values in groups.items():
+        print(f"# {_heading(name)}")
+        print("\n".join(f"{k}:{v}" for k, v in values.items()) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    endpoint = args.endpoint or env_endpoint()
+    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
+        print(f"hicache: no daemon at {endpoint} (no socket file)", file=sys.stderr)
+        return 1
+    conn = Connection(endpoint, args.timeout)
+    try:
+        return _run(args, conn)
     except (DaemonError, DaemonTimeout) as exc:
         print(f"hicache: {exc}", file=sys.stderr)
         return 1
     finally:
         conn.close()
-    if args.command == "stats":
-        print(json.dumps(data, indent=None if args.json else 2, sort_keys=True))
-        return 0
-    for name, values in sections(data).items():
-        if args.section and args.section.replace("-", "_") != name:
-            continue
-        print(f"# {name.replace('_', ' ').title().replace(' ', '')}")
-        print("\n".join(f"{k}:{v}" for k, v in values.items()) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -255,18 +255,18 @@ class HiCacheClient:
         match's lock now covers them too), or None when it stays on the host: nothing there,
         too short to be worth it (load_back_threshold), no room, or the copy failed (treat it
         as a miss and recompute)."""
-        match.check_live()
         if not match.host_hit_length:
             return None
+        match.check_locked()
         reply, out = self._call(Op.LOAD_BACK, {"lock_id": match.lock_id})
         return _slots(out[0]) if reply.fields["loaded"] else None
 
     def load_back_async(self, match: Match) -> LoadTicket | None:
         """Start loading the host part of a locked match and return at once; read layer i only
         after ``wait_layer(ticket, i)``. None when it stays on the host."""
-        match.check_live()
         if not match.host_hit_length:
             return None
+        match.check_locked()
         reply, out = self._call(Op.LOAD_BACK, {"lock_id": match.lock_id, "wait": False})
         if not reply.fields["loaded"]:
             return None

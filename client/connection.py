@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from hicache.errors import InvalidIndicesError
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
     MAX_FRAME_BYTES,
@@ -45,6 +46,12 @@ class DaemonError(RuntimeError):
         self.message = message
 
 
+class NotOwned(DaemonError, InvalidIndicesError):
+    """NOT_OWNED: slots or a lock this session does not hold (a double free, the padding slot,
+    another session's or the tree's pages, a released lock). Nothing changed. Also an
+    InvalidIndicesError, as the core raises for the same mistakes."""
+
+
 class EpochChanged(DaemonError):
     """The daemon restarted: every slot index, lock and Match from before is void, and this
     client's session is gone. Drop them all, open a new HiCacheClient and attach again."""
@@ -60,7 +67,13 @@ class DaemonTimeout(TimeoutError):
     """No reply within the timeout (the daemon is down, or busy for too long)."""
 
 
+_ERRORS = {ErrorCode.LEASE_EXPIRED: LeaseLost, ErrorCode.NOT_OWNED: NotOwned}
 LateHandler = Callable[[Op, Reply, list], None]
+
+
+def _nbytes(frame: Any) -> int:
+    """Bytes of a frame: bytes, a memoryview or a numpy array (whose len counts elements)."""
+    return frame.nbytes if hasattr(frame, "nbytes") else len(frame)
 
 
 class Connection:
@@ -87,11 +100,11 @@ class Connection:
         if os.getpid() != self._pid:
             raise RuntimeError("a Connection cannot be used after fork; make a new one")
         for frame in frames:
-            if len(frame) > MAX_FRAME_BYTES:
+            if _nbytes(frame) > MAX_FRAME_BYTES:
                 raise DaemonError(
                     ErrorCode.TOO_LARGE,
-                    f"{op.name}: a frame of {len(frame)} bytes is over the {MAX_FRAME_BYTES} "
-                    "limit (16M token ids or 8M slots); split the request",
+                    f"{op.name}: a frame of {_nbytes(frame)} bytes is over the "
+                    f"{MAX_FRAME_BYTES} limit (16M token ids or 8M slots); split the request",
                 )
         request_id = next(self._ids)
         request = Request(op, request_id, self.session, self.epoch, fields or {})
@@ -125,16 +138,14 @@ class Connection:
         if reply.ok:
             return reply
         message = str(reply.fields.get("message", ""))
-        if reply.status is ErrorCode.LEASE_EXPIRED:
-            raise LeaseLost(reply.status, message)
-        raise DaemonError(reply.status, message)
+        raise _ERRORS.get(reply.status, DaemonError)(reply.status, message)
 
     def _send(self, header: bytes, frames: Sequence[Any]) -> None:
         sock = self.sock
         _send(sock, header, SNDMORE if frames else 0)
         last = len(frames) - 1
         for i, frame in enumerate(frames):  # zero-copy only where pyzmq says it pays
-            _send(sock, frame, SNDMORE if i < last else 0, len(frame) < zmq.COPY_THRESHOLD)
+            _send(sock, frame, SNDMORE if i < last else 0, _nbytes(frame) < zmq.COPY_THRESHOLD)
 
     def _recv(self) -> list[zmq.Frame]:
         """One reply, frames not copied; raises zmq.Again after RCVTIMEO."""

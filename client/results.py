@@ -56,6 +56,12 @@ class Match:
         self._ids = ids  # the nodes of the prefix, in order (indices into the frame)
         self._pages: np.ndarray | None = None
 
+    def check_locked(self) -> None:
+        """Raise unless the match holds a lock (what load_back works on)."""
+        self.check_live()
+        if not self.lock_id:
+            raise ValueError("load_back needs a locked match: match_prefix(..., lock=True)")
+
     def check_live(self) -> None:
         """Raise unless the match's slots are still its own (not released)."""
         if self.released:

@@ -109,17 +109,21 @@ class CacheOpsMixin:
         results, state = [], ([], {})
         for tokens, space in zip(batch, spaces, strict=True):
             m = match_key(tokens, space, True)
+            if m.loading:
+                m = self._landed(tokens, space, m)
             results.append(self._result(session, m, lock, state))
         return self._match_reply(results, state[0])
+
+    def _landed(self, key: bytes, space: Any, m: MatchResult) -> MatchResult:
+        """Another session's load still writes this prefix: let it land and look again (it may
+        have failed, and then that part is a host hit, not garbage on the device)."""
+        self.cache.wait_load(m.last_device_node)
+        return self.cache.match_key(key, space, True, count=False)
 
     def _result(self, session: Session, m: MatchResult, lock: bool, state: tuple) -> list:
         """One match's reply entry. A node shared by several matches (a system prompt) travels
         once: ``state`` holds each distinct node's page ids, and the entry lists the chunks its
         prefix is made of."""
-        if m.loading:  # another session's load still writes this prefix: let it land
-            self.cache.wait_load(m.last_device_node)
-            if m.last_device_node.device_pages is None or not m.page_chunks:
-                raise ProtocolError(ErrorCode.INTERNAL, "a load under this prefix failed")
         lock_id = self._lock(session, m) if lock else 0
         chunks, index = state
         ids = []
@@ -206,7 +210,10 @@ class CacheOpsMixin:
             # what is no longer OWNED joined the tree or was freed as a duplicate
             session.owned.difference_update(mine[alloc_state[mine] != OWNED].tolist())
             if lock:
-                m = self.cache.match_key(seq.tobytes(), space, True, count=False)
+                key = seq.tobytes()
+                m = self.cache.match_key(key, space, True, count=False)
+                if m.loading:
+                    m = self._landed(key, space, m)
                 results.append(self._result(session, m, True, state))
         if not lock:
             return {"prefix_lens": prefix_lens}, []

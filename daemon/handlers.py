@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from hicache import __version__
 from hicache.allocator import OWNED
 from hicache.cache import HiRadixCache
 from hicache.daemon.cache_ops import CacheOpsMixin
@@ -27,7 +28,15 @@ from hicache.daemon.limits import SessionLimits
 from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
 from hicache.node import TreeNode
-from hicache.protocol import ErrorCode, Op, ProtocolError, Reply, decode_request, encode_reply
+from hicache.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Op,
+    ProtocolError,
+    Reply,
+    decode_request,
+    encode_reply,
+)
 
 log = logging.getLogger("hicache.daemon")
 Frames = list[Any]
@@ -275,6 +284,9 @@ class Handlers(CacheOpsMixin):
             sessions_quarantined=len(quarantined),
             quarantined_tokens=sum(len(s.owned) for s in quarantined) * self.cache.page_size,
             boot_epoch=self.boot_epoch,
+            version=__version__,
+            protocol=PROTOCOL_VERSION,
+            config=self.info.get("config", {}),
             uptime_s=round(self.clock() - self.started, 3),
             pid=os.getpid(),
             token_bytes=self.cache.config.token_bytes,

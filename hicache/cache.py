@@ -20,7 +20,6 @@ from hicache.allocator import PagedAllocator, PageState
 from hicache.backing import Backing
 from hicache.config import HiCacheConfig
 from hicache.copiers import Copier, make_copier
-from hicache.errors import InvalidIndicesError
 from hicache.eviction_policy import LeafHeap, make_priority
 from hicache.fastpath import tally
 from hicache.insert import InsertMixin
@@ -138,7 +137,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             pages = self.device_alloc.pages_of_slots(last)  # range-checked
             self.device_alloc.check_pages(np.unique(pages), PageState.OWNED)
             if ((last + 1) % self.page_size != filled[partial] % self.page_size).any():
-                raise InvalidIndicesError(
+                raise ValueError(
                     "last_loc: not the slot of the request's last token (its offset in the "
                     "page must be (len - 1) % page_size); the next slots would leave the page"
                 )
@@ -162,7 +161,9 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
 
         Mutates: may split the last matched node, stamps access times, counts hits, and may
         start backups (write_through_selective). Locks nothing: lock ``last_device_node`` to
-        keep ``device_indices`` valid. When ``loading`` is true, call wait_load() first.
+        keep ``device_indices`` valid. When ``loading`` is true, a load still writes part of the
+        prefix: call wait_load(last_device_node) and match again (the load may have failed,
+        and then that part is on the host only).
         """
         return self.match_key(as_tokens(token_ids).tobytes(), namespace, True)
 
@@ -222,10 +223,10 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         A node whose device copy a failed load dropped while it was locked (see locks.py) can
         still be locked through a lock taken on it before: the new lock goes where those went.
         """
-        if node.parent is None:
-            return 0  # a root: nothing to protect
         if not self.tree.in_tree(node) or node.device_pages is None:
-            target = self.moved_locks.target(node)
+            if node.parent is None and node.key == b"":
+                return 0  # a root: nothing to protect
+            target = self.moved_locks.target(node)  # (a node may have left the tree since)
             if target is None:
                 raise ValueError(f"inc_lock_ref: {node!r} is not a device node of this cache")
             self.moved_locks.add(node, target)
@@ -237,11 +238,11 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         """Release one inc_lock_ref on ``node``; raises if that node holds no such lock.
         A lock that moved (a failed load dropped the node's device copy) is released where it
         went."""
-        if node.parent is None:
-            return 0
-        target = self.moved_locks.take(node)
+        target = self.moved_locks.take(node)  # first: the node may have left the tree since
         if target is not None:
             return self.dec_lock_ref(target)
+        if node.parent is None:
+            return 0
         if self.user_locks[node] <= 0:
             del self.user_locks[node]
             raise ValueError(f"dec_lock_ref: {node!r} holds no lock taken by inc_lock_ref")

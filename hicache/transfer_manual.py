@@ -32,8 +32,11 @@ class ManualTransferEngine(TransferEngine):
         self._unacked: set[Ticket] = set()  # run or queued, ack not yet polled
         self._acks: deque[Ack] = deque()
         self._fail: set[Ticket] = set()  # tickets whose copy will "raise"
+        self.fail_new = False  # every copy submitted from now on will "raise"
 
     def _enqueue(self, job: CopyJob) -> None:
+        if self.fail_new:
+            self._fail.add(job.ticket)
         self._queued[job.ticket] = job
         self._unacked.add(job.ticket)
         if self.auto:

@@ -34,8 +34,19 @@ SMALL = [
 ]
 
 
-def start_daemon(endpoint: str, *extra: str, lease: float = 3.0) -> subprocess.Popen:
-    return launch.start_daemon(endpoint, "--lease-seconds", str(lease), *SMALL, *extra)
+def start_daemon(
+    endpoint: str, *extra: str, lease: float = 3.0, quarantine: float = 1.0
+) -> subprocess.Popen:
+    flags = ("--lease-seconds", str(lease), "--quarantine-seconds", str(quarantine))
+    return launch.start_daemon(endpoint, *flags, *SMALL, *extra)
+
+
+def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    """Poll ``predicate`` (a daemon query) until true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout} s"
+        time.sleep(0.02)
 
 
 def kv_value(tokens: np.ndarray) -> torch.Tensor:

@@ -6,7 +6,6 @@ import multiprocessing as mp
 import os
 import signal
 import stat
-import time
 
 import msgpack
 import numpy as np
@@ -22,6 +21,7 @@ from tests.daemon_helpers import (
     kv_value,
     start_daemon,
     stop_daemon,
+    wait_until,
     write_sequence,
 )
 
@@ -35,14 +35,6 @@ def endpoint(tmp_path):
     yield ep
     if proc.poll() is None:
         stop_daemon(proc)
-
-
-def wait_until(predicate, timeout=20.0):
-    """Poll ``predicate`` (a daemon query) until true; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_socket_is_private_and_shutdown_cleans_up(tmp_path):

@@ -135,6 +135,7 @@ def test_info_sections_group_the_stats():
     info = sections(stats)
     assert list(info) == [
         "server",
+        "config",
         "memory",
         "device_pool",
         "host_pool",

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hicache import HiCacheConfig, HiRadixCache, InvalidIndicesError
+from hicache.transfer import Direction
 from hicache.transfer_manual import ManualTransferEngine
 from tests.reference import ReferenceCache, expected_kv, read_kv, write_kv
 
@@ -65,26 +66,30 @@ class CacheMachine(RuleBasedStateMachine):
         s = self.cache.stats()
         return s.evicted_device_tokens == 0 and s.evicted_host_tokens == 0
 
-    def check_match(self, seq: np.ndarray, ns: object, m) -> None:  # noqa: ANN001
+    def check_match(self, seq: np.ndarray, ns: object, m):  # noqa: ANN001, ANN201
+        """Check a match's KV against the model; returns it settled (loads landed)."""
         dev = m.device_hit_length
         total = dev + m.host_hit_length
         assert total % self.page_size == 0
         assert self.ref.contains(seq[:total], ns), "matched a prefix that was never inserted"
-        if m.loading:
+        if m.loading:  # let the load land, then look again: it may have failed
             self.cache.wait_load(m.last_device_node)
+            m = self.cache.match_prefix(seq, namespace=ns)
+            dev = m.device_hit_length
+            assert not m.loading and dev + m.host_hit_length == total
         got = read_kv(self.pool, m.device_indices)
         want = expected_kv(seq[:dev], self.config.num_kv, self.config.num_layers)
         assert torch.equal(got, want), "device slots hold another prefix's KV"
         if self.nothing_lost():
             assert total == self.ref.longest(seq, ns), "a cached prefix was not found"
+        return m
 
     # ---- rules --------------------------------------------------------------------------------
     @rule(data=st.data(), load=st.booleans(), wait=st.booleans())
     def serve_request(self, data, load, wait) -> None:  # noqa: ANN001
         """The engine loop: match, load back, lock, allocate the rest, write KV, insert."""
         seq, ns = self.draw_seq(data)
-        m = self.cache.match_prefix(seq, namespace=ns)
-        self.check_match(seq, ns, m)
+        m = self.check_match(seq, ns, self.cache.match_prefix(seq, namespace=ns))
         lock, prefix = m.last_device_node, m.device_indices
         if load and m.host_hit_length:
             loaded = self.cache.load_back(m.last_host_node)
@@ -115,8 +120,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def match_and_lock(self, data) -> None:  # noqa: ANN001
         seq, ns = self.draw_seq(data)
-        m = self.cache.match_prefix(seq, namespace=ns)
-        self.check_match(seq, ns, m)
+        m = self.check_match(seq, ns, self.cache.match_prefix(seq, namespace=ns))
         if m.last_device_node.parent is not None:
             self.cache.inc_lock_ref(m.last_device_node)
             self.locks.append(m.last_device_node)
@@ -141,6 +145,46 @@ class CacheMachine(RuleBasedStateMachine):
         got = read_kv(self.pool, loaded)
         want = expected_kv(seq[: start + len(loaded)], self.config.num_kv, self.config.num_layers)
         assert torch.equal(got, want[:, :, start:]), "loaded-back KV differs from what was inserted"
+
+    @rule(data=st.data())
+    def load_and_hold(self, data) -> None:  # noqa: ANN001
+        """Start a load-back and lock the loaded node without waiting (what the daemon does
+        for load_back_async): the copy may later fail under the lock."""
+        seq, ns = self.draw_seq(data)
+        m = self.cache.match_prefix(seq, namespace=ns)
+        if m.host_hit_length and self.cache.load_back(m.last_host_node) is not None:
+            self.cache.inc_lock_ref(m.last_host_node)
+            self.locks.append(m.last_host_node)
+
+    @precondition(lambda self: self.engine.queued())
+    @rule(data=st.data())
+    def fail_transfer(self, data) -> None:  # noqa: ANN001
+        """A copy fails (its destination is left as it was): never readable afterwards."""
+        self.fail(data.draw(st.sampled_from(self.engine.queued())))
+
+    def fail(self, ticket) -> None:  # noqa: ANN001
+        job = self.engine._queued[ticket]
+        if job.direction is Direction.LOAD:  # what a copy that died half-way leaves behind
+            ps = self.page_size
+            slots = (job.device_pages[:, None] * ps + torch.arange(ps)).reshape(-1)
+            self.pool.layers[:, :, slots] = -1.0
+        self.engine.fail(ticket)
+        self.engine.complete(ticket)
+
+    @rule(data=st.data())
+    def failed_load_under_a_lock(self, data) -> None:  # noqa: ANN001
+        """The daemon's load_back: load, lock the loaded node; the copy fails; then anyone's
+        match of that prefix must not see the garbage."""
+        seq, ns = self.draw_seq(data)
+        m = self.cache.match_prefix(seq, namespace=ns)
+        node = m.last_host_node
+        if not m.host_hit_length or self.cache.load_back(node) is None:
+            return
+        self.cache.inc_lock_ref(node)
+        self.locks.append(node)
+        self.fail(self.cache.load_ticket(node))
+        self.cache.poll()
+        self.check_match(seq, ns, self.cache.match_prefix(seq, namespace=ns))
 
     @rule(n=st.integers(1, 40))
     def evict_device(self, n: int) -> None:

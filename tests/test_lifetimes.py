@@ -1,0 +1,280 @@
+"""Hostile timing against a live daemon: restarts under attached clients, a daemon paused past
+the lease, engines stalled past it, a daemon that dies mid-load, requests that time out.
+
+Each test reproduces a defect the daemon had (see the issue's numbered items) and fails
+without its fix.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from hicache.client import DaemonError, DaemonTimeout, EpochChanged, HiCacheClient, LeaseLost
+from hicache.client.results import LoadTicket
+from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply, slots_frame
+from tests.daemon_helpers import start_daemon, stop_daemon, wait_until
+
+
+@pytest.fixture
+def ep(tmp_path):
+    return f"ipc://{tmp_path}/d.sock"
+
+
+def raw(endpoint: str, op: Op, session: int, epoch: int, fields: dict, *frames) -> ErrorCode:
+    """One request with an explicit session and epoch, as a stale client would send it."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    try:
+        header = msgpack.packb([PROTOCOL_VERSION, int(op), 1, session, epoch, fields])
+        sock.send_multipart([header, *frames])
+        assert sock.poll(10_000)
+        return decode_reply(sock.recv_multipart()[0]).status
+    finally:
+        sock.close(linger=0)
+
+
+def held(stats: dict) -> tuple:
+    return tuple(
+        stats[k]
+        for k in (
+            "device_cached_tokens",
+            "device_owned_tokens",
+            "device_protected_tokens",
+            "tree_nodes",
+            "insert_calls",
+            "match_calls",
+        )
+    )
+
+
+# ---- item 1: requests from another daemon life ----------------------------------------------
+def test_a_restarted_daemon_refuses_an_old_clients_requests_before_running_them(ep):
+    proc = start_daemon(ep)
+    try:
+        old = HiCacheClient(ep, name="old")  # heartbeats in the background
+        old_tokens = list(range(1000, 1016))
+        old_slots = old.alloc(16)
+        old_lock = old.match_prefix(list(range(16)))
+        old_epoch, old_session = old.conn.epoch, old.session
+        stop_daemon(proc)
+        proc = start_daemon(ep)
+        new = HiCacheClient(ep, name="new")
+        pools = new.attach()
+        assert new.session == old_session  # ids restart: only the epoch tells the lives apart
+        fresh = new.alloc(16)
+        assert torch.equal(fresh, old_slots)  # the very same pages, too
+        pools.k_buffer[0][fresh] = 5.0
+        new_tokens = list(range(5000, 5016))
+        new.insert(new_tokens, fresh)
+        mine = new.match_prefix(new_tokens)  # lock id 1, like the old client's
+        before = held(new.stats())
+        # every kind of request from the old life is refused before it runs
+        ops = [
+            (
+                Op.INSERT,
+                {"lengths": [16]},
+                np.array(old_tokens, np.int32).tobytes(),
+                bytes(slots_frame(old_slots)),
+            ),
+            (Op.RELEASE, {"lock_ids": [old_lock.lock_id]}),
+            (Op.FREE, {}, bytes(slots_frame(fresh))),
+            (Op.LOCK, {"lock_id": 1}),
+            (Op.LOAD_BACK, {"lock_id": 1}),
+            (Op.ALLOC, {"num_tokens": 4}),
+            (Op.HEARTBEAT, {}),
+            (Op.GOODBYE, {}),
+            (Op.MATCH, {"lengths": [16]}, np.array(new_tokens, np.int32).tobytes()),
+        ]
+        for op, fields, *frames in ops:
+            assert raw(ep, op, old_session, old_epoch, fields, *frames) is ErrorCode.EPOCH_MISMATCH
+        assert held(new.stats()) == before
+        with pytest.raises(EpochChanged):  # through the client: the same refusal
+            old.insert(old_tokens, old_slots)
+        with pytest.raises(EpochChanged):  # and it sticks: no request is even sent
+            old.release(old_lock)
+        wait_until(lambda: not old._beat.is_alive(), what="the stale heartbeat to stop")
+        old.close()  # its goodbye cannot end the new session
+        assert held(new.stats()) == before
+        assert new.stats()["sessions"] == 1 and new.ping()["pong"]
+        with HiCacheClient(ep, name="third") as third:
+            assert third.match_prefix(old_tokens, lock=False).device_hit_length == 0
+        assert torch.equal(pools.k_buffer[0][mine.device_indices], torch.full((16, 2, 4), 5.0))
+        new.release(mine)
+        assert new.stats(check=True)["integrity"] == "ok"
+        new.close()
+    finally:
+        stop_daemon(proc)
+
+
+# ---- item 3: a daemon paused past the lease ---------------------------------------------------
+def test_a_paused_daemon_keeps_the_sessions_that_kept_beating(ep):
+    proc = start_daemon(ep, lease=1.5, quarantine=0)
+    try:
+        clients = [HiCacheClient(ep, name=f"e{i}") for i in range(3)]
+        seq = list(range(64))
+        clients[0].insert(seq, clients[0].alloc(64))
+        matches = [c.match_prefix(seq) for c in clients]
+        owned = [c.alloc(8) for c in clients]
+        os.kill(proc.pid, signal.SIGSTOP)  # two leases without running: heartbeats queue up
+        time.sleep(3.0)
+        os.kill(proc.pid, signal.SIGCONT)
+        for c, m, slots in zip(clients, matches, owned, strict=True):
+            c.release(m)  # the lease survived: no LeaseLost
+            c.free(slots)
+        s = clients[0].stats(check=True)
+        assert s["sessions"] == 3 and s["sessions_quarantined"] == 0
+        assert s["integrity"] == "ok" and s["device_owned_tokens"] == 0
+        for c in clients:
+            c.close()
+    finally:
+        stop_daemon(proc)
+
+
+# ---- item 4: an engine stalled past its lease -------------------------------------------------
+def test_a_stalled_engines_pages_are_quarantined_and_it_is_told(ep):
+    proc = start_daemon(ep, lease=1.0, quarantine=60)
+    try:
+        stalled = HiCacheClient(ep, name="stalled", heartbeat=False)  # sends nothing more
+        pools = stalled.attach()
+        mine = stalled.alloc(96)
+        victim = HiCacheClient(ep, name="victim")
+        wait_until(lambda: victim.stats()["sessions_quarantined"] == 1, what="the lease lapse")
+        got = []
+        with pytest.raises(DaemonError) as err:
+            while True:  # take everything there is
+                got.append(victim.alloc(16))
+        assert err.value.code is ErrorCode.OUT_OF_MEMORY
+        assert "stalled, lapsed" in err.value.message  # the text names what holds the pool
+        taken = torch.cat(got)
+        assert not set(taken.tolist()) & set(mine.tolist())  # never the stalled engine's pages
+        pools.k_buffer[0][taken] = 1.0
+        pools.k_buffer[0][mine] = 9.0  # it resumes and writes on: into its own pages only
+        assert bool((pools.k_buffer[0][taken] == 1.0).all())
+        with pytest.raises(LeaseLost):
+            stalled.insert(list(range(96)), mine)  # garbage never becomes cached KV
+        with pytest.raises(LeaseLost):
+            stalled.alloc(4)  # every later call says so
+        assert victim.stats()["insert_calls"] == 0
+        stalled.close()  # its goodbye ends the quarantine early
+        s = victim.stats(check=True)
+        assert s["sessions_quarantined"] == 0 and s["integrity"] == "ok"
+        assert s["device_owned_tokens"] == len(taken)
+        victim.close()
+    finally:
+        stop_daemon(proc)
+
+
+STALLED_CHILD = """
+import sys, time
+from hicache.client import HiCacheClient
+hc = HiCacheClient(sys.argv[1], name="stops")
+hc.alloc(8)
+print("ready", flush=True)
+sys.stdin.readline()  # after SIGSTOP and SIGCONT
+deadline = time.monotonic() + 20
+while hc._lost is None and time.monotonic() < deadline:  # the heartbeat learns of it
+    time.sleep(0.01)
+try:
+    hc.alloc(4)
+    print("alloc worked", flush=True)
+except Exception as exc:
+    print(type(exc).__name__, flush=True)
+hc.close()
+"""
+
+
+def test_the_heartbeat_tells_a_stalled_engine_its_lease_is_lost(ep):
+    proc = start_daemon(ep, lease=1.0, quarantine=60)
+    child = subprocess.Popen(
+        [sys.executable, "-c", STALLED_CHILD, ep],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with HiCacheClient(ep, name="watcher") as watcher:
+            child.send_signal(signal.SIGSTOP)
+            wait_until(lambda: watcher.stats()["sessions_quarantined"] == 1, what="the lapse")
+            child.send_signal(signal.SIGCONT)
+            child.stdin.write("\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "LeaseLost"
+            assert child.wait(timeout=30) == 0
+            wait_until(lambda: watcher.stats()["sessions_quarantined"] == 0, what="goodbye")
+    finally:
+        child.kill()
+        stop_daemon(proc)
+
+
+# ---- item 8: waits for a load when the daemon dies or restarts --------------------------------
+@pytest.mark.parametrize("heartbeat", [True, False])
+def test_a_wait_for_a_layer_ends_when_the_daemon_dies(ep, heartbeat):
+    proc = start_daemon(ep, lease=1.0)
+    hc = HiCacheClient(ep, name="waits", heartbeat=heartbeat)
+    hc._progress()  # the shared progress table is mapped, as during a real load
+    never = LoadTicket(torch.empty(0, dtype=torch.int64), 10**6, 2)  # a load that never lands
+    proc.kill()
+    proc.wait()
+    start = time.monotonic()
+    with pytest.raises(DaemonTimeout):
+        hc.wait_load(never)
+    assert time.monotonic() - start < 10  # about a lease, not for ever
+    hc.close()
+
+
+def test_a_wait_for_a_layer_ends_when_the_daemon_restarts(ep):
+    proc = start_daemon(ep, lease=1.0)
+    hc = HiCacheClient(ep, name="waits", heartbeat=False)
+    hc._progress()
+    never = LoadTicket(torch.empty(0, dtype=torch.int64), 10**6, 2)
+    proc.kill()
+    proc.wait()
+    proc = start_daemon(ep, lease=1.0)  # a new life on the same endpoint
+    try:
+        with pytest.raises(EpochChanged):
+            hc.wait_load(never)
+        hc.close()
+    finally:
+        stop_daemon(proc)
+
+
+# ---- item 9: a request that timed out still ran ------------------------------------------------
+def set_timeout(hc: HiCacheClient, seconds: float) -> None:
+    hc.conn.sock.setsockopt(zmq.RCVTIMEO, int(seconds * 1000))
+
+
+def test_what_a_timed_out_request_brought_is_given_back(ep):
+    proc = start_daemon(ep)
+    try:
+        seq = list(range(64))
+        with HiCacheClient(ep, name="owner") as owner:
+            owner.insert(seq, owner.alloc(64))
+        hc = HiCacheClient(ep, name="impatient")
+        set_timeout(hc, 0.2)
+        os.kill(proc.pid, signal.SIGSTOP)  # busy: both requests time out, then both run
+        try:
+            for call in (lambda: hc.match_prefix(seq), lambda: hc.alloc(40)):
+                with pytest.raises(DaemonTimeout):
+                    call()
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        set_timeout(hc, 30)
+        hc.ping()  # the late replies (a lock, 40 slots) arrive first and are noted
+        s = hc.stats()  # and given back before this request
+        me = next(x for x in s["session_list"] if x["client"] == "impatient")
+        assert (me["locks"], me["owned_pages"]) == (0, 0)
+        assert s["device_protected_tokens"] == 0 and s["device_owned_tokens"] == 0
+        hc.close()
+    finally:
+        stop_daemon(proc)
