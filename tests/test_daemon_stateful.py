@@ -176,7 +176,7 @@ class DaemonMachine(RuleBasedStateMachine):
         assert len(slots) == dev
         if dev:
             got = read_kv(self.cache.device_pool, slots)
-            assert torch.equal(got, expected_kv(seq[:dev], 1, 1)), "another prefix's KV"
+            assert torch.equal(got, expected_kv(seq[:dev], 2, 1)), "another prefix's KV"
         if lock_id:
             c.locks.append(lock_id)
 
