@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "HiCacheClient": "hicache.client.client",
     "Inserted": "hicache.client.client",
+    "ClientClosed": "hicache.client.connection",
     "DaemonError": "hicache.client.connection",
     "DaemonTimeout": "hicache.client.connection",
     "EpochChanged": "hicache.client.connection",
@@ -23,6 +24,7 @@ _EXPORTS = {
 }
 __all__ = [
     "AttachedPools",
+    "ClientClosed",
     "DaemonError",
     "DaemonTimeout",
     "EpochChanged",
@@ -38,6 +40,7 @@ __all__ = [
 if TYPE_CHECKING:
     from hicache.client.client import HiCacheClient, Inserted
     from hicache.client.connection import (
+        ClientClosed,
         DaemonError,
         DaemonTimeout,
         EpochChanged,

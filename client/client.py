@@ -31,6 +31,7 @@ import torch
 
 from hicache.backing import AttachedSharedMemory
 from hicache.client.connection import (
+    ClientClosed,
     Connection,
     DaemonError,
     DaemonTimeout,
@@ -101,6 +102,7 @@ class HiCacheClient:
         self._progress_map: AttachedSharedMemory | None = None
         self._progress_table: LayerProgress | None = None
         self._lost: DaemonError | None = None  # EpochChanged or LeaseLost, once seen
+        self._closed = False
         self._heard = time.monotonic()  # when the daemon last answered this session
         self._owed: list[tuple[Op, dict, list]] = []  # give-backs for late replies
         self._probe: Connection | None = None  # liveness checks without a heartbeat thread
@@ -128,6 +130,8 @@ class HiCacheClient:
         return reply, out
 
     def _raise_if_lost(self) -> None:
+        if self._closed:
+            raise ClientClosed("this HiCacheClient was closed; open a new one")
         lost = self._lost
         if lost is not None:
             raise type(lost)(lost.code, lost.message)
@@ -414,7 +418,11 @@ class HiCacheClient:
 
     # ---- lifetime ----
     def close(self) -> None:
-        """Say goodbye (the daemon frees what this session still holds) and disconnect."""
+        """Say goodbye (the daemon frees what this session still holds) and disconnect. Later
+        calls raise ClientClosed; closing twice does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         if self._beat is not None:
             self._beat.join()

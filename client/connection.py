@@ -63,6 +63,10 @@ class LeaseLost(DaemonError):
     open a new HiCacheClient."""
 
 
+class ClientClosed(RuntimeError):
+    """The client was closed: open a new one."""
+
+
 class DaemonTimeout(TimeoutError):
     """No reply within the timeout (the daemon is down, or busy for too long)."""
 

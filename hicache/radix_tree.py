@@ -18,6 +18,7 @@ from hicache.fastpath import common_tokens, descend
 from hicache.node import TreeNode
 
 Namespace = str | int | bytes | None
+MAX_NAMESPACE = 1024  # characters of a str namespace, bytes of a bytes one
 
 
 class RadixTree:
@@ -44,8 +45,12 @@ class RadixTree:
         """The root of ``namespace`` (created on demand when ``create``)."""
         if namespace is None:
             return self.default_root
-        if not isinstance(namespace, (str, int, bytes, type(None))) or isinstance(namespace, bool):
-            raise ValueError(f"namespace must be str, int, bytes or None, got {namespace!r}")
+        if not isinstance(namespace, (str, int, bytes)) or isinstance(namespace, bool):
+            raise ValueError(f"namespace must be str, int, bytes or None, got {namespace!r:.60}")
+        if not isinstance(namespace, int) and len(namespace) > MAX_NAMESPACE:
+            raise ValueError(f"namespace: at most {MAX_NAMESPACE} characters or bytes")
+        if isinstance(namespace, int) and not -(2**63) <= namespace < 2**64:
+            raise ValueError("namespace: an int namespace must fit 64 bits")
         root = self._roots.get(namespace)
         if root is None and create:
             root = self._roots[namespace] = self._new_node(b"", None, namespace)

@@ -364,3 +364,37 @@ def test_cli_is_fast_and_complete(daemon):
         text=True,
     )
     assert r.returncode == 1 and "no daemon" in r.stderr and time.monotonic() - start < 2
+
+
+# ---- a new engine author's first hour: errors that say what is wrong ------------------------
+def test_error_texts_point_at_the_mistake(daemon):
+    hc = HiCacheClient(daemon, name="new-author")
+    with pytest.raises(ValueError, match="1-D"):
+        hc.match_prefix(torch.arange(8).view(1, 8))  # a [1, T] prompt
+    hc.insert(list(range(8)), hc.alloc(8))
+    unlocked = hc.match_prefix(list(range(8)), lock=False)
+    with pytest.raises(DaemonError):
+        hc.evict(device_tokens=8)  # FORBIDDEN: not an admin session
+    with HiCacheClient(daemon, name="ops", admin=True) as ops:
+        ops.evict(device_tokens=8)  # the prefix now lives on the host only
+    unlocked = hc.match_prefix(list(range(8)), lock=False)
+    assert unlocked.host_hit_length == 8
+    with pytest.raises(ValueError, match="locked match"):
+        hc.load_back(unlocked)
+    slots = hc.alloc(4)
+    hc.free(slots)
+    with pytest.raises(NotOwned) as err:  # also the core's InvalidIndicesError
+        hc.free(slots)
+    assert err.value.code is ErrorCode.NOT_OWNED
+    from hicache import InvalidIndicesError
+
+    assert isinstance(err.value, InvalidIndicesError)
+    with pytest.raises(DaemonError) as err:
+        hc.match_prefix(list(range(8)), namespace="x" * 5000)
+    assert err.value.code is ErrorCode.BAD_FIELD and "namespace" in err.value.message
+    hc.close()
+    hc.close()  # twice is fine
+    from hicache.client import ClientClosed
+
+    with pytest.raises(ClientClosed):
+        hc.ping()
