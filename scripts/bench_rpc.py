@@ -44,7 +44,14 @@ def percentiles(samples: list[int]) -> tuple[float, float]:
 
 def echo_round_trips(sock: zmq.Socket, prompt: np.ndarray, rounds: int) -> list[int]:
     header = msgpack.packb(
-        [PROTOCOL_VERSION, 4, 1, 1, {"lengths": [len(prompt)], "namespaces": [None], "lock": False}]
+        [
+            PROTOCOL_VERSION,
+            4,
+            1,
+            1,
+            2**61,
+            {"lengths": [len(prompt)], "namespaces": [None], "lock": False},
+        ]
     )
     out = []
     for _ in range(rounds):
