@@ -19,7 +19,7 @@ import os
 import sys
 
 from hicache import __version__
-from hicache.client.connection import Connection, DaemonError, DaemonTimeout
+from hicache.client.connection import Connection, DaemonError, DaemonTimeout, hello_fields
 from hicache.endpoints import env_endpoint
 from hicache.protocol import Op
 
@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _in_session(conn: Connection, op: Op, fields: dict) -> dict:
     """One operation in an admin session of its own (the CLI is an operator's tool), ended at
     once."""
-    hello = {"client": "hicache-cli", "pid": os.getpid(), "admin": True}
+    hello = hello_fields("hicache-cli", True, conn.endpoint)
     conn.session = conn.call(Op.HELLO, hello)[0].fields["session"]
     try:
         return conn.call(op, fields)[0].fields
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     conn = Connection(endpoint, args.timeout)
     try:
         return _run(args, conn)
-    except (DaemonError, DaemonTimeout) as exc:
+    except (DaemonError, DaemonTimeout, PermissionError) as exc:
         print(f"hicache: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -20,7 +20,6 @@ by the heartbeat, every later call raises it again: open a new client.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from dataclasses import fields
@@ -37,6 +36,7 @@ from hicache.client.connection import (
     DaemonTimeout,
     EpochChanged,
     LeaseLost,
+    hello_fields,
 )
 from hicache.client.pools import AttachedPools, attach_pools, attach_progress
 from hicache.client.results import LoadTicket, Match, PageFrame
@@ -87,13 +87,14 @@ class HiCacheClient:
         admin: bool = False,
     ):
         """Open a session (hello). ``admin=True``: this session may also flush and evict for
-        everyone (operators' tools; engines never need it)."""
+        everyone (operators' tools; engines never need it); it reads the daemon's admin token
+        from the file ``hicache.endpoints.admin_token_path(endpoint)`` names (PermissionError
+        when this user cannot)."""
         self.endpoint = endpoint or env_endpoint()
         self.timeout_s = timeout_s
         self.conn = Connection(self.endpoint, timeout_s)
         self.conn.on_late = self._late
-        hello = {"client": name, "pid": os.getpid(), "admin": admin}
-        reply, _ = self.conn.call(Op.HELLO, hello)
+        reply, _ = self.conn.call(Op.HELLO, hello_fields(name, admin, self.endpoint))
         self.session = self.conn.session = reply.fields["session"]
         self.info = reply.fields
         self.lease_s = float(self.info["lease_s"])
@@ -188,8 +189,15 @@ class HiCacheClient:
                 self._owed.append((Op.RELEASE, {"lock_ids": ids}, []))
         elif op is Op.LOCK and reply.fields.get("lock_id"):
             self._owed.append((Op.RELEASE, {"lock_ids": [reply.fields["lock_id"]]}, []))
-        elif op in (Op.ALLOC, Op.ALLOC_EXTEND, Op.ALLOC_DECODE) and frames:
+        elif op is Op.ALLOC and frames:
             self._owed.append((Op.FREE, {}, [bytes(frames[0].buffer)]))
+        elif op in (Op.ALLOC_EXTEND, Op.ALLOC_DECODE) and frames:
+            # only the pages it started: a slot continuing a partly filled page shares that
+            # page with the request's earlier tokens, which the engine still uses
+            slots = np.frombuffer(frames[0].buffer, dtype=np.int64)
+            new = slots[slots % self._page_size == 0]
+            if len(new):
+                self._owed.append((Op.FREE, {}, [new.tobytes()]))
 
     def _give_back_late(self) -> None:
         owed, self._owed = self._owed, []
@@ -271,6 +279,7 @@ class HiCacheClient:
         if not match.host_hit_length:
             return None
         match.check_locked()
+        self._progress()  # mapped now, while the daemon is known to be there
         reply, out = self._call(Op.LOAD_BACK, {"lock_id": match.lock_id, "wait": False})
         if not reply.fields["loaded"]:
             return None
@@ -319,7 +328,11 @@ class HiCacheClient:
             if desc is None:
                 raise RuntimeError("this daemon shares no layer-progress table")
             layers = int(self.info["config"]["num_layers"])
-            self._progress_map, self._progress_table = attach_progress(desc, layers)
+            try:
+                self._progress_map, self._progress_table = attach_progress(desc, layers)
+            except FileNotFoundError:  # the daemon is gone (or another life runs)
+                self._check_alive()
+                raise DaemonTimeout("the daemon's layer-progress table is gone") from None
         return self._progress_table
 
     def alloc(self, num_tokens: int) -> torch.Tensor:

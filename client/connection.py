@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from hicache.endpoints import admin_token_path
 from hicache.errors import InvalidIndicesError
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
@@ -73,6 +74,22 @@ class DaemonTimeout(TimeoutError):
 
 _ERRORS = {ErrorCode.LEASE_EXPIRED: LeaseLost, ErrorCode.NOT_OWNED: NotOwned}
 LateHandler = Callable[[Op, Reply, list], None]
+
+
+def hello_fields(name: str, admin: bool, endpoint: str) -> dict:
+    """HELLO's fields; an admin hello carries the token the daemon left for its own user."""
+    fields: dict[str, Any] = {"client": name, "pid": os.getpid(), "admin": admin}
+    if admin:
+        path = admin_token_path(endpoint)
+        try:
+            with open(path) as fh:
+                fields["admin_token"] = fh.read().strip()
+        except OSError as exc:
+            raise PermissionError(
+                f"an admin session needs the daemon's admin token in {path}: {exc.strerror} "
+                "(run as the daemon's user, on its machine)"
+            ) from None
+    return fields
 
 
 def _nbytes(frame: Any) -> int:

@@ -29,6 +29,7 @@ from hicache.types import MatchResult
 Frames = list[Any]
 Result = tuple[dict[str, Any], Frames]
 _NO_SLOTS = np.empty(0, np.int64)
+MAX_SEQ = 1 << 40  # longest sequence alloc_extend/alloc_decode take (no int64 overflow)
 
 
 def _need_frames(frames: Frames, count: int, op: str) -> None:
@@ -70,8 +71,12 @@ class CacheOpsMixin:
     def alloc_extend(self, session: Session, fields: dict, frames: Frames) -> Result:
         _need_frames(frames, 3, "alloc_extend")
         prefix, seq, last = (decode_slots(f) for f in frames)
-        if not len(prefix) == len(seq) == len(last) or (prefix > seq).any() or (prefix < 0).any():
-            raise ProtocolError(ErrorCode.BAD_FIELD, "alloc_extend: need 0 <= prefix <= seq")
+        if not len(prefix) == len(seq) == len(last):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "alloc_extend: one of each per request")
+        if (prefix > seq).any() or (prefix < 0).any() or (seq > MAX_SEQ).any():
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"alloc_extend: need 0 <= prefix_len <= seq_len <= {MAX_SEQ}"
+            )
         self._check_partial(session, prefix, last)
         pages = self.cache.device_alloc.extend_pages_needed(prefix, seq)
         self.limits.check_owned(session, pages)
@@ -80,8 +85,12 @@ class CacheOpsMixin:
     def alloc_decode(self, session: Session, fields: dict, frames: Frames) -> Result:
         _need_frames(frames, 2, "alloc_decode")
         seq, last = (decode_slots(f) for f in frames)
-        if len(seq) != len(last) or (seq < 1).any():
-            raise ProtocolError(ErrorCode.BAD_FIELD, "alloc_decode: need seq_len >= 1")
+        if len(seq) != len(last):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "alloc_decode: one last_loc per seq_len")
+        if (seq < 1).any() or (seq > MAX_SEQ).any():
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD, f"alloc_decode: need 1 <= seq_len <= {MAX_SEQ}"
+            )
         self._check_partial(session, seq - 1, last)
         pages = int(((seq - 1) % self.cache.page_size == 0).sum())
         self.limits.check_owned(session, pages)
@@ -107,12 +116,23 @@ class CacheOpsMixin:
             self.limits.check_locks(session, len(batch))
         match_key = self.cache.match_key
         results, state = [], ([], {})
-        for tokens, space in zip(batch, spaces, strict=True):
-            m = match_key(tokens, space, True)
-            if m.loading:
-                m = self._landed(tokens, space, m)
-            results.append(self._result(session, m, lock, state))
+        try:
+            for tokens, space in zip(batch, spaces, strict=True):
+                m = match_key(tokens, space, True)
+                if m.loading:
+                    m = self._landed(tokens, space, m)
+                results.append(self._result(session, m, lock, state))
+        except BaseException:
+            self._undo_locks(session, results)  # a failed request holds nothing
+            raise
         return self._match_reply(results, state[0])
+
+    def _undo_locks(self, session: Session, results: list) -> None:
+        """Release the locks a request took before it failed (their ids never reach the
+        client)."""
+        for entry in results:
+            if entry[2]:
+                self.cache.dec_lock_ref(session.pop_lock(entry[2]).node)
 
     def _landed(self, key: bytes, space: Any, m: MatchResult) -> MatchResult:
         """Another session's load still writes this prefix: let it land and look again (it may
@@ -198,27 +218,42 @@ class CacheOpsMixin:
         if lock:
             self.limits.check_locks(session, len(tokens))
         prefix_lens, results, state = [], [], ([], {})
-        ps, alloc_state = self.cache.page_size, self.cache.device_alloc.state
-        for seq, seq_slots, space in zip(tokens, slots, spaces, strict=True):
-            if lock:  # the partial tail page stays the caller's
-                aligned = len(seq) // ps * ps
-                seq, seq_slots = seq[:aligned], seq_slots[:aligned]
-            pages = np.asarray(self._pages(seq_slots), dtype=np.int64)
-            mine = pages[alloc_state[pages] == OWNED] if len(pages) else pages
-            session.check_owned(mine.tolist())  # never another session's pages
-            prefix_lens.append(self.cache.insert(seq, seq_slots, namespace=space))
-            # what is no longer OWNED joined the tree or was freed as a duplicate
-            session.owned.difference_update(mine[alloc_state[mine] != OWNED].tolist())
-            if lock:
-                key = seq.tobytes()
-                m = self.cache.match_key(key, space, True, count=False)
-                if m.loading:
-                    m = self._landed(key, space, m)
-                results.append(self._result(session, m, True, state))
+        try:
+            for seq, seq_slots, space in zip(tokens, slots, spaces, strict=True):
+                prefix_lens.append(self._insert_one(session, seq, seq_slots, space, lock))
+                if lock:
+                    results.append(self._result(session, self._settled(seq, space), True, state))
+        except BaseException:
+            self._undo_locks(session, results)  # (the sequences before stay inserted)
+            raise
         if not lock:
             return {"prefix_lens": prefix_lens}, []
         fields, out = self._match_reply(results, state[0])
         return {**fields, "prefix_lens": prefix_lens}, out
+
+    def _insert_one(
+        self, session: Session, seq: np.ndarray, slots: np.ndarray, space: Any, whole: bool
+    ) -> int:
+        """Insert one sequence with the session's (or the tree's own) slots; ``whole``: only
+        its whole pages (the partial tail page stays the session's)."""
+        if whole:
+            aligned = len(seq) // self.cache.page_size * self.cache.page_size
+            seq, slots = seq[:aligned], slots[:aligned]
+        state = self.cache.device_alloc.state
+        pages = np.asarray(self._pages(slots), dtype=np.int64)
+        mine = pages[state[pages] == OWNED] if len(pages) else pages
+        session.check_owned(mine.tolist())  # never another session's pages
+        prefix_len = self.cache.insert(seq, slots, namespace=space)
+        # what is no longer OWNED joined the tree or was freed as a duplicate
+        session.owned.difference_update(mine[state[mine] != OWNED].tolist())
+        return prefix_len
+
+    def _settled(self, seq: np.ndarray, space: Any) -> MatchResult:
+        """The cached whole-page prefix of ``seq`` (a look-up, not a request), loads landed."""
+        aligned = len(seq) // self.cache.page_size * self.cache.page_size
+        key = seq[:aligned].tobytes()
+        m = self.cache.match_key(key, space, True, count=False)
+        return self._landed(key, space, m) if m.loading else m
 
     # ---- locks ----
     def lock(self, session: Session, fields: dict, frames: Frames) -> Result:

@@ -7,7 +7,12 @@ second daemon on the same path is refused at once instead of taking the socket o
 socket file left by a dead daemon is removed. The lock file itself stays (removing it while
 another daemon opens it would let two daemons hold "the" lock).
 
-``tcp://`` endpoints need no claim: the kernel refuses a second bind to a busy port.
+``tcp://`` endpoints and abstract ``ipc://@name`` sockets need no claim: the kernel refuses a
+second bind itself.
+
+The admin token (``AdminToken``) is written 0600 where ``hicache.endpoints.admin_token_path``
+says: a session that opens as admin (flush, evict for everyone) must show it, so only the
+daemon's user can.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import secrets
 import stat
 
 
@@ -56,8 +62,8 @@ class EndpointClaim:
     def __init__(self, endpoint: str):
         self.path: str | None = None
         self._fd: int | None = None
-        if not endpoint.startswith("ipc://"):
-            return
+        if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+            return  # tcp, or an abstract socket: the kernel refuses a second bind itself
         path = endpoint[len("ipc://") :]
         if len(path.encode()) > 107:  # sun_path holds 108 bytes with the terminating NUL
             raise EndpointError(f"{endpoint}: an ipc path is at most 107 bytes; use a shorter one")
@@ -83,3 +89,21 @@ class EndpointClaim:
             os.unlink(self.path)  # type: ignore[arg-type]
         os.close(self._fd)
         self._fd = None
+
+
+class AdminToken:
+    """A random token in a 0600 file, removed by close(); admin sessions must show it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.value = secrets.token_hex(16)
+        check_folder(os.path.dirname(os.path.abspath(path)))
+        tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(self.value)
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)

@@ -12,6 +12,7 @@ names this daemon life (``epoch``, else ``EPOCH_MISMATCH``); its session is live
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 from collections.abc import Callable
@@ -89,6 +90,7 @@ class Handlers(CacheOpsMixin):
         info: dict[str, Any],
         clock: Callable[[], float] | None = None,
         limits: SessionLimits | None = None,
+        admin_token: str | None = None,
     ):
         self.cache = cache
         self.sessions = sessions
@@ -97,6 +99,7 @@ class Handlers(CacheOpsMixin):
         # leases run on the service clock: time the daemon was not running does not count
         self.clock = clock or ServiceClock(max_gap=min(1.0, sessions.lease_s / 4))
         self.limits = limits or SessionLimits.for_pool(cache.device_alloc.capacity_pages)
+        self.admin_token = admin_token  # what an admin hello must show (None: no admins)
         self.started = self.clock()
         self.housekeep_errors = 0  # exceptions caught in housekeeping (each one is a bug)
         self.server_counters: Callable[[], dict[str, int]] = dict  # the transport's counters
@@ -206,9 +209,22 @@ class Handlers(CacheOpsMixin):
         if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 2**62:
             raise ProtocolError(ErrorCode.BAD_FIELD, "hello: pid is an int >= 0")
         admin = self._bool(fields, "admin", False)
+        if admin:
+            token = fields.get("admin_token")
+            if (
+                self.admin_token is None
+                or not isinstance(token, str)
+                or not hmac.compare_digest(token, self.admin_token)
+            ):
+                raise ProtocolError(
+                    ErrorCode.FORBIDDEN,
+                    "an admin session must show the daemon's admin token (the file "
+                    "hicache.endpoints.admin_token_path(endpoint) names, readable by its user)",
+                )
         session = self.sessions.open(client, pid, self.clock(), admin)
         return {
-            "session": session.id,
+            "session": session.key,  # what requests name the session by (secret)
+            "session_id": session.id,  # public
             "lease_s": session.lease_s,
             "quarantine_s": self.sessions.quarantine_s,
             "limits": vars(self.limits),
@@ -223,7 +239,7 @@ class Handlers(CacheOpsMixin):
         self._check_epoch(req.epoch, required=True)
         ended = self.sessions.end(req.session)
         if ended is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"no session {req.session}")
+            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, "no session by that key")
         self.give_back(ended)
         return self._reply(ErrorCode.OK, req.request_id, {})
 

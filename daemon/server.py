@@ -24,12 +24,13 @@ import zmq
 
 from hicache.backing import CudaBacking, SharedMemoryBacking
 from hicache.cache import HiRadixCache
-from hicache.daemon.endpoint import EndpointClaim, EndpointError, bind_address
+from hicache.daemon.endpoint import AdminToken, EndpointClaim, EndpointError, bind_address
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.limits import SessionLimits
 from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, segment_name
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
+from hicache.endpoints import admin_token_path
 from hicache.progress import DEFAULT_CAPACITY as PROGRESS_CAPACITY
 from hicache.progress import LayerProgress
 from hicache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
@@ -45,6 +46,7 @@ COPY_BELOW = 1 << 20
 # Received frames below this are copied into bytes (cheaper than keeping pyzmq's Frame); larger
 # ones stay in zmq's buffer, read through a memoryview (a batch of prompts: no 500 KiB copy).
 KEEP_FROM = 1 << 16
+SNDHWM = 64  # replies queued per peer before they are dropped (a client has a few in flight)
 HOUSEKEEP_S = 0.05  # acks and leases are looked at least this often
 POLL_MS = int(HOUSEKEEP_S * 1000)
 
@@ -60,6 +62,7 @@ class Daemon:
         # exactly what it made
         self.sock: zmq.Socket | None = None
         self._claim: EndpointClaim | None = None
+        self._admin: AdminToken | None = None
         self._lock: InstanceLock | None = None
         self._backings: list = []
         self.cache: HiRadixCache | None = None
@@ -80,7 +83,9 @@ class Daemon:
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
         self.sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
         self.sock.setsockopt(zmq.SNDTIMEO, 0)
+        self.sock.setsockopt(zmq.SNDHWM, SNDHWM)  # bounds what a peer that never reads pins
         self._bind(settings.endpoint)
+        self._admin = AdminToken(admin_token_path(settings.endpoint))
         removed = remove_stale()
         if removed:
             log.info("removed %d stale shared-memory segments", len(removed))
@@ -115,8 +120,15 @@ class Daemon:
             settings.session_max_locks,
             settings.session_max_loads,
         )
-        sessions = SessionTable(settings.lease_seconds, settings.quarantine)
-        self.handlers = Handlers(self.cache, sessions, self.boot_epoch, info, limits=limits)
+        sessions = SessionTable(settings.lease_seconds, settings.quarantine, settings.max_sessions)
+        self.handlers = Handlers(
+            self.cache,
+            sessions,
+            self.boot_epoch,
+            info,
+            limits=limits,
+            admin_token=self._admin.value,
+        )
         self.handlers.server_counters = self._counters
 
     def _counters(self) -> dict[str, int]:
@@ -206,6 +218,9 @@ class Daemon:
         if self._lock is not None:
             self._lock.close()  # after the segments are gone
             self._lock = None
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
         if self._claim is not None:
             self._claim.close()
             self._claim = None

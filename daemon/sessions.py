@@ -8,6 +8,10 @@ only stalled (SIGSTOP, swapping, a debugger) and writes on into its pages when i
 cannot write into pages already handed to someone else. Its requests are refused with
 ``LEASE_EXPIRED`` from the moment the lease lapsed; a goodbye ends the quarantine early.
 
+A session has two numbers: ``id``, small and public (stats and logs name sessions by it), and
+``key``, a random 62-bit number only its client learns (from hello) and sends with every
+request. Knowing a session's id (any peer can read stats) does not let a peer act as it.
+
 Leases run on a ``ServiceClock``: time the daemon itself was not running (paused, a frozen VM,
 one long operation on its only thread) does not count against its clients, who could not be
 heard meanwhile.
@@ -19,6 +23,7 @@ testable bookkeeping object. Control thread only.
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -27,7 +32,8 @@ from typing import Any
 
 from hicache.protocol import DEFAULT_LEASE_S, ErrorCode, ProtocolError
 
-FORGET_AFTER = 65536  # lapsed session ids remembered (to answer LEASE_EXPIRED, not UNKNOWN)
+FORGET_AFTER = 65536  # lapsed session keys remembered (to answer LEASE_EXPIRED, not UNKNOWN)
+DEFAULT_MAX_SESSIONS = 4096  # live and quarantined sessions at once
 
 
 class ServiceClock:
@@ -54,7 +60,8 @@ class ServiceClock:
 
 @dataclass
 class Session:
-    id: int  # never reused within one daemon run
+    id: int  # public, small, never reused within one daemon run
+    key: int  # secret: what requests name the session by (random, 62 bits)
     client: str  # the engine's self-reported name (for `hicache info`)
     pid: int  # the engine's self-reported pid
     lease_s: float  # lifetime without messages
@@ -98,7 +105,12 @@ class Ended:
 
 
 class SessionTable:
-    def __init__(self, lease_s: float = DEFAULT_LEASE_S, quarantine_s: float | None = None):
+    def __init__(
+        self,
+        lease_s: float = DEFAULT_LEASE_S,
+        quarantine_s: float | None = None,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+    ):
         if lease_s <= 0:
             raise ValueError(f"lease_seconds: must be > 0, got {lease_s}")
         quarantine_s = lease_s if quarantine_s is None else quarantine_s
@@ -106,9 +118,10 @@ class SessionTable:
             raise ValueError(f"quarantine_seconds: must be >= 0, got {quarantine_s}")
         self.lease_s = lease_s
         self.quarantine_s = quarantine_s
-        self._sessions: dict[int, Session] = {}  # live
+        self.max_sessions = max_sessions
+        self._sessions: dict[int, Session] = {}  # live, by key
         self._quarantine: dict[int, Session] = {}  # lapsed, still holding what they held
-        self._lapsed: OrderedDict[int, None] = OrderedDict()  # ids whose lease ran out
+        self._lapsed: OrderedDict[int, None] = OrderedDict()  # keys whose lease ran out
         self._ids = itertools.count(1)
 
     def __len__(self) -> int:
@@ -126,41 +139,50 @@ class SessionTable:
         yield from list(self._quarantine.values())
 
     def open(self, client: str, pid: int, now: float, admin: bool = False) -> Session:
-        session = Session(next(self._ids), client, pid, self.lease_s, now + self.lease_s, admin)
-        self._sessions[session.id] = session
+        """A new live session; QUOTA_EXCEEDED when max_sessions already hold memory."""
+        if len(self._sessions) + len(self._quarantine) >= self.max_sessions:
+            raise ProtocolError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"{self.max_sessions} sessions are open already (--max-sessions)",
+            )
+        key = secrets.randbits(62) | 1
+        session = Session(
+            next(self._ids), key, client, pid, self.lease_s, now + self.lease_s, admin
+        )
+        self._sessions[key] = session
         return session
 
-    def touch(self, session_id: int, now: float) -> Session:
-        """The live session ``session_id``, its lease renewed. LEASE_EXPIRED for a session
+    def touch(self, key: int, now: float) -> Session:
+        """The live session named by ``key``, its lease renewed. LEASE_EXPIRED for a session
         whose lease ran out (it must not act any more), UNKNOWN_SESSION otherwise."""
-        session = self._sessions.get(session_id)
+        session = self._sessions.get(key)
         if session is not None and session.expires >= now:
             session.expires = now + session.lease_s
             return session
-        if session is not None or session_id in self._lapsed:
+        if session is not None or key in self._lapsed:
             raise ProtocolError(
                 ErrorCode.LEASE_EXPIRED,
-                f"session {session_id}: its lease ran out; its locks and pages are taken back",
+                "this session's lease ran out; its locks and pages are taken back",
             )
-        raise ProtocolError(ErrorCode.UNKNOWN_SESSION, f"no live session {session_id}")
+        raise ProtocolError(ErrorCode.UNKNOWN_SESSION, "no live session by that key")
 
-    def end(self, session_id: int, reason: str = "goodbye") -> Ended | None:
-        """End a live or quarantined session now; None when there is none by that id."""
-        session = self._sessions.pop(session_id, None) or self._quarantine.pop(session_id, None)
+    def end(self, key: int, reason: str = "goodbye") -> Ended | None:
+        """End a live or quarantined session now; None when there is none by that key."""
+        session = self._sessions.pop(key, None) or self._quarantine.pop(key, None)
         return None if session is None else Ended(session, reason)
 
     def expire(self, now: float) -> list[Ended]:
         """Move every session whose lease ran out before ``now`` to quarantine, and return the
         quarantined ones whose grace period is over (to give back now)."""
-        for sid in [s.id for s in self._sessions.values() if s.expires < now]:
-            session = self._sessions.pop(sid)
+        for key in [s.key for s in self._sessions.values() if s.expires < now]:
+            session = self._sessions.pop(key)
             session.release_at = session.expires + self.quarantine_s
-            self._quarantine[sid] = session
-            self._lapsed[sid] = None
+            self._quarantine[key] = session
+            self._lapsed[key] = None
             if len(self._lapsed) > FORGET_AFTER:
                 self._lapsed.popitem(last=False)
-        due = [s.id for s in self._quarantine.values() if s.release_at <= now]
-        return [Ended(self._quarantine.pop(sid), "lease expired") for sid in due]
+        due = [s.key for s in self._quarantine.values() if s.release_at <= now]
+        return [Ended(self._quarantine.pop(key), "lease expired") for key in due]
 
     def owner_of(self, page: int) -> Session | None:
         """The session owning ``page`` (linear; for error messages and tests)."""

@@ -60,6 +60,7 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
     ),
     "session_max_locks": (int, 65536, "locks one session may hold at once"),
     "session_max_loads": (int, 256, "load-backs one session may have in flight at once"),
+    "max_sessions": (int, 4096, "sessions (live and quarantined) at once"),
 }
 
 
@@ -72,6 +73,7 @@ class DaemonSettings:
     session_owned_fraction: float = 0.75
     session_max_locks: int = 65536
     session_max_loads: int = 256
+    max_sessions: int = 4096
 
     @property
     def quarantine(self) -> float:
@@ -201,7 +203,7 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     fraction = float(daemon["session_owned_fraction"])
     if not 0 < fraction <= 1:
         raise ValueError(f"session_owned_fraction: must be in (0, 1], got {fraction}")
-    for name in ("session_max_locks", "session_max_loads"):
+    for name in ("session_max_locks", "session_max_loads", "max_sessions"):
         if isinstance(daemon[name], bool) or not isinstance(daemon[name], int) or daemon[name] < 1:
             raise ValueError(f"{name}: must be an integer >= 1, got {daemon[name]!r}")
     return DaemonSettings(
@@ -212,4 +214,5 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         fraction,
         daemon["session_max_locks"],
         daemon["session_max_loads"],
+        daemon["max_sessions"],
     )

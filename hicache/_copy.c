@@ -9,8 +9,8 @@
  *
  * A single thread reaches about half of what torch's own (multithreaded) copy does on two
  * cores, so large copies are cut into contiguous ranges of pages, one per thread.
- * The caller (hicache/fastpath.py) has checked every page index and stride against the
- * tensors the addresses come from; this module trusts them.
+ * The caller (hicache/cpu_copy.py) checks every page index and layer against the tensors the
+ * addresses come from; this module checks what its arguments alone can tell (check_args).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -117,6 +117,29 @@ static void *run_task(void *arg) {
     return NULL;
 }
 
+/* What can be checked here: the shapes of the arguments, and page ids >= 0. Addresses and the
+ * upper bounds of page ids are checked by the caller against the tensors (cpu_copy.py). */
+static int check_args(Py_buffer *bases, Py_buffer *si, Py_buffer *di, Py_ssize_t s_page,
+                      Py_ssize_t d_page, Py_ssize_t s_tok, Py_ssize_t d_tok, Py_ssize_t tokens,
+                      Py_ssize_t chunk) {
+    if (bases->len % 16 || si->len % 8 || si->len != di->len) {
+        PyErr_SetString(PyExc_ValueError,
+                        "copy_pages: bases are (src, dst) int64 pairs; as many src as dst pages");
+        return -1;
+    }
+    if (s_page < 0 || d_page < 0 || s_tok < 0 || d_tok < 0 || tokens < 1 || chunk < 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_pages: strides and sizes must be >= 0");
+        return -1;
+    }
+    const int64_t *a = (const int64_t *)si->buf, *b = (const int64_t *)di->buf;
+    for (Py_ssize_t i = 0; i < si->len / 8; i++)
+        if (a[i] < 0 || b[i] < 0) {
+            PyErr_SetString(PyExc_IndexError, "copy_pages: a negative page id");
+            return -1;
+        }
+    return 0;
+}
+
 /* copy_pages(bases, s_page, d_page, s_tok, d_tok, tokens, chunk, src_pages, dst_pages,
  *            threads, stream) -> None
  * ``bases``: int64 (src, dst) address pairs, one per view; every view copies the same pages. */
@@ -127,7 +150,13 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nnnnnny*y*np", &bases, &s_page, &d_page, &s_tok, &d_tok,
                           &tokens, &chunk, &si, &di, &threads, &stream))
         return NULL;
-    Py_ssize_t n = si.len / 8 < di.len / 8 ? si.len / 8 : di.len / 8;
+    if (check_args(&bases, &si, &di, s_page, d_page, s_tok, d_tok, tokens, chunk) < 0) {
+        PyBuffer_Release(&bases);
+        PyBuffer_Release(&si);
+        PyBuffer_Release(&di);
+        return NULL;
+    }
+    Py_ssize_t n = si.len / 8;
     Py_ssize_t pairs = bases.len / 16, items = pairs * n;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;

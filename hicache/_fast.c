@@ -11,11 +11,17 @@
 #include <string.h>
 
 #define MARK 0x7f /* a state code no page ever has: "seen in this call" */
+#define MAX_SLOT_BYTES ((Py_ssize_t)1 << 40) /* the most page_slots will build (1 TiB) */
 
 /* min_int32(buffer) -> int: the smallest int32 in the buffer, or 0 when it has none below 0 */
 static PyObject *min_int32(PyObject *self, PyObject *args) {
     Py_buffer b;
     if (!PyArg_ParseTuple(args, "y*", &b)) return NULL;
+    if (b.len % 4) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "min_int32: not whole int32 values");
+        return NULL;
+    }
     const int32_t *v = (const int32_t *)b.buf;
     Py_ssize_t n = b.len / 4;
     int32_t any = 0, lo = 0;
@@ -42,19 +48,25 @@ static PyObject *whole_pages(PyObject *self, PyObject *args) {
     int expected, claim;
     if (!PyArg_ParseTuple(args, "w*y*nnii", &st, &raw, &ps, &num_pages, &expected, &claim))
         return NULL;
+    PyObject *out = NULL;
+    if (ps < 1 || num_pages < 0 || raw.len % 8) {
+        PyErr_SetString(PyExc_ValueError,
+                        "whole_pages: need page_size >= 1, num_pages >= 0 and int64 slots");
+        goto release;
+    }
     int8_t *state = (int8_t *)st.buf;
     const int64_t *s = (const int64_t *)raw.buf;
-    Py_ssize_t n = raw.len / 8, count = (n + ps - 1) / ps, done = 0;
+    Py_ssize_t n = raw.len / 8, count = n / ps + (n % ps != 0), done = 0; /* no overflow */
     int err = 0;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, count * 8);
+    out = PyBytes_FromStringAndSize(NULL, count * 8);
     if (out == NULL) goto release;
     int64_t *pages = (int64_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < count && !err; i++) {
         int64_t first = s[i * ps];
         if (first < 0 || first / ps >= num_pages || first / ps >= st.len) { err = 1; break; }
         if (first % ps) { err = 2; break; }
-        Py_ssize_t len = (i + 1) * ps <= n ? ps : n - i * ps;
-        for (Py_ssize_t j = 1; j < len; j++)
+        Py_ssize_t len = n - i * ps < ps ? n - i * ps : ps; /* i * ps < n: no overflow */
+        for (Py_ssize_t j = 1; j < len; j++)  /* first is a small slot id: first + j fits */
             if (s[i * ps + j] != first + j) { err = 2; break; }
         if (err) break;
         int64_t p = first / ps;
@@ -79,10 +91,11 @@ static PyObject *common_bytes(PyObject *self, PyObject *args) {
     Py_buffer a, b;
     Py_ssize_t offset;
     if (!PyArg_ParseTuple(args, "y*y*n", &a, &b, &offset)) return NULL;
-    Py_ssize_t n = 0, limit = b.len - offset < a.len ? b.len - offset : a.len;
+    Py_ssize_t n = 0, limit = 0;
+    if (offset >= 0 && offset <= b.len)  /* (offset beyond b: nothing in common) */
+        limit = b.len - offset < a.len ? b.len - offset : a.len;
     const unsigned char *x = (const unsigned char *)a.buf;
-    const unsigned char *y = (const unsigned char *)b.buf + (offset > 0 ? offset : 0);
-    if (offset < 0 || limit < 0) limit = 0;
+    const unsigned char *y = (const unsigned char *)b.buf + (limit ? offset : 0);
     while (n + 8 <= limit && *(const uint64_t *)(x + n) == *(const uint64_t *)(y + n)) n += 8;
     while (n < limit && x[n] == y[n]) n++;
     PyBuffer_Release(&a);
@@ -102,9 +115,18 @@ static PyObject *page_slots(PyObject *self, PyObject *args) {
         goto release;
     }
     Py_ssize_t n = b.len / 8;
+    if (n && ps > MAX_SLOT_BYTES / 8 / n) {  /* n * ps * 8 must not wrap */
+        PyErr_SetString(PyExc_ValueError, "page_slots: too many slots");
+        goto release;
+    }
+    const int64_t *pages = (const int64_t *)b.buf;
+    for (Py_ssize_t i = 0; i < n; i++)  /* page * ps + offset must fit int64 */
+        if (pages[i] < 0 || pages[i] > (INT64_MAX - ps) / ps) {
+            PyErr_SetString(PyExc_ValueError, "page_slots: a page id outside [0, 2**63 / page_size)");
+            goto release;
+        }
     out = PyByteArray_FromStringAndSize(NULL, n * ps * 8);
     if (out == NULL) goto release;
-    const int64_t *pages = (const int64_t *)b.buf;
     int64_t *dst = (int64_t *)PyByteArray_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++)
         for (Py_ssize_t j = 0; j < ps; j++) *dst++ = pages[i] * ps + j;
@@ -133,8 +155,8 @@ static PyObject *slot_pages(PyObject *self, PyObject *args) {
     int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++, s += ps) {
         int64_t page = s[0] >= 0 && s[0] % ps == 0 ? s[0] / ps : -1;
-        for (Py_ssize_t j = 1; j < ps && page >= 0; j++)
-            if (s[j] != s[0] + j) page = -1;
+        for (Py_ssize_t j = 1; j < ps && page >= 0; j++)  /* unsigned: s[0] + j never wraps UB */
+            if ((uint64_t)s[j] != (uint64_t)s[0] + (uint64_t)j) page = -1;
         dst[i] = page;
     }
 release:
@@ -145,16 +167,28 @@ release:
 /* store_release(buffer, index, value) and load_acquire(buffer, index) -> int: one aligned
  * int64 word of a writable buffer, with release / acquire ordering (the layer progress table:
  * KV written before the store is visible to a reader that has seen the stored value). */
+/* 0 when word ``i`` lies inside ``b`` and ``b`` is 8-byte aligned; else -1 with IndexError or
+ * ValueError set and ``b`` released. No (i + 1) * 8: it wraps for a huge i. */
+static int check_word(Py_buffer *b, Py_ssize_t i) {
+    if (i < 0 || i >= b->len / 8) {
+        PyBuffer_Release(b);
+        PyErr_SetString(PyExc_IndexError, "word outside the buffer");
+        return -1;
+    }
+    if ((uintptr_t)b->buf % 8) {
+        PyBuffer_Release(b);
+        PyErr_SetString(PyExc_ValueError, "the buffer is not 8-byte aligned");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *store_release(PyObject *self, PyObject *args) {
     Py_buffer b;
     Py_ssize_t i;
     long long v;
     if (!PyArg_ParseTuple(args, "w*nL", &b, &i, &v)) return NULL;
-    if (i < 0 || (i + 1) * 8 > b.len) {
-        PyBuffer_Release(&b);
-        PyErr_SetString(PyExc_IndexError, "word outside the buffer");
-        return NULL;
-    }
+    if (check_word(&b, i) < 0) return NULL;
     __atomic_store_n((int64_t *)b.buf + i, (int64_t)v, __ATOMIC_RELEASE);
     PyBuffer_Release(&b);
     Py_RETURN_NONE;
@@ -164,11 +198,7 @@ static PyObject *load_acquire(PyObject *self, PyObject *args) {
     Py_buffer b;
     Py_ssize_t i;
     if (!PyArg_ParseTuple(args, "y*n", &b, &i)) return NULL;
-    if (i < 0 || (i + 1) * 8 > b.len) {
-        PyBuffer_Release(&b);
-        PyErr_SetString(PyExc_IndexError, "word outside the buffer");
-        return NULL;
-    }
+    if (check_word(&b, i) < 0) return NULL;
     int64_t v = __atomic_load_n((const int64_t *)b.buf + i, __ATOMIC_ACQUIRE);
     PyBuffer_Release(&b);
     return PyLong_FromLongLong(v);
@@ -232,13 +262,25 @@ static PyObject *unpack_shared(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*O!O!", &f, &PyList_Type, &lengths, &PyList_Type, &shared))
         return NULL;
     Py_ssize_t k = PyList_GET_SIZE(lengths), pos = 0;
-    PyObject *out = PyList_New(k), *prev = NULL;
+    PyObject *out = NULL, *prev = NULL;
+    if (PyList_GET_SIZE(shared) != k) {
+        PyErr_SetString(PyExc_ValueError, "lengths and shared do not match the frame");
+        goto fail;
+    }
+    out = PyList_New(k);
     if (out == NULL) goto fail;
     for (Py_ssize_t i = 0; i < k; i++) {
-        Py_ssize_t n = 4 * PyLong_AsSsize_t(PyList_GET_ITEM(lengths, i));
-        Py_ssize_t s = 4 * PyLong_AsSsize_t(PyList_GET_ITEM(shared, i));
+        Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(lengths, i));
+        Py_ssize_t s = PyLong_AsSsize_t(PyList_GET_ITEM(shared, i));
         if (PyErr_Occurred()) goto fail;
-        if (s < 0 || s > n || pos + n - s > f.len || (s && (prev == NULL || s > PyBytes_GET_SIZE(prev)))) {
+        /* in tokens first, so that 4 * n cannot wrap; then in bytes */
+        if (n < 0 || s < 0 || s > n || n - s > (f.len - pos) / 4) {
+            PyErr_SetString(PyExc_ValueError, "lengths and shared do not match the frame");
+            goto fail;
+        }
+        n *= 4;
+        s *= 4;
+        if (s && (prev == NULL || s > PyBytes_GET_SIZE(prev))) {
             PyErr_SetString(PyExc_ValueError, "lengths and shared do not match the frame");
             goto fail;
         }

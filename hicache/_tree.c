@@ -62,7 +62,7 @@ static PyObject *descend(PyObject *self, PyObject *args) {
     PyObject *path = PyList_New(0);
     if (path == NULL) return NULL;
     Py_INCREF(node);
-    while (pos + step <= end) {
+    while (pos <= end - step) {  /* not pos + step <= end: that wraps for a huge pos */
         Py_ssize_t klen;
         PyObject *child = next_child(node, k, pos, end, step, &klen);
         Py_DECREF(node);
@@ -119,8 +119,12 @@ static PyObject *tally(PyObject *self, PyObject *args) {
     if (chunks == NULL) return NULL;
     Py_ssize_t nbytes = 0;
     int unbacked = 0, loading = 0;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path); i++) {
-        if (tally_node(PyList_GET_ITEM(path, i), chunks, &nbytes, &unbacked, &loading, io_load)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(path); i++) {  /* (the list may shrink) */
+        PyObject *node = PyList_GET_ITEM(path, i);
+        Py_INCREF(node);  /* attribute access may run code that drops the list's reference */
+        int err = tally_node(node, chunks, &nbytes, &unbacked, &loading, io_load);
+        Py_DECREF(node);
+        if (err) {
             Py_DECREF(chunks);
             return NULL;
         }

@@ -41,8 +41,10 @@ def copy_pages_c(
 
     Returns False, copying nothing, when the C helper is missing or the views do not fit
     (other device, dtype or shape, non-contiguous rows). Raises IndexError, copying nothing,
-    for a page outside either view. Releases the GIL while copying.
+    for a page or a layer outside either view. Releases the GIL while copying.
     """
+    if layers is not None and len(layers) and not 0 <= min(layers) <= max(layers) < src.shape[1]:
+        raise IndexError(f"layers {layers} outside the views' {src.shape[1]} layers")
     if not _fits(src, dst, src_pages, dst_pages):
         return False
     for pages, view in ((src_pages, src), (dst_pages, dst)):

@@ -1,4 +1,5 @@
-"""Where the daemon listens by default (shared by the daemon and its clients)."""
+"""Where the daemon listens by default, and where it leaves its admin token (shared by the
+daemon and its clients)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,26 @@ import tempfile
 from collections.abc import Mapping
 
 
-def default_endpoint(environ: Mapping[str, str] | None = None) -> str:
-    """ipc:// under $XDG_RUNTIME_DIR, else a per-user folder in the temp dir (mode 0700)."""
+def runtime_dir(environ: Mapping[str, str] | None = None) -> str:
+    """$XDG_RUNTIME_DIR, else a per-user folder in the temp dir (made 0700 by the daemon)."""
     environ = os.environ if environ is None else environ
-    base = environ.get("XDG_RUNTIME_DIR") or os.path.join(
+    return environ.get("XDG_RUNTIME_DIR") or os.path.join(
         tempfile.gettempdir(), f"hicache-{os.getuid()}"
     )
-    return f"ipc://{os.path.join(base, 'hicache.sock')}"
+
+
+def default_endpoint(environ: Mapping[str, str] | None = None) -> str:
+    """ipc:// in the runtime folder."""
+    return f"ipc://{os.path.join(runtime_dir(environ), 'hicache.sock')}"
+
+
+def admin_token_path(endpoint: str, environ: Mapping[str, str] | None = None) -> str:
+    """The file (mode 0600) holding the token an admin session of ``endpoint`` must show: beside
+    an ipc socket, else in the runtime folder. Readable only by the daemon's user."""
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        return endpoint[len("ipc://") :] + ".admin"
+    name = "".join(c if c.isalnum() else "_" for c in endpoint)
+    return os.path.join(runtime_dir(environ), f"{name}.admin")
 
 
 def env_endpoint(environ: Mapping[str, str] | None = None) -> str:

@@ -21,6 +21,7 @@ try:
 except ImportError:  # built without a C compiler
     _fast = _tree = None
 
+MAX_SLOT_BYTES = 1 << 40  # the most page_slots builds (as _fast.c)
 USE_C = _fast is not None and _tree is not None and not os.environ.get("HICACHE_NO_C")
 
 
@@ -36,7 +37,13 @@ def page_slots(pages: bytes, page_size: int) -> bytearray:
     """The int64 slots of int64 page ids, page by page (page * page_size + offset)."""
     if USE_C:
         return _fast.page_slots(pages, page_size)
+    if page_size < 1 or len(pages) % 8:
+        raise ValueError("page_slots: need page_size >= 1 and int64 pages")
     ids = np.frombuffer(pages, dtype=np.int64)
+    if len(ids) and page_size > MAX_SLOT_BYTES // 8 // len(ids):
+        raise ValueError("page_slots: too many slots")
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) > (2**63 - 1 - page_size) // page_size):
+        raise ValueError("page_slots: a page id outside [0, 2**63 / page_size)")
     slots = ids[:, None] * page_size + np.arange(page_size, dtype=np.int64)
     return bytearray(slots.tobytes())
 
@@ -46,11 +53,15 @@ def slot_pages(slots: bytes, page_size: int) -> bytes:
     -1. A trailing partial run is left out."""
     if USE_C:
         return _fast.slot_pages(slots, page_size)
+    if page_size < 1:
+        raise ValueError("slot_pages: need page_size >= 1")
     n = len(slots) // (8 * page_size)
     runs = np.frombuffer(slots, dtype=np.int64, count=n * page_size).reshape(n, page_size)
     first = runs[:, 0]
     whole = (first >= 0) & (first % page_size == 0)
-    whole &= (runs == first[:, None] + np.arange(page_size)).all(axis=1)
+    with np.errstate(over="ignore"):  # as the C twin: compared modulo 2**64, never an error
+        offsets = runs.view(np.uint64) - first.view(np.uint64)[:, None]
+    whole &= (offsets == np.arange(page_size, dtype=np.uint64)).all(axis=1)
     return np.where(whole, first // page_size, -1).astype(np.int64).tobytes()
 
 
@@ -70,8 +81,12 @@ def unpack_shared(frame: bytes | memoryview, lengths: list[int], shared: list[in
     ``lengths`` and ``shared`` agree with each other and with the frame."""
     if USE_C:
         return _fast.unpack_shared(frame, lengths, shared)
+    if len(lengths) != len(shared):
+        raise ValueError("lengths and shared do not match the frame")
     out, pos, prev = [], 0, b""
     for n, s in zip(lengths, shared, strict=True):
+        if n < 0 or s < 0 or s > n or n - s > (len(frame) - pos) // 4 or s > len(prev) // 4:
+            raise ValueError("lengths and shared do not match the frame")
         take = 4 * (n - s)
         key = bytes(frame[pos : pos + take]) if not s else prev[: 4 * s] + frame[pos : pos + take]
         pos += take
@@ -84,6 +99,8 @@ def common_tokens(node_key: bytes, key: bytes, pos: int) -> int:
     """How many leading int32 tokens ``node_key`` and ``key[pos:]`` share."""
     if USE_C:
         return _fast.common_bytes(node_key, key, pos) >> 2
+    if not 0 <= pos <= len(key):
+        return 0
     a = np.frombuffer(node_key, dtype=np.int32)
     b = np.frombuffer(key, dtype=np.int32, offset=pos)
     n = min(len(a), len(b))
@@ -175,11 +192,18 @@ def store_release(words: np.ndarray, index: int, value: int) -> None:
     if USE_C:
         _fast.store_release(words, index, value)
     else:
-        words[index] = value
+        words[_word(words, index)] = value
 
 
 def load_acquire(words: np.ndarray, index: int) -> int:
     """words[index], ordered before every later read of this thread (see store_release)."""
     if USE_C:
         return _fast.load_acquire(words, index)
-    return int(words[index])
+    return int(words[_word(words, index)])
+
+
+def _word(words: np.ndarray, index: int) -> int:
+    """``index`` when it names a word of ``words`` (no negative indexing from the end)."""
+    if not 0 <= index < len(words):
+        raise IndexError("word outside the buffer")
+    return index

@@ -398,3 +398,18 @@ def test_error_texts_point_at_the_mistake(daemon):
 
     with pytest.raises(ClientClosed):
         hc.ping()
+
+
+def test_a_batch_that_fails_part_way_holds_no_lock(daemon):
+    with HiCacheClient(daemon, name="e") as hc:
+        seq = list(range(16))
+        hc.insert(seq, hc.alloc(16))
+        for spaces in ([None, 1.5], [None, [1]], [None, "x" * 5000]):
+            with pytest.raises(DaemonError):
+                hc.match_batch([seq, seq], namespaces=spaces)
+        with pytest.raises(DaemonError):  # the second sequence's slots are not ours
+            hc.insert_batch([(seq, hc.alloc(16)), (seq + [1] * 4, torch.arange(4, 24))])
+        me = next(x for x in hc.stats()["session_list"] if x["client"] == "e")
+        assert me["locks"] == 0
+        # (a write-through backup locks a node until its copy is acknowledged)
+        wait_until(lambda: hc.stats()["device_protected_tokens"] == 0, what="backups")

@@ -25,7 +25,7 @@ CACHE = HiRadixCache(
     )
 )
 HANDLERS = Handlers(CACHE, SessionTable(lease_s=1e9), boot_epoch=5, info={})
-SESSION = HANDLERS.sessions.open("fuzz", 1, time.monotonic()).id
+SESSION = HANDLERS.sessions.open("fuzz", 1, time.monotonic()).key
 
 values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=5),

@@ -57,7 +57,7 @@ def held(stats: dict) -> tuple:
     )
 
 
-# ---- item 1: requests from another daemon life ----------------------------------------------
+# ---- item 1: requests from another daemon life, or from a peer posing as a session --------
 def test_a_restarted_daemon_refuses_an_old_clients_requests_before_running_them(ep):
     proc = start_daemon(ep)
     try:
@@ -70,7 +70,7 @@ def test_a_restarted_daemon_refuses_an_old_clients_requests_before_running_them(
         proc = start_daemon(ep)
         new = HiCacheClient(ep, name="new")
         pools = new.attach()
-        assert new.session == old_session  # ids restart: only the epoch tells the lives apart
+        assert new.info["session_id"] == old.info["session_id"]  # public ids restart
         fresh = new.alloc(16)
         assert torch.equal(fresh, old_slots)  # the very same pages, too
         pools.k_buffer[0][fresh] = 5.0
@@ -95,8 +95,10 @@ def test_a_restarted_daemon_refuses_an_old_clients_requests_before_running_them(
             (Op.GOODBYE, {}),
             (Op.MATCH, {"lengths": [16]}, np.array(new_tokens, np.int32).tobytes()),
         ]
-        for op, fields, *frames in ops:
-            assert raw(ep, op, old_session, old_epoch, fields, *frames) is ErrorCode.EPOCH_MISMATCH
+        for op, fields, *frames in ops:  # even were the old key the new one's, by chance
+            for key in (old_session, new.session):
+                status = raw(ep, op, key, old_epoch, fields, *frames)
+                assert status is ErrorCode.EPOCH_MISMATCH
         assert held(new.stats()) == before
         with pytest.raises(EpochChanged):  # through the client: the same refusal
             old.insert(old_tokens, old_slots)
@@ -278,3 +280,72 @@ def test_what_a_timed_out_request_brought_is_given_back(ep):
         hc.close()
     finally:
         stop_daemon(proc)
+
+
+def test_a_peer_cannot_pose_as_another_session_nor_open_an_admin_one(ep):
+    proc = start_daemon(ep)
+    try:
+        victim = HiCacheClient(ep, name="victim")
+        victim.alloc(8)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.connect(ep)
+        sock.send_multipart([msgpack.packb([PROTOCOL_VERSION, int(Op.STATS), 1, 0, 0, {}])])
+        head = decode_reply(sock.recv_multipart()[0])  # what anyone can read
+        public = head.fields["session_list"][0]["id"]
+        for key in (public, public + 1, 1):  # the public id names no session on the wire
+            for op in (Op.GOODBYE, Op.FREE, Op.RELEASE, Op.HEARTBEAT):
+                status = raw(ep, op, key, head.boot_epoch, {"lock_ids": [1]}, b"")
+                assert status is ErrorCode.UNKNOWN_SESSION
+        hello = {"client": "x", "admin": True}
+        sock.send_multipart([msgpack.packb([PROTOCOL_VERSION, int(Op.HELLO), 2, 0, 0, hello])])
+        assert decode_reply(sock.recv_multipart()[0]).status is ErrorCode.FORBIDDEN
+        sock.close(linger=0)
+        s = victim.stats()
+        assert s["sessions"] == 1 and s["device_owned_tokens"] == 8
+        with HiCacheClient(ep, name="ops", admin=True) as ops:  # the daemon's user can
+            assert "device_freed" in ops.flush()
+        victim.close()
+    finally:
+        stop_daemon(proc)
+
+
+def test_a_late_alloc_decode_gives_back_only_the_page_it_started(ep):
+    proc = start_daemon(ep, "--session-owned-fraction", "1")
+    try:
+        a = HiCacheClient(ep, name="a")
+        pools = a.attach()
+        first = a.alloc(1)  # token 0 of a request (page 1, offset 0)
+        pools.k_buffer[0][first] = 1.0
+        set_timeout(a, 0.2)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DaemonTimeout):
+                a.alloc_decode([2], first)  # token 1: the next slot of the same page
+            with pytest.raises(DaemonTimeout):
+                a.alloc_extend([2], [6], first + 1)  # tokens 2..5: the page's rest, a new page
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        set_timeout(a, 30)
+        a.ping()
+        s = a.stats()  # the late replies' new page is given back, the request's page is not
+        me = next(x for x in s["session_list"] if x["client"] == "a")
+        assert me["owned_pages"] == 1
+        with HiCacheClient(ep, name="b") as b:
+            got = b.alloc(s["device_free_tokens"])
+            assert int(first[0]) not in got.tolist()
+            pools.k_buffer[0][got] = 2.0
+        assert float(pools.k_buffer[0][first].flatten()[0]) == 1.0
+        assert torch.equal(a.alloc_decode([2], first), first + 1)  # the request goes on
+        a.close()
+    finally:
+        stop_daemon(proc)
+
+
+def test_a_wait_after_the_daemon_stopped_is_a_timeout_not_a_missing_file(ep):
+    proc = start_daemon(ep, lease=1.0)
+    hc = HiCacheClient(ep, name="waits", heartbeat=False)
+    stop_daemon(proc)  # its progress table is gone before the client ever mapped it
+    never = LoadTicket(torch.empty(0, dtype=torch.int64), 10**6, 2)
+    with pytest.raises(DaemonTimeout):
+        hc.wait_load(never)
+    hc.close()

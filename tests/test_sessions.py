@@ -10,21 +10,21 @@ def test_messages_renew_the_lease_and_silence_lapses_it_into_quarantine():
     table = SessionTable(lease_s=10, quarantine_s=5)
     a = table.open("engine-a", 101, now=0.0)
     b = table.open("engine-b", 102, now=0.0)
-    assert a.id != b.id
-    table.touch(a.id, now=8.0)  # renewed until 18
+    assert a.id != b.id and a.key != b.key and (a.id, b.id) == (1, 2)  # keys are random
+    table.touch(a.key, now=8.0)  # renewed until 18
     assert table.expire(now=12.0) == []  # b lapsed, but stays in quarantine until 15
     assert [s.id for s in table.quarantined()] == [b.id] and len(table) == 1
     with pytest.raises(ProtocolError) as err:
-        table.touch(b.id, now=12.5)  # a lapsed session must not act any more
+        table.touch(b.key, now=12.5)  # a lapsed session must not act any more
     assert err.value.code is ErrorCode.LEASE_EXPIRED
     ended = table.expire(now=15.5)
     assert [e.session.id for e in ended] == [b.id] and ended[0].reason == "lease expired"
     with pytest.raises(ProtocolError) as err:
-        table.touch(b.id, now=16.0)  # still told why, after the quarantine too
+        table.touch(b.key, now=16.0)  # still told why, after the quarantine too
     assert err.value.code is ErrorCode.LEASE_EXPIRED
-    assert table.touch(a.id, now=17.0) is a
+    assert table.touch(a.key, now=17.0) is a
     with pytest.raises(ProtocolError) as err:
-        table.touch(999, now=17.0)
+        table.touch(a.id, now=17.0)  # the public id is not the key: it names no session
     assert err.value.code is ErrorCode.UNKNOWN_SESSION
 
 
@@ -35,7 +35,7 @@ def test_a_goodbye_ends_the_quarantine_early():
     table.expire(now=2.0)
     assert table.quarantined() == [s] and list(table.holders()) == [s]
     assert table.owner_of(7) is s  # its pages are still held
-    ended = table.end(s.id)
+    ended = table.end(s.key)
     assert ended.session is s and table.quarantined() == [] and table.expire(now=3.0) == []
 
 
@@ -49,10 +49,10 @@ def test_an_ended_session_hands_back_its_pages_and_locks():
         s.check_owned([3, 5])
     assert err.value.code is ErrorCode.NOT_OWNED and "page 5" in str(err.value)
     assert table.owner_of(4) is s and table.owner_of(5) is None
-    ended = table.end(s.id)
+    ended = table.end(s.key)
     assert ended.reason == "goodbye"
     assert ended.session.owned == {3, 4, 9} and list(ended.session.locks) == [lock]
-    assert table.end(s.id) is None and len(table) == 0
+    assert table.end(s.key) is None and len(table) == 0
 
 
 def test_locks_are_released_once():
@@ -89,7 +89,16 @@ def test_a_paused_daemon_keeps_sessions_that_beat_before_the_pause():
     table = SessionTable(lease_s=2, quarantine_s=0)
     s = table.open("engine", 1, clock())
     now[0] += 1.0
-    table.touch(s.id, clock())  # its last beat before the pause: lease until 3 (service time)
+    table.touch(s.key, clock())  # its last beat before the pause: lease until 3 (service time)
     now[0] += 10.0  # paused for 5 leases
     assert table.expire(clock()) == [] and len(table) == 1  # resumed: the beats are still queued
-    assert table.touch(s.id, clock()) is s
+    assert table.touch(s.key, clock()) is s
+
+
+def test_sessions_are_bounded():
+    table = SessionTable(max_sessions=2)
+    table.open("a", 1, now=0.0)
+    table.open("b", 1, now=0.0)
+    with pytest.raises(ProtocolError) as err:
+        table.open("c", 1, now=0.0)
+    assert err.value.code is ErrorCode.QUOTA_EXCEEDED

@@ -1,0 +1,172 @@
+"""Hostile arguments to every C helper: each raises as its Python twin does (same exception
+type, or the same result), with overflow-safe arithmetic. A regression here would be memory
+corruption in a process that many engines share, so every case runs the C path and the twin.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hicache import cpu_copy, fastpath
+from hicache.node import TreeNode
+
+pytestmark = pytest.mark.skipif(not fastpath.USE_C, reason="the C helpers are not built")
+BIG = 2**63 - 1  # PY_SSIZE_T_MAX
+
+
+def both(monkeypatch, call):
+    """(outcome of the C path, outcome of the twin): a value, or the exception's type."""
+    out = []
+    for use_c in (True, False):
+        monkeypatch.setattr(fastpath, "USE_C", use_c)
+        try:
+            out.append(call())
+        except Exception as exc:  # noqa: BLE001  (the type is what is compared)
+            out.append(type(exc))
+    monkeypatch.setattr(fastpath, "USE_C", True)
+    return out
+
+
+def same(monkeypatch, call, want=None):
+    c, twin = both(monkeypatch, call)
+    if isinstance(c, (bytes, bytearray)):
+        c, twin = bytes(c), bytes(twin)
+    assert c == twin, (c, twin)
+    if want is not None:
+        assert c is want or c == want
+    return c
+
+
+@pytest.mark.parametrize(
+    ("pages", "ps", "want"),
+    [
+        ([1, 2], 0, ValueError),
+        ([1, 2], -4, ValueError),
+        ([1, 2], 2**62, ValueError),  # n * ps * 8 would wrap
+        ([-1], 4, ValueError),
+        ([2**62], 4, ValueError),  # page * ps would wrap
+        ([3], 4, None),
+    ],
+)
+def test_page_slots(monkeypatch, pages, ps, want):
+    raw = np.array(pages, np.int64).tobytes()
+    same(monkeypatch, lambda: fastpath.page_slots(raw, ps), want)
+
+
+@pytest.mark.parametrize("ps", [0, -1])
+def test_slot_pages_page_size(monkeypatch, ps):
+    same(monkeypatch, lambda: fastpath.slot_pages(np.arange(8).tobytes(), ps), ValueError)
+
+
+def test_slot_pages_never_wraps_near_the_top(monkeypatch):
+    raw = np.array([2**63 - 2, 2**63 - 1, -(2**63), 0], np.int64).tobytes()
+    same(monkeypatch, lambda: fastpath.slot_pages(raw, 2))
+
+
+@pytest.mark.parametrize("index", [-1, 4, 2**61, BIG])
+def test_progress_words_outside_the_buffer(monkeypatch, index):
+    words = np.zeros(4, np.int64)
+    same(monkeypatch, lambda: fastpath.store_release(words, index, 7), IndexError)
+    same(monkeypatch, lambda: fastpath.load_acquire(words, index), IndexError)
+    assert not words.any()
+
+
+@pytest.mark.parametrize(
+    ("lengths", "shared"),
+    [
+        ([2, 2], [0]),  # a short shared list
+        ([2], [0, 1]),
+        ([2**61, 1], [0, 0]),  # 4 * n would wrap
+        ([-1, 3], [0, 0]),
+        ([2, 3], [0, -1]),
+        ([2, 2], [0, 3]),
+    ],
+)
+def test_unpack_shared_with_lists_that_do_not_match(monkeypatch, lengths, shared):
+    frame = np.arange(4, dtype=np.int32).tobytes()
+    same(monkeypatch, lambda: fastpath.unpack_shared(frame, lengths, shared), ValueError)
+
+
+@pytest.mark.parametrize("pos", [-4, 100, BIG])
+def test_common_tokens_past_the_key(monkeypatch, pos):
+    key = np.arange(4, dtype=np.int32).tobytes()
+    same(monkeypatch, lambda: fastpath.common_tokens(key, key, pos), 0)
+
+
+def test_min_token_of_ragged_bytes(monkeypatch):
+    same(monkeypatch, lambda: fastpath.min_token(b"\x01\x02\x03"), ValueError)
+
+
+@pytest.mark.parametrize("pos", [BIG, BIG - 3, 2**62])
+def test_descend_from_a_huge_position(pos):
+    root = TreeNode(0, b"", None, None)
+    root.children[b"\0" * 4] = TreeNode(1, b"\0" * 4, root, None)
+    for descend in (fastpath._tree.descend, fastpath.descend_py):
+        assert descend(root, b"\0" * 8, pos, 4, 1) == ([], pos)
+
+
+def test_tally_survives_a_node_that_drops_its_own_path():
+    class Hostile:  # an attribute setter that frees the node while tally still uses it
+        def __init__(self, path):
+            self.path, self.device_pages, self.host_pages, self.io = path, b"\0" * 8, None, None
+
+        @property
+        def hit_count(self):
+            return 0
+
+        @hit_count.setter
+        def hit_count(self, value):
+            self.path.clear()
+
+    for tally in (fastpath._tree.tally, fastpath.tally_py):
+        for _ in range(50):
+            path = []
+            path.append(Hostile(path))
+            chunks, nbytes, _, _ = tally(path, None)
+            assert nbytes == 8 and chunks == [b"\0" * 8]
+
+
+@pytest.mark.parametrize("ps", [0, -2])
+def test_whole_pages_page_size(ps):
+    state = np.ones(8, np.int8)
+    with pytest.raises(ValueError):
+        fastpath._fast.whole_pages(state, np.arange(4, dtype=np.int64).tobytes(), ps, 8, 1, 2)
+    assert (state == 1).all()
+
+
+def test_whole_pages_with_a_huge_page_size_never_wraps():
+    state = np.ones(8, np.int8)
+    raw = np.arange(4, dtype=np.int64).tobytes()  # one partial page: page 0's first 4 slots
+    out = fastpath._fast.whole_pages(state, raw, 2**62, 8, 1, 2)
+    assert np.frombuffer(out, np.int64).tolist() == [0] and state.tolist() == [2] + [1] * 7
+    far = np.array([2**62, 2**62 + 1], np.int64).tobytes()  # page 1 of 8: out of range
+    assert fastpath._fast.whole_pages(np.ones(1, np.int8), far, 2**62, 1, 1, 2) == 1
+
+
+@pytest.mark.parametrize("layers", [range(-1, 0), range(1, 3), range(10**9, 10**9 + 1)])
+def test_copy_pages_refuses_layers_outside_the_views(layers):
+    big_src = torch.arange(4 * 4 * 2 * 8, dtype=torch.float32).reshape(1, 4, 4, 2, 8) + 1
+    big_dst = torch.zeros(1, 4, 4, 2, 8)
+    src, dst = big_src[:, :2], big_dst[:, :2]  # 2-layer views of 4-layer buffers
+    pages = np.array([1], np.int64)
+    with pytest.raises(IndexError):
+        cpu_copy.copy_pages_c(src, dst, pages, pages, layers=layers)
+    assert not big_dst.any()
+
+
+def test_copy_pages_checks_what_its_arguments_tell():
+    src, dst = torch.ones(64), torch.zeros(64)
+    bases = np.array([[src.data_ptr(), dst.data_ptr()]], np.int64)
+    one = np.array([0], np.int64)
+    for args, error in (
+        ((bases, 16, 16, 16, 16, 1, 16, one, np.array([0, 1], np.int64)), ValueError),
+        ((bases, 16, 16, 16, 16, 1, 16, one, np.array([-1], np.int64)), IndexError),
+        ((bases[:, :1], 16, 16, 16, 16, 1, 16, one, one), ValueError),
+        ((bases, -16, 16, 16, 16, 1, 16, one, one), ValueError),
+        ((bases, 16, 16, 16, 16, 0, 16, one, one), ValueError),
+    ):
+        with pytest.raises(error):
+            cpu_copy._copy.copy_pages(*args, 1, False)
+    assert not dst.any()
