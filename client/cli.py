@@ -190,7 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     endpoint = args.endpoint or env_endpoint()
     if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
-        print(f"hicache: no daemon at {endpoint} (no socket file)", file=sys.stderr)
+        print(
+            f"hicache: no daemon at {endpoint} (no socket file): start hicache-daemon, or "
+            "point --endpoint / HICACHE_ENDPOINT at the one that runs",
+            file=sys.stderr,
+        )
         return 1
     conn = Connection(endpoint, args.timeout)
     try:

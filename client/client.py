@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from dataclasses import fields
 from typing import Any, NamedTuple
 
@@ -30,24 +31,19 @@ import torch
 
 from hicache.backing import AttachedSharedMemory
 from hicache.client.connection import (
-    ClientClosed,
     Connection,
     DaemonError,
     DaemonTimeout,
-    EpochChanged,
-    LeaseLost,
-    hello_fields,
 )
 from hicache.client.pools import AttachedPools, attach_pools, attach_progress
 from hicache.client.results import LoadTicket, Match, PageFrame
+from hicache.client.session import SessionLink
 from hicache.config import HiCacheConfig
 from hicache.endpoints import env_endpoint
 from hicache.fastpath import pack_shared
 from hicache.progress import LayerProgress
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
-    HEARTBEAT_INTERVAL_S,
-    ErrorCode,
     Op,
     decode_slots,
     slots_frame,
@@ -75,8 +71,19 @@ class Inserted(NamedTuple):
     match: Match  # locked: the cached whole-page prefix, the pages to use for it from now on
 
 
+class Holdings(NamedTuple):
+    """What ``holdings`` returns."""
+
+    lock_ids: list[int]  # locks the session holds (Match.lock_id values)
+    owned_slots: torch.Tensor  # the first slot of each page the session owns
+
+
 class HiCacheClient:
-    """One session with the daemon. Not thread-safe: one thread calls it (see the README)."""
+    """One session with the daemon, safe to share between the threads of one process: each
+    thread talks on a connection of its own (same session), so calls of different threads are
+    in flight at once and a reply never reaches another thread's call. Slots, locks and
+    Matches belong to the session, whichever thread got them: one thread may match and
+    allocate, another insert and release. Not for another process: a forked child raises."""
 
     def __init__(
         self,
@@ -89,121 +96,69 @@ class HiCacheClient:
         """Open a session (hello). ``admin=True``: this session may also flush and evict for
         everyone (operators' tools; engines never need it); it reads the daemon's admin token
         from the file ``hicache.endpoints.admin_token_path(endpoint)`` names (PermissionError
-        when this user cannot)."""
+        when this user cannot).
+
+        The session ends with ``close()``, or when the client is garbage-collected, or when the
+        process exits: the daemon then frees what it still holds."""
         self.endpoint = endpoint or env_endpoint()
         self.timeout_s = timeout_s
-        self.conn = Connection(self.endpoint, timeout_s)
-        self.conn.on_late = self._late
-        reply, _ = self.conn.call(Op.HELLO, hello_fields(name, admin, self.endpoint))
-        self.session = self.conn.session = reply.fields["session"]
-        self.info = reply.fields
-        self.lease_s = float(self.info["lease_s"])
+        self._link = SessionLink(self.endpoint, name, timeout_s, admin, heartbeat)
+        self._finalizer = weakref.finalize(self, self._link.close)  # holds the link, not us
+        self._attach_lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        """What belongs to one session (and one daemon life): pools, progress table."""
+        self.info = self._link.info
+        self.lease_s = self._link.lease_s
         self._page_size = int(self.info["config"]["page_size"])
         self.pools: AttachedPools | None = None
         self._progress_map: AttachedSharedMemory | None = None
         self._progress_table: LayerProgress | None = None
-        self._lost: DaemonError | None = None  # EpochChanged or LeaseLost, once seen
-        self._closed = False
-        self._heard = time.monotonic()  # when the daemon last answered this session
-        self._owed: list[tuple[Op, dict, list]] = []  # give-backs for late replies
-        self._probe: Connection | None = None  # liveness checks without a heartbeat thread
-        self._stop = threading.Event()
-        self._beat: threading.Thread | None = None
-        if heartbeat:
-            self._beat = threading.Thread(
-                target=self._heartbeat, daemon=True, name="hicache-heartbeat"
-            )
-            self._beat.start()
+        self._generation = self._link.generation
 
-    # ---- calls, liveness ----
+    @property
+    def session(self) -> int:
+        """The session's key (secret: what requests name it by)."""
+        return self._link.key
+
+    @property
+    def conn(self) -> Connection:
+        """The calling thread's connection (for tests and tools)."""
+        return self._link.conn()
+
+    @property
+    def lost(self) -> DaemonError | None:
+        """EpochChanged or LeaseLost once the session learned it (by a call or the heartbeat),
+        until ``reconnect``."""
+        return self._link.lost
+
     def _call(self, op: Op, fields: dict | None = None, frames: list | tuple = ()) -> tuple:
-        """One request on the session; raises what an earlier call or the heartbeat learned
-        (EpochChanged, LeaseLost) before sending anything."""
-        self._raise_if_lost()
-        if self._owed:
-            self._give_back_late()
-        try:
-            reply, out = self.conn.call(op, fields, frames)
-        except (EpochChanged, LeaseLost) as exc:
-            self._lose(exc)
-            raise
-        self._heard = time.monotonic()
-        return reply, out
+        return self._link.call(op, fields, frames)
 
-    def _raise_if_lost(self) -> None:
-        if self._closed:
-            raise ClientClosed("this HiCacheClient was closed; open a new one")
-        lost = self._lost
-        if lost is not None:
-            raise type(lost)(lost.code, lost.message)
+    def reconnect(self) -> bool:
+        """After EpochChanged or LeaseLost: open a new session on this client, for every
+        thread at once (the first thread to call does it, the others find it done). Every
+        slot, lock, Match, LoadTicket and pool tensor from before is void: drop them (a void
+        Match is skipped by ``release``), ``attach()`` again and match again. Returns whether
+        this call reconnected."""
+        with self._attach_lock:
+            generation = self._generation
+            if self._link.generation != generation:  # another thread did it
+                self._reset_pools()
+                return False
+            done = self._link.reconnect(generation)
+            if done:
+                self._reset_pools()
+            return done
 
-    def _lose(self, exc: DaemonError) -> None:
-        if self._lost is None:
-            self._lost = exc
-
-    def _heartbeat(self) -> None:
-        # at least three beats per lease, so that one lost beat never ends a live session
-        interval = min(HEARTBEAT_INTERVAL_S, self.lease_s / 3)
-        conn = Connection(self.endpoint, timeout_s=interval * 2)
-        conn.session, conn.epoch = self.session, self.conn.epoch
-        try:
-            while not self._stop.wait(interval) and self._lost is None:
-                try:
-                    conn.call(Op.HEARTBEAT)
-                    self._heard = time.monotonic()
-                except (EpochChanged, LeaseLost) as exc:
-                    self._lose(exc)  # every later call raises it; beating on is pointless
-                except DaemonError as exc:
-                    if exc.code is ErrorCode.UNKNOWN_SESSION:
-                        self._lose(LeaseLost(exc.code, exc.message))
-                except DaemonTimeout:  # the daemon is busy or gone: calls will tell
-                    pass
-        finally:
-            conn.close()
-
-    def _check_alive(self) -> None:
-        """Raise unless the daemon answered within a lease (DaemonTimeout), in this life
-        (EpochChanged) and for a session still alive (LeaseLost)."""
-        self._raise_if_lost()
-        if self._beat is not None and self._beat.is_alive():
-            silent = time.monotonic() - self._heard
-            if silent > self.lease_s:
-                raise DaemonTimeout(f"the daemon has not answered for {silent:.1f} s")
-            return
-        if self._probe is None:
-            self._probe = Connection(self.endpoint, timeout_s=min(self.timeout_s, self.lease_s))
-            self._probe.session, self._probe.epoch = self.session, self.conn.epoch
-        try:
-            self._probe.call(Op.HEARTBEAT)
-        except (EpochChanged, LeaseLost) as exc:
-            self._lose(exc)
-            raise
-        self._heard = time.monotonic()
-
-    def _late(self, op: Op, reply: Any, frames: list) -> None:
-        """A request that timed out ran after all: give back what its reply brought (called
-        inside a later call; the give-back itself waits for the next one)."""
-        if op in (Op.MATCH, Op.INSERT):
-            ids = [r[2] for r in reply.fields.get("results", ()) if r[2]]
-            if ids:
-                self._owed.append((Op.RELEASE, {"lock_ids": ids}, []))
-        elif op is Op.LOCK and reply.fields.get("lock_id"):
-            self._owed.append((Op.RELEASE, {"lock_ids": [reply.fields["lock_id"]]}, []))
-        elif op is Op.ALLOC and frames:
-            self._owed.append((Op.FREE, {}, [bytes(frames[0].buffer)]))
-        elif op in (Op.ALLOC_EXTEND, Op.ALLOC_DECODE) and frames:
-            # only the pages it started: a slot continuing a partly filled page shares that
-            # page with the request's earlier tokens, which the engine still uses
-            slots = np.frombuffer(frames[0].buffer, dtype=np.int64)
-            new = slots[slots % self._page_size == 0]
-            if len(new):
-                self._owed.append((Op.FREE, {}, [new.tobytes()]))
-
-    def _give_back_late(self) -> None:
-        owed, self._owed = self._owed, []
-        for op, fields_, frames in owed:
-            with contextlib.suppress(DaemonError, DaemonTimeout):
-                self.conn.call(op, fields_, frames)
+    def _reset_pools(self) -> None:
+        old = (self.pools, self._progress_map)
+        self._reset()
+        for mapped in old:
+            if mapped is not None:
+                with contextlib.suppress(Exception):
+                    mapped.close()
 
     # ---- pools ----
     @property
@@ -218,9 +173,10 @@ class HiCacheClient:
         ``pools.k_buffer[layer]`` and ``pools.v_buffer[layer]`` are ``[slots, kv_heads,
         head_dim]`` (MLA: ``pools.kv_buffer[layer]`` of ``[slots, 1, width]``); slot 0 (all of
         page 0) is the padding slot, never handed out."""
-        if self.pools is None:
-            self.pools = attach_pools(self.config, self.info["pools"])
-        return self.pools
+        with self._attach_lock:
+            if self.pools is None:
+                self.pools = attach_pools(self.config, self.info["pools"])
+            return self.pools
 
     # ---- cache operations ----
     def match_prefix(self, token_ids: Any, namespace: Any = None, lock: bool = True) -> Match:
@@ -256,8 +212,10 @@ class HiCacheClient:
         """A request answered in MATCH's form: (the reply's fields, its Matches)."""
         reply, out = self._call(op, fields, frames)
         frame = PageFrame(out[0], reply.fields["chunk_pages"], self._page_size)
+        gen = self._link.generation
         matches = [
-            Match(frame, ids, dev, host, lock) for dev, host, lock, ids in reply.fields["results"]
+            Match(frame, ids, dev, host, lock, gen)
+            for dev, host, lock, ids in reply.fields["results"]
         ]
         return reply.fields, matches
 
@@ -307,7 +265,7 @@ class HiCacheClient:
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise DaemonTimeout(f"layer {layer} of load {load.ticket} not ready in {timeout} s")
-            self._check_alive()
+            self._link.check_alive()
 
     def _stream_waits(self, handle: bytes) -> bool:
         try:
@@ -331,7 +289,7 @@ class HiCacheClient:
             try:
                 self._progress_map, self._progress_table = attach_progress(desc, layers)
             except FileNotFoundError:  # the daemon is gone (or another life runs)
-                self._check_alive()
+                self._link.check_alive()
                 raise DaemonTimeout("the daemon's layer-progress table is gone") from None
         return self._progress_table
 
@@ -401,11 +359,31 @@ class HiCacheClient:
         """Unlock matches (their slots may be reused at once: a released Match refuses to hand
         out its slots). Matches without a lock are skipped; releasing one twice raises
         NOT_OWNED."""
-        ids = [m.lock_id for m in matches if m.lock_id]
+        live = [m for m in matches if m.generation == self._link.generation]  # others: void
+        ids = [m.lock_id for m in live if m.lock_id]
         if ids:
             self._call(Op.RELEASE, {"lock_ids": ids})
         for m in matches:
             m.mark_released()
+
+    def lock(self, match: Match) -> Match:
+        """A second lock on the same prefix (another thread's or request's own), released on
+        its own with ``release``."""
+        match.check_locked()
+        lock_id = self._call(Op.LOCK, {"lock_id": match.lock_id})[0].fields["lock_id"]
+        return match.relocked(lock_id)
+
+    def holdings(self) -> Holdings:
+        """What this session holds in the daemon: its lock ids and its owned slots (one per
+        owned page's first slot: free() of them frees those pages)."""
+        reply, out = self._call(Op.HOLDINGS)
+        pages = np.frombuffer(out[0].buffer, dtype=np.int64)
+        return Holdings(list(reply.fields["lock_ids"]), torch.from_numpy(pages * self._page_size))
+
+    def release_all(self) -> None:
+        """Release every lock of this session (every thread's): after cancelled calls, or to
+        start over. Matches of this session then hand out nothing valid: drop them."""
+        self._call(Op.RELEASE, {"all": True})
 
     def evict(self, device_tokens: int = 0, host_tokens: int = 0) -> dict:
         """Admin: evict at least this many unlocked tokens from each tier (FORBIDDEN unless the
@@ -431,24 +409,16 @@ class HiCacheClient:
 
     # ---- lifetime ----
     def close(self) -> None:
-        """Say goodbye (the daemon frees what this session still holds) and disconnect. Later
-        calls raise ClientClosed; closing twice does nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop.set()
-        if self._beat is not None:
-            self._beat.join()
-        with contextlib.suppress(Exception):  # daemon gone or restarted: nothing to give back
-            self.conn.call(Op.GOODBYE)
-        if self.pools is not None:
-            self.pools.close()
-        if self._progress_map is not None:
-            self._progress_table = None
-            self._progress_map.close()
-        if self._probe is not None:
-            self._probe.close()
-        self.conn.close()
+        """From any thread: calls still in flight end with ClientClosed, the daemon is told
+        goodbye (it frees what this session still holds), the pools are unmapped. Later calls
+        raise ClientClosed; closing twice does nothing."""
+        self._finalizer()  # SessionLink.close, once
+        with self._attach_lock:
+            for mapped in (self.pools, self._progress_map):
+                if mapped is not None:
+                    with contextlib.suppress(Exception):  # a tensor still views it: left mapped
+                        mapped.close()
+            self.pools = self._progress_map = self._progress_table = None
 
     def __enter__(self) -> HiCacheClient:
         return self

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +38,7 @@ from hicache.protocol import (
 _send, _recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
 SNDMORE = int(zmq.SNDMORE)
 MAX_LATE = 4096  # timed-out requests remembered (whose late replies are given back)
+SLICE_MS = 100  # a wait for a reply looks at the client's closing flag this often
 
 
 class DaemonError(RuntimeError):
@@ -98,13 +101,23 @@ def _nbytes(frame: Any) -> int:
 
 
 class Connection:
-    def __init__(self, endpoint: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """One socket, used by one thread at a time. ``closing`` (optional): an event that ends a
+    wait for a reply early with ClientClosed (checked every SLICE_MS)."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        closing: threading.Event | None = None,
+    ):
         self.endpoint = endpoint
         self.timeout_ms = int(timeout_s * 1000)
+        self.closing = closing
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)  # recv raises zmq.Again after it
+        slice_ms = self.timeout_ms if closing is None else min(self.timeout_ms, SLICE_MS)
+        self.sock.setsockopt(zmq.RCVTIMEO, max(slice_ms, 1))  # recv raises zmq.Again after it
         self.sock.connect(endpoint)
         self.session = 0  # set by hello
         self.epoch = 0  # the daemon's boot epoch, learned from the first reply
@@ -130,13 +143,21 @@ class Connection:
         request_id = next(self._ids)
         request = Request(op, request_id, self.session, self.epoch, fields or {})
         self._send(encode_request(request), frames)
+        deadline = None
         while True:
             try:
                 parts = self._recv()
             except zmq.Again:
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_ms / 1000 - SLICE_MS / 1000
+                closing = self.closing is not None and self.closing.is_set()
+                if self.closing is not None and now < deadline and not closing:
+                    continue  # one slice of the wait: look whether the client closes
                 self._timed_out[request_id] = op
                 if len(self._timed_out) > MAX_LATE:
                     self._timed_out.popitem(last=False)
+                if closing:
+                    raise ClientClosed("the client was closed during this call") from None
                 raise DaemonTimeout(f"no reply from {self.endpoint} to {op.name}") from None
             reply = decode_reply(parts[0].buffer)
             if reply.request_id == request_id:

@@ -42,16 +42,26 @@ class Match:
         "host_hit_length",
         "lock_id",
         "released",
+        "generation",
         "_frame",
         "_ids",
         "_pages",
     )
 
-    def __init__(self, frame: PageFrame, ids: list[int], device: int, host: int, lock_id: int):
+    def __init__(
+        self,
+        frame: PageFrame,
+        ids: list[int],
+        device: int,
+        host: int,
+        lock_id: int,
+        generation: int = 0,
+    ):
         self.device_hit_length = device  # tokens cached on the device
         self.host_hit_length = host  # tokens after those, cached on the host only (load_back)
         self.lock_id = lock_id  # the session's lock on this prefix (0: not locked)
         self.released = False  # after release its slots may hold other KV: they are refused
+        self.generation = generation  # the client's session it belongs to (see reconnect)
         self._frame = frame
         self._ids = ids  # the nodes of the prefix, in order (indices into the frame)
         self._pages: np.ndarray | None = None
@@ -68,6 +78,17 @@ class Match:
             raise RuntimeError(
                 "this Match was released: its slots may already hold other KV; match again"
             )
+
+    def relocked(self, lock_id: int) -> Match:
+        """The same prefix under another lock (the reply frame is shared, read-only)."""
+        return Match(
+            self._frame,
+            self._ids,
+            self.device_hit_length,
+            self.host_hit_length,
+            lock_id,
+            self.generation,
+        )
 
     def mark_released(self) -> None:
         if self.lock_id:

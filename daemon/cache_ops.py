@@ -265,7 +265,14 @@ class CacheOpsMixin:
         self.cache.inc_lock_ref(record.node)
         return {"lock_id": session.add_lock(self.LockRecord(record.node, record.host_node))}, []
 
+    def holdings(self, session: Session, fields: dict, frames: Frames) -> Result:
+        """What the session holds: its lock ids, and its owned pages as a frame."""
+        pages = np.fromiter(sorted(session.owned), dtype=np.int64, count=len(session.owned))
+        return {"lock_ids": sorted(session.locks), "owned_pages": len(pages)}, [pages.tobytes()]
+
     def release(self, session: Session, fields: dict, frames: Frames) -> Result:
+        if fields.get("all") is True:  # every lock of the session (asyncio cancellations)
+            fields = {"lock_ids": list(session.locks)}
         ids = fields.get("lock_ids")
         if (
             not isinstance(ids, list)

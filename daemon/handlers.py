@@ -30,6 +30,7 @@ from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
 from hicache.node import TreeNode
 from hicache.protocol import (
+    MAX_MATCH_TOKENS,
     PROTOCOL_VERSION,
     ErrorCode,
     Op,
@@ -120,6 +121,7 @@ class Handlers(CacheOpsMixin):
             Op.STATS: self.stats,
             Op.TREE: self.tree,
             Op.PING: self.ping,
+            Op.HOLDINGS: self.holdings,
         }
 
     # ---- transport-facing -------------------------------------------------------------------
@@ -227,7 +229,7 @@ class Handlers(CacheOpsMixin):
             "session_id": session.id,  # public
             "lease_s": session.lease_s,
             "quarantine_s": self.sessions.quarantine_s,
-            "limits": vars(self.limits),
+            "limits": {**vars(self.limits), "max_match_tokens": MAX_MATCH_TOKENS},
             **self.info,
         }, []
 

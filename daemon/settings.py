@@ -8,6 +8,7 @@ HiCacheConfig field can be set each way, plus the daemon's own settings (``DAEMO
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -18,6 +19,7 @@ from enum import Enum
 from typing import Any
 
 from hicache.config import DTYPES, HiCacheConfig
+from hicache.copiers import resolve_backend
 from hicache.endpoints import env_endpoint
 from hicache.protocol import DEFAULT_LEASE_S
 
@@ -83,6 +85,10 @@ class DaemonSettings:
         out = {f.name: _plain(getattr(self.config, f.name)) for f in _fields()}
         out.update({name: getattr(self, name) for name in DAEMON_FIELDS})
         out["quarantine_seconds"] = self.quarantine
+        # what the defaults resolve to (not settings themselves)
+        out["host_capacity_tokens"] = self.config.host_capacity_tokens
+        with contextlib.suppress(ValueError):  # (a backend that cannot run fails at start)
+            out["transfer_backend_resolved"] = resolve_backend(self.config).value
         return out
 
 

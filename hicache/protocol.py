@@ -34,6 +34,9 @@ MAX_HEADER_BYTES = 1 << 20  # a request header larger than this is refused (TOO_
 MAX_REPLY_HEADER_BYTES = 64 << 20  # replies (stats, tree dumps) may be larger
 MAX_FRAME_BYTES = 64 << 20  # one array frame: 16M token ids or 8M slots
 MAX_BATCH = 1024  # sequences in one batched match or insert
+# tokens of one batched match once shared prefixes are expanded: bounds the memory a request
+# can make the daemon build (1024 long prompts over one frame would otherwise be GiBs)
+MAX_MATCH_TOKENS = MAX_FRAME_BYTES // 4
 
 
 class Op(IntEnum):
@@ -55,12 +58,13 @@ class Op(IntEnum):
     FREE = 9  # frames: slots
     INSERT = 10  # frames: token ids, slots; fields: lengths, namespaces -> prefix_lens
     LOCK = 11  # fields: lock_id -> a second lock on the same prefix: lock_id
-    RELEASE = 12  # fields: lock_ids
+    RELEASE = 12  # fields: lock_ids, or all: true (every lock of the session)
     EVICT = 13  # fields: device_tokens, host_tokens
     FLUSH = 14  # evict every unlocked token from both tiers
     STATS = 15  # fields: check (run check_integrity) -> the stats fields, sessions
     TREE = 16  # fields: max_nodes -> a bounded dump
     PING = 17
+    HOLDINGS = 18  # -> fields: lock_ids, owned_pages; frame: the owned page ids (int64)
 
 
 class ErrorCode(IntEnum):
@@ -231,6 +235,12 @@ def split_tokens(frame: bytes | memoryview, lengths: Any, shared: Any = None) ->
         if lengths[0] * 4 == len(frame):  # one sequence: the frame is its key
             return [frame if type(frame) is bytes else bytes(frame)]
     shared = _check_shared(lengths, shared)
+    if sum(lengths) > MAX_MATCH_TOKENS:  # checked before anything is built
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"a match of {sum(lengths)} tokens (shared prefixes expanded); the limit is "
+            f"{MAX_MATCH_TOKENS}",
+        )
     if sum(lengths) - sum(shared) != len(frame) // 4 or len(frame) % 4:
         raise ProtocolError(ErrorCode.BAD_FIELD, "lengths: must be ints summing to the token ids")
     from hicache.fastpath import unpack_shared  # the schema alone imports no torch

@@ -10,9 +10,9 @@ fi
 pip() { .venv/bin/python -m pip "$@" --disable-pip-version-check -q; }
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    pip install torch
+    pip install torch 2>&1 | grep -v "^WARNING: Location" || true
   else
-    pip install torch==2.13.0
+    pip install torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
   fi
 fi
 pip install -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true

@@ -104,7 +104,7 @@ def test_a_restarted_daemon_refuses_an_old_clients_requests_before_running_them(
             old.insert(old_tokens, old_slots)
         with pytest.raises(EpochChanged):  # and it sticks: no request is even sent
             old.release(old_lock)
-        wait_until(lambda: not old._beat.is_alive(), what="the stale heartbeat to stop")
+        wait_until(lambda: not old._link._beat.is_alive(), what="the stale heartbeat to stop")
         old.close()  # its goodbye cannot end the new session
         assert held(new.stats()) == before
         assert new.stats()["sessions"] == 1 and new.ping()["pong"]
@@ -184,7 +184,7 @@ hc.alloc(8)
 print("ready", flush=True)
 sys.stdin.readline()  # after SIGSTOP and SIGCONT
 deadline = time.monotonic() + 20
-while hc._lost is None and time.monotonic() < deadline:  # the heartbeat learns of it
+while hc.lost is None and time.monotonic() < deadline:  # the heartbeat learns of it
     time.sleep(0.01)
 try:
     hc.alloc(4)
@@ -253,7 +253,7 @@ def test_a_wait_for_a_layer_ends_when_the_daemon_restarts(ep):
 
 # ---- item 9: a request that timed out still ran ------------------------------------------------
 def set_timeout(hc: HiCacheClient, seconds: float) -> None:
-    hc.conn.sock.setsockopt(zmq.RCVTIMEO, int(seconds * 1000))
+    hc.conn.timeout_ms = int(seconds * 1000)
 
 
 def test_what_a_timed_out_request_brought_is_given_back(ep):

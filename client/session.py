@@ -1,0 +1,277 @@
+"""SessionLink: one session with the daemon, shared by every thread of an engine process.
+
+What it holds (and the HiCacheClient in front of it does not):
+
+- one DEALER connection per calling thread, all naming the same session (key and epoch), so
+  threads never share a socket, replies never cross, and calls of different threads are in
+  flight at once; the heartbeat has a connection of its own;
+- what the session learned: ``lost`` (EpochChanged or LeaseLost, sticky until ``reconnect``)
+  and when the daemon last answered;
+- what late replies brought (a lock, slots of a request that timed out), given back on the
+  next call;
+- the lifetime: ``close`` (from any thread: calls in flight end with ClientClosed, then the
+  sockets close and the daemon is told goodbye) also runs when the HiCacheClient is collected
+  or the process exits, because nothing here refers back to the client.
+
+Thread-safe: the mutable parts are guarded by ``_lock`` (connections, give-backs) or are single
+assignments read without it (``lost``, ``heard``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+import numpy as np
+
+from hicache.client.connection import (
+    ClientClosed,
+    Connection,
+    DaemonError,
+    DaemonTimeout,
+    EpochChanged,
+    LeaseLost,
+    hello_fields,
+)
+from hicache.protocol import HEARTBEAT_INTERVAL_S, ErrorCode, Op, Reply
+
+GIVE_BACK_OPS = (Op.MATCH, Op.INSERT, Op.LOCK, Op.ALLOC, Op.ALLOC_EXTEND, Op.ALLOC_DECODE)
+
+
+class SessionLink:
+    def __init__(self, endpoint: str, name: str, timeout_s: float, admin: bool, beat: bool):
+        self.endpoint, self.name, self.timeout_s, self.admin = endpoint, name, timeout_s, admin
+        self._lock = threading.Lock()
+        self._reconnecting = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # in-flight calls reached 0
+        self._closing = threading.Event()  # close() began: calls in flight end, new ones refuse
+        self._local = threading.local()
+        self._conns: dict[int, tuple[threading.Thread, Connection]] = {}  # by thread id
+        self._in_flight = 0
+        self._owed: list[tuple[Op, dict, list]] = []  # give-backs for late replies
+        self._pid = os.getpid()
+        self.generation = 0  # +1 per (re)connect: Matches of an older one are void
+        self._beat_wanted = beat
+        self._beat: threading.Thread | None = None
+        self._stop_beat = threading.Event()
+        self._open()
+
+    # ---- opening ----------------------------------------------------------------------------
+    def _open(self) -> None:
+        """hello on a fresh connection; (re)starts the heartbeat."""
+        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
+            if not os.path.exists(self.endpoint[len("ipc://") :]):  # fail at once, not in 30 s
+                raise DaemonTimeout(
+                    f"no daemon at {self.endpoint} (no socket file): start hicache-daemon, or "
+                    "pass the endpoint of the one that runs (or set HICACHE_ENDPOINT)"
+                )
+        conn = self._new_conn()
+        reply, _ = conn.call(Op.HELLO, hello_fields(self.name, self.admin, self.endpoint))
+        self.info = reply.fields
+        self.key, self.epoch = reply.fields["session"], conn.epoch
+        conn.session = self.key
+        self.lease_s = float(self.info["lease_s"])
+        self.lost: DaemonError | None = None
+        self.heard = time.monotonic()  # when the daemon last answered this session
+        self.generation += 1
+        self._install(conn)  # (another thread's old connection is closed by that thread)
+        if self._beat_wanted:
+            self._stop_beat.set()
+            if self._beat is not None and self._beat is not threading.current_thread():
+                self._beat.join()
+            self._stop_beat = threading.Event()
+            self._beat = threading.Thread(
+                target=_heartbeat,
+                args=(self, self._stop_beat),
+                daemon=True,
+                name="hicache-heartbeat",
+            )
+            self._beat.start()
+
+    def _new_conn(self) -> Connection:
+        conn = Connection(self.endpoint, self.timeout_s, self._closing)
+        conn.on_late = self._late
+        return conn
+
+    def reconnect(self, generation: int) -> bool:
+        """Open a new session if this link is still at ``generation`` and its session is lost
+        (EpochChanged, LeaseLost); True when this call did it. Threads that all saw the same
+        loss call it at once: one reconnects, the others find it done."""
+        with self._reconnecting:
+            if self.generation != generation or self.lost is None or self._closing.is_set():
+                return False
+            self._open()
+            return True
+
+    # ---- calls --------------------------------------------------------------------------------
+    def conn(self) -> Connection:
+        """This thread's connection (made on its first call)."""
+        if os.getpid() != self._pid:
+            raise RuntimeError("a HiCacheClient cannot be used after fork; make a new one")
+        mine = getattr(self._local, "conn", None)
+        if mine is not None and mine[0] == self.generation:
+            return mine[1]
+        conn = self._new_conn()
+        conn.session, conn.epoch = self.key, self.epoch
+        self._install(conn)
+        return conn
+
+    def _install(self, conn: Connection) -> None:
+        """Make ``conn`` this thread's connection; close the one it had from an older session
+        (this thread's own socket: no other thread uses it)."""
+        with self._lock:
+            self._reap()
+            old = self._conns.pop(threading.get_ident(), None)
+            self._conns[threading.get_ident()] = (threading.current_thread(), conn)
+        self._local.conn = (self.generation, conn)
+        if old is not None and old[1] is not conn:
+            old[1].close()
+
+    def _reap(self) -> None:
+        """Close the connections of threads that ended (their sockets are idle for good)."""
+        for ident, (thread, conn) in list(self._conns.items()):
+            if not thread.is_alive():
+                conn.close()
+                del self._conns[ident]
+
+    def call(self, op: Op, fields: dict | None = None, frames: list | tuple = ()) -> tuple:
+        """One request of the session on this thread's connection. Raises what the session
+        learned before (EpochChanged, LeaseLost), ClientClosed, or the call's own error."""
+        self.raise_if_lost()
+        if self._owed:
+            self._give_back_late()
+        with self._lock:
+            if self._closing.is_set():
+                raise ClientClosed("this HiCacheClient was closed; open a new one")
+            self._in_flight += 1
+        try:
+            reply, out = self.conn().call(op, fields, frames)
+        except (EpochChanged, LeaseLost) as exc:
+            self._lose(exc)
+            raise
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._idle.notify_all()
+        self.heard = time.monotonic()
+        return reply, out
+
+    def raise_if_lost(self) -> None:
+        if self._closing.is_set():
+            raise ClientClosed("this HiCacheClient was closed; open a new one")
+        lost = self.lost
+        if lost is not None:
+            raise type(lost)(lost.code, lost.message)
+
+    def _lose(self, exc: DaemonError) -> None:
+        if self.lost is None:
+            self.lost = exc
+
+    # ---- late replies ---------------------------------------------------------------------
+    def _late(self, op: Op, reply: Reply, frames: list) -> None:
+        """A request that timed out ran after all: note what to give back of what its reply
+        brought (called inside a later call; the give-back waits for the next one)."""
+        owed = _give_backs(op, reply, frames, int(self.info["config"]["page_size"]))
+        if owed:
+            with self._lock:
+                self._owed.extend(owed)
+
+    def _give_back_late(self) -> None:
+        with self._lock:
+            owed, self._owed = self._owed, []
+        for op, fields, frames in owed:
+            with contextlib.suppress(DaemonError, DaemonTimeout, ClientClosed):
+                self.conn().call(op, fields, frames)
+
+    # ---- liveness ---------------------------------------------------------------------------
+    def check_alive(self) -> None:
+        """Raise unless the daemon answered within a lease (DaemonTimeout), in this life
+        (EpochChanged) and for a session still alive (LeaseLost)."""
+        self.raise_if_lost()
+        if self._beat is not None and self._beat.is_alive():
+            silent = time.monotonic() - self.heard
+            if silent > self.lease_s:
+                raise DaemonTimeout(f"the daemon has not answered for {silent:.1f} s")
+            return
+        probe = Connection(self.endpoint, min(self.timeout_s, self.lease_s), self._closing)
+        probe.session, probe.epoch = self.key, self.epoch
+        try:
+            probe.call(Op.HEARTBEAT)
+        except (EpochChanged, LeaseLost) as exc:
+            self._lose(exc)
+            raise
+        finally:
+            probe.close()
+        self.heard = time.monotonic()
+
+    # ---- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """From any thread, once: calls in flight end (ClientClosed), the heartbeat stops, the
+        daemon is told goodbye (it frees what the session held) and every socket closes."""
+        with self._lock:
+            if self._closing.is_set():
+                return
+            self._closing.set()
+            while self._in_flight:  # they see _closing within one receive slice
+                self._idle.wait(1.0)
+            conns = [c for _, c in self._conns.values()]
+            self._conns = {}
+        self._stop_beat.set()
+        if self._beat is not None and self._beat is not threading.current_thread():
+            self._beat.join()
+        if os.getpid() == self._pid:
+            goodbye = Connection(self.endpoint, min(self.timeout_s, 2.0))
+            goodbye.session, goodbye.epoch = self.key, self.epoch
+            with contextlib.suppress(Exception):  # daemon gone or restarted: nothing to give
+                goodbye.call(Op.GOODBYE)
+            goodbye.close()
+        for conn in conns:
+            conn.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
+
+
+def _give_backs(op: Op, reply: Reply, frames: list, page_size: int) -> list:
+    """What to give back of a late reply to ``op``: releases of its locks, frees of the pages
+    it started (a slot that continues a partly filled page shares it with the request's
+    earlier tokens, which the engine still uses: not that page)."""
+    if op in (Op.MATCH, Op.INSERT):
+        ids = [r[2] for r in reply.fields.get("results", ()) if r[2]]
+        return [(Op.RELEASE, {"lock_ids": ids}, [])] if ids else []
+    if op is Op.LOCK and reply.fields.get("lock_id"):
+        return [(Op.RELEASE, {"lock_ids": [reply.fields["lock_id"]]}, [])]
+    if op is Op.ALLOC and frames:
+        return [(Op.FREE, {}, [bytes(frames[0].buffer)])]
+    if op in (Op.ALLOC_EXTEND, Op.ALLOC_DECODE) and frames:
+        slots = np.frombuffer(frames[0].buffer, dtype=np.int64)
+        new = slots[slots % page_size == 0]
+        return [(Op.FREE, {}, [new.tobytes()])] if len(new) else []
+    return []
+
+
+def _heartbeat(link: SessionLink, stop: threading.Event) -> None:
+    """Beat at least three times per lease, so one lost beat never ends a live session. Holds
+    the link, never the client: a client dropped without close() is still collected. Stops
+    on EpochChanged, LeaseLost or an unknown session (every later call raises it)."""
+    interval = min(HEARTBEAT_INTERVAL_S, link.lease_s / 3)
+    conn = Connection(link.endpoint, interval * 2)
+    conn.session, conn.epoch = link.key, link.epoch
+    try:
+        while not stop.wait(interval) and link.lost is None:
+            try:
+                conn.call(Op.HEARTBEAT)
+                link.heard = time.monotonic()
+            except (EpochChanged, LeaseLost) as exc:
+                link._lose(exc)
+            except DaemonError as exc:
+                if exc.code is ErrorCode.UNKNOWN_SESSION:
+                    link._lose(LeaseLost(exc.code, exc.message))
+            except DaemonTimeout:  # the daemon is busy or gone: calls will tell
+                pass
+    finally:
+        conn.close()
