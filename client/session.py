@@ -67,6 +67,9 @@ class SessionLink:
                     f"no daemon at {self.endpoint} (no socket file): start hicache-daemon, or "
                     "pass the endpoint of the one that runs (or set HICACHE_ENDPOINT)"
                 )
+        if self._beat is not None and self._beat is not threading.current_thread():
+            self._stop_beat.set()  # the old session's heartbeat ends before the new one starts
+            self._beat.join()
         conn = self._new_conn()
         reply, _ = conn.call(Op.HELLO, hello_fields(self.name, self.admin, self.endpoint))
         self.info = reply.fields
@@ -78,13 +81,10 @@ class SessionLink:
         self.generation += 1
         self._install(conn)  # (another thread's old connection is closed by that thread)
         if self._beat_wanted:
-            self._stop_beat.set()
-            if self._beat is not None and self._beat is not threading.current_thread():
-                self._beat.join()
             self._stop_beat = threading.Event()
             self._beat = threading.Thread(
                 target=_heartbeat,
-                args=(self, self._stop_beat),
+                args=(self, self._stop_beat, self.generation),
                 daemon=True,
                 name="hicache-heartbeat",
             )
@@ -146,10 +146,11 @@ class SessionLink:
             if self._closing.is_set():
                 raise ClientClosed("this HiCacheClient was closed; open a new one")
             self._in_flight += 1
+        generation = self.generation
         try:
             reply, out = self.conn().call(op, fields, frames)
         except (EpochChanged, LeaseLost) as exc:
-            self._lose(exc)
+            self._lose(exc, generation)
             raise
         finally:
             with self._lock:
@@ -166,8 +167,10 @@ class SessionLink:
         if lost is not None:
             raise type(lost)(lost.code, lost.message)
 
-    def _lose(self, exc: DaemonError) -> None:
-        if self.lost is None:
+    def _lose(self, exc: DaemonError, generation: int) -> None:
+        """Record what ended the session of ``generation`` (a call or beat of an older one,
+        finishing after a reconnect, says nothing about the new session)."""
+        if self.lost is None and generation == self.generation:
             self.lost = exc
 
     # ---- late replies ---------------------------------------------------------------------
@@ -197,11 +200,11 @@ class SessionLink:
                 raise DaemonTimeout(f"the daemon has not answered for {silent:.1f} s")
             return
         probe = Connection(self.endpoint, min(self.timeout_s, self.lease_s), self._closing)
-        probe.session, probe.epoch = self.key, self.epoch
+        probe.session, probe.epoch, generation = self.key, self.epoch, self.generation
         try:
             probe.call(Op.HEARTBEAT)
         except (EpochChanged, LeaseLost) as exc:
-            self._lose(exc)
+            self._lose(exc, generation)
             raise
         finally:
             probe.close()
@@ -254,7 +257,7 @@ def _give_backs(op: Op, reply: Reply, frames: list, page_size: int) -> list:
     return []
 
 
-def _heartbeat(link: SessionLink, stop: threading.Event) -> None:
+def _heartbeat(link: SessionLink, stop: threading.Event, generation: int) -> None:
     """Beat at least three times per lease, so one lost beat never ends a live session. Holds
     the link, never the client: a client dropped without close() is still collected. Stops
     on EpochChanged, LeaseLost or an unknown session (every later call raises it)."""
@@ -267,10 +270,10 @@ def _heartbeat(link: SessionLink, stop: threading.Event) -> None:
                 conn.call(Op.HEARTBEAT)
                 link.heard = time.monotonic()
             except (EpochChanged, LeaseLost) as exc:
-                link._lose(exc)
+                link._lose(exc, generation)
             except DaemonError as exc:
                 if exc.code is ErrorCode.UNKNOWN_SESSION:
-                    link._lose(LeaseLost(exc.code, exc.message))
+                    link._lose(LeaseLost(exc.code, exc.message), generation)
             except DaemonTimeout:  # the daemon is busy or gone: calls will tell
                 pass
     finally:
