@@ -113,6 +113,7 @@ class Connection:
         self.endpoint = endpoint
         self.timeout_ms = int(timeout_s * 1000)
         self.closing = closing
+        self.busy = False  # a call is under way (set by the owning thread; see SessionLink)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)

@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from hicache.client.connection import (
+    SLICE_MS,
     ClientClosed,
     Connection,
     DaemonError,
@@ -45,11 +46,10 @@ class SessionLink:
         self.endpoint, self.name, self.timeout_s, self.admin = endpoint, name, timeout_s, admin
         self._lock = threading.Lock()
         self._reconnecting = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # in-flight calls reached 0
         self._closing = threading.Event()  # close() began: calls in flight end, new ones refuse
         self._local = threading.local()
         self._conns: dict[int, tuple[threading.Thread, Connection]] = {}  # by thread id
-        self._in_flight = 0
+        self.closed = False  # close() began: new calls refuse, calls in flight end
         self._owed: list[tuple[Op, dict, list]] = []  # give-backs for late replies
         self._pid = os.getpid()
         self.generation = 0  # +1 per (re)connect: Matches of an older one are void
@@ -100,7 +100,7 @@ class SessionLink:
         (EpochChanged, LeaseLost); True when this call did it. Threads that all saw the same
         loss call it at once: one reconnects, the others find it done."""
         with self._reconnecting:
-            if self.generation != generation or self.lost is None or self._closing.is_set():
+            if self.generation != generation or self.lost is None or self.closed:
                 return False
             self._open()
             return True
@@ -122,6 +122,9 @@ class SessionLink:
         """Make ``conn`` this thread's connection; close the one it had from an older session
         (this thread's own socket: no other thread uses it)."""
         with self._lock:
+            if self.closed:
+                conn.close()
+                raise ClientClosed("this HiCacheClient was closed; open a new one")
             self._reap()
             old = self._conns.pop(threading.get_ident(), None)
             self._conns[threading.get_ident()] = (threading.current_thread(), conn)
@@ -139,29 +142,26 @@ class SessionLink:
     def call(self, op: Op, fields: dict | None = None, frames: list | tuple = ()) -> tuple:
         """One request of the session on this thread's connection. Raises what the session
         learned before (EpochChanged, LeaseLost), ClientClosed, or the call's own error."""
-        self.raise_if_lost()
-        if self._owed:
-            self._give_back_late()
-        with self._lock:
-            if self._closing.is_set():
-                raise ClientClosed("this HiCacheClient was closed; open a new one")
-            self._in_flight += 1
-        generation = self.generation
+        if self.lost is not None or self.closed:
+            self.raise_if_lost()
+        conn, generation = self.conn(), self.generation
+        conn.busy = True  # (close() waits for busy connections; it sets `closed` first)
         try:
-            reply, out = self.conn().call(op, fields, frames)
+            if self.closed:
+                raise ClientClosed("this HiCacheClient was closed; open a new one")
+            if self._owed:
+                self._give_back_late(conn)
+            reply, out = conn.call(op, fields, frames)
         except (EpochChanged, LeaseLost) as exc:
             self._lose(exc, generation)
             raise
         finally:
-            with self._lock:
-                self._in_flight -= 1
-                if not self._in_flight:
-                    self._idle.notify_all()
+            conn.busy = False
         self.heard = time.monotonic()
         return reply, out
 
     def raise_if_lost(self) -> None:
-        if self._closing.is_set():
+        if self.closed:
             raise ClientClosed("this HiCacheClient was closed; open a new one")
         lost = self.lost
         if lost is not None:
@@ -182,12 +182,12 @@ class SessionLink:
             with self._lock:
                 self._owed.extend(owed)
 
-    def _give_back_late(self) -> None:
+    def _give_back_late(self, conn: Connection) -> None:
         with self._lock:
             owed, self._owed = self._owed, []
         for op, fields, frames in owed:
-            with contextlib.suppress(DaemonError, DaemonTimeout, ClientClosed):
-                self.conn().call(op, fields, frames)
+            with contextlib.suppress(DaemonError, DaemonTimeout):
+                conn.call(op, fields, frames)
 
     # ---- liveness ---------------------------------------------------------------------------
     def check_alive(self) -> None:
@@ -215,13 +215,15 @@ class SessionLink:
         """From any thread, once: calls in flight end (ClientClosed), the heartbeat stops, the
         daemon is told goodbye (it frees what the session held) and every socket closes."""
         with self._lock:
-            if self._closing.is_set():
+            if self.closed:
                 return
-            self._closing.set()
-            while self._in_flight:  # they see _closing within one receive slice
-                self._idle.wait(1.0)
+            self.closed = True
+            self._closing.set()  # waits for replies look at it every SLICE_MS
             conns = [c for _, c in self._conns.values()]
             self._conns = {}
+        deadline = time.monotonic() + 10 * SLICE_MS / 1000
+        while any(c.busy for c in conns) and time.monotonic() < deadline:
+            time.sleep(0.005)  # calls in flight end within one receive slice
         self._stop_beat.set()
         if self._beat is not None and self._beat is not threading.current_thread():
             self._beat.join()
@@ -232,11 +234,8 @@ class SessionLink:
                 goodbye.call(Op.GOODBYE)
             goodbye.close()
         for conn in conns:
-            conn.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._closing.is_set()
+            if not conn.busy:  # (one still busy after the wait is left to the collector)
+                conn.close()
 
 
 def _give_backs(op: Op, reply: Reply, frames: list, page_size: int) -> list:

@@ -4,6 +4,9 @@
    against a ROUTER echo process that returns the same request frames: p50 and p99.
 2. One batched match of 64 distinct cached 4096-token prompts (sharing a 2048-token system
    prompt) against 8 single matches of the same kind.
+3. The client's match against the bare connection path under it (one Connection.call and the
+   reply's Match objects: what the client did before it could be shared by threads).
+4. 4 threads sharing one client against 4 threads with a client each: matches per second.
 The last line is one JSON object.
 """
 
@@ -13,6 +16,7 @@ import json
 import multiprocessing as mp
 import os
 import tempfile
+import threading
 import time
 
 import msgpack
@@ -21,10 +25,13 @@ import torch
 import zmq
 
 from hicache.client import HiCacheClient
+from hicache.client.results import Match, PageFrame
 from hicache.daemon.launch import start_daemon, stop_daemon
-from hicache.protocol import PROTOCOL_VERSION, tokens_frame
+from hicache.protocol import PROTOCOL_VERSION, Op, tokens_frame
+from hicache.tokens import as_tokens
 
 WARMUP, ROUNDS = 200, 2000
+THREADS = 4
 
 
 def echo_server(endpoint: str) -> None:
@@ -69,6 +76,40 @@ def match_round_trips(hc: HiCacheClient, prompt: np.ndarray, rounds: int) -> lis
         hc.match_prefix(prompt, lock=False)
         out.append(time.perf_counter_ns() - t0)
     return out
+
+
+def direct_round_trips(hc: HiCacheClient, prompt: np.ndarray, rounds: int) -> list[int]:
+    """The bare path under match_prefix: validation, one Connection.call, the Matches."""
+    conn, ps = hc.conn, hc.config.page_size
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter_ns()
+        tokens = as_tokens(prompt)
+        fields = {"lengths": [len(tokens)], "lock": False, "namespaces": [None]}
+        reply, frames = conn.call(Op.MATCH, fields, [tokens])
+        frame = PageFrame(frames[0], reply.fields["chunk_pages"], ps)
+        [Match(frame, ids, d, h, lk) for d, h, lk, ids in reply.fields["results"]]
+        out.append(time.perf_counter_ns() - t0)
+    return out
+
+
+def threads_rate(clients: list[HiCacheClient], prompt: np.ndarray, per_thread: int) -> float:
+    """Matches per second of len(clients) threads, thread i calling clients[i]."""
+    start = threading.Barrier(len(clients) + 1)
+
+    def run(hc: HiCacheClient) -> None:
+        start.wait()
+        for _ in range(per_thread):
+            hc.match_prefix(prompt, lock=False)
+
+    threads = [threading.Thread(target=run, args=(hc,)) for hc in clients]
+    for th in threads:
+        th.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for th in threads:
+        th.join()
+    return len(clients) * per_thread / (time.perf_counter() - t0)
 
 
 def time_batches(
@@ -133,6 +174,18 @@ def main() -> None:
                     echo_ns += echo_round_trips(sock, prompt, 100)
                     match_ns += match_round_trips(hc, prompt, 100)
                 single8_us, batch64_us = time_batches(hc, batch)
+                direct_round_trips(hc, prompt, WARMUP)
+                client_ns, direct_ns = [], []
+                for _ in range(ROUNDS // 100):
+                    direct_ns += direct_round_trips(hc, prompt, 100)
+                    client_ns += match_round_trips(hc, prompt, 100)
+                own = [HiCacheClient(daemon_ep, name=f"own{i}") for i in range(THREADS)]
+                shared_rates, own_rates = [], []
+                for _ in range(5):  # interleaved runs, medians
+                    shared_rates.append(threads_rate([hc] * THREADS, prompt, 300))
+                    own_rates.append(threads_rate(own, prompt, 300))
+                for c in own:
+                    c.close()
         finally:
             sock.send_multipart([b"stop"])
             sock.close()
@@ -149,10 +202,24 @@ def main() -> None:
         f"8 single matches {single8_us:8.1f} us; one batch of 64 {batch64_us:8.1f} us "
         f"({batch64_us / single8_us:.2f}x)"
     )
+    c50, _ = percentiles(client_ns)
+    d50, _ = percentiles(direct_ns)
+    shared_rate, own_rate = float(np.median(shared_rates)), float(np.median(own_rates))
+    print(
+        f"client match p50 {c50:7.1f} us vs the bare connection path {d50:7.1f} us "
+        f"({c50 / d50:.3f}x)"
+    )
+    print(
+        f"{THREADS} threads: one shared client {shared_rate:8.0f} matches/s, a client each "
+        f"{own_rate:8.0f} matches/s ({shared_rate / own_rate:.2f}x)"
+    )
     print(
         json.dumps(
             {
                 "rpc_vs_echo_p50": round(m50 / e50, 3),
+                "single_thread_rpc_vs_echo": round(m50 / e50, 3),
+                "single_thread_client_vs_direct": round(c50 / d50, 3),
+                "threads_shared_vs_own": round(shared_rate / own_rate, 3),
                 "batch64_vs_single8": round(batch64_us / single8_us, 3),
                 "echo_p50_us": round(e50, 1),
                 "match_p50_us": round(m50, 1),
