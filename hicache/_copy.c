@@ -122,6 +122,10 @@ static void *run_task(void *arg) {
 static int check_args(Py_buffer *bases, Py_buffer *si, Py_buffer *di, Py_ssize_t s_page,
                       Py_ssize_t d_page, Py_ssize_t s_tok, Py_ssize_t d_tok, Py_ssize_t tokens,
                       Py_ssize_t chunk) {
+    if (((uintptr_t)bases->buf | (uintptr_t)si->buf | (uintptr_t)di->buf) & 7) {
+        PyErr_SetString(PyExc_ValueError, "copy_pages: int64 arrays must be 8-byte aligned");
+        return -1;
+    }
     if (bases->len % 16 || si->len % 8 || si->len != di->len) {
         PyErr_SetString(PyExc_ValueError,
                         "copy_pages: bases are (src, dst) int64 pairs; as many src as dst pages");

@@ -13,6 +13,21 @@
 #define MARK 0x7f /* a state code no page ever has: "seen in this call" */
 #define MAX_SLOT_BYTES ((Py_ssize_t)1 << 40) /* the most page_slots will build (1 TiB) */
 
+/* The data of ``b``, 8-byte aligned: the buffer itself, or an aligned copy in ``*tmp`` (which
+ * the caller frees with PyMem_Free). NULL, with MemoryError set, when the copy fails. Typed
+ * reads of a misaligned buffer (a memoryview slice) would be undefined behaviour. */
+static const void *aligned(const Py_buffer *b, void **tmp) {
+    *tmp = NULL;
+    if (((uintptr_t)b->buf & 7) == 0) return b->buf;
+    *tmp = PyMem_Malloc(b->len ? (size_t)b->len : 1);
+    if (*tmp == NULL) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(*tmp, b->buf, (size_t)b->len);
+    return *tmp;
+}
+
 /* min_int32(buffer) -> int: the smallest int32 in the buffer, or 0 when it has none below 0 */
 static PyObject *min_int32(PyObject *self, PyObject *args) {
     Py_buffer b;
@@ -22,7 +37,12 @@ static PyObject *min_int32(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "min_int32: not whole int32 values");
         return NULL;
     }
-    const int32_t *v = (const int32_t *)b.buf;
+    void *tmp;
+    const int32_t *v = aligned(&b, &tmp);
+    if (v == NULL) {
+        PyBuffer_Release(&b);
+        return NULL;
+    }
     Py_ssize_t n = b.len / 4;
     int32_t any = 0, lo = 0;
     for (Py_ssize_t i = 0; i < n; i++)  /* OR of sign bits: vectorizes with plain SSE2 */
@@ -30,6 +50,7 @@ static PyObject *min_int32(PyObject *self, PyObject *args) {
     if (any < 0)  /* some id is negative (rare): find the smallest for the error message */
         for (Py_ssize_t i = 0; i < n; i++)
             if (v[i] < lo) lo = v[i];
+    PyMem_Free(tmp);
     PyBuffer_Release(&b);
     return PyLong_FromLong(lo);
 }
@@ -49,13 +70,15 @@ static PyObject *whole_pages(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "w*y*nnii", &st, &raw, &ps, &num_pages, &expected, &claim))
         return NULL;
     PyObject *out = NULL;
+    void *tmp = NULL;
     if (ps < 1 || num_pages < 0 || raw.len % 8) {
         PyErr_SetString(PyExc_ValueError,
                         "whole_pages: need page_size >= 1, num_pages >= 0 and int64 slots");
         goto release;
     }
     int8_t *state = (int8_t *)st.buf;
-    const int64_t *s = (const int64_t *)raw.buf;
+    const int64_t *s = aligned(&raw, &tmp);
+    if (s == NULL) goto release;
     Py_ssize_t n = raw.len / 8, count = n / ps + (n % ps != 0), done = 0; /* no overflow */
     int err = 0;
     out = PyBytes_FromStringAndSize(NULL, count * 8);
@@ -81,6 +104,7 @@ static PyObject *whole_pages(PyObject *self, PyObject *args) {
         out = PyLong_FromLong(err);
     }
 release:
+    PyMem_Free(tmp);
     PyBuffer_Release(&st);
     PyBuffer_Release(&raw);
     return out;
@@ -96,7 +120,7 @@ static PyObject *common_bytes(PyObject *self, PyObject *args) {
         limit = b.len - offset < a.len ? b.len - offset : a.len;
     const unsigned char *x = (const unsigned char *)a.buf;
     const unsigned char *y = (const unsigned char *)b.buf + (limit ? offset : 0);
-    while (n + 8 <= limit && *(const uint64_t *)(x + n) == *(const uint64_t *)(y + n)) n += 8;
+    while (n + 8 <= limit && memcmp(x + n, y + n, 8) == 0) n += 8;  /* (no aligned loads) */
     while (n < limit && x[n] == y[n]) n++;
     PyBuffer_Release(&a);
     PyBuffer_Release(&b);
@@ -110,6 +134,7 @@ static PyObject *page_slots(PyObject *self, PyObject *args) {
     Py_ssize_t ps;
     if (!PyArg_ParseTuple(args, "y*n", &b, &ps)) return NULL;
     PyObject *out = NULL;
+    void *tmp = NULL;
     if (ps < 1 || b.len % 8) {
         PyErr_SetString(PyExc_ValueError, "page_slots: need page_size >= 1 and int64 pages");
         goto release;
@@ -119,7 +144,8 @@ static PyObject *page_slots(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "page_slots: too many slots");
         goto release;
     }
-    const int64_t *pages = (const int64_t *)b.buf;
+    const int64_t *pages = aligned(&b, &tmp);
+    if (pages == NULL) goto release;
     for (Py_ssize_t i = 0; i < n; i++)  /* page * ps + offset must fit int64 */
         if (pages[i] < 0 || pages[i] > (INT64_MAX - ps) / ps) {
             PyErr_SetString(PyExc_ValueError, "page_slots: a page id outside [0, 2**63 / page_size)");
@@ -131,6 +157,7 @@ static PyObject *page_slots(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++)
         for (Py_ssize_t j = 0; j < ps; j++) *dst++ = pages[i] * ps + j;
 release:
+    PyMem_Free(tmp);
     PyBuffer_Release(&b);
     return out;
 }
@@ -144,14 +171,16 @@ static PyObject *slot_pages(PyObject *self, PyObject *args) {
     Py_ssize_t ps;
     if (!PyArg_ParseTuple(args, "y*n", &b, &ps)) return NULL;
     PyObject *out = NULL;
+    void *tmp = NULL;
     if (ps < 1) {
         PyErr_SetString(PyExc_ValueError, "slot_pages: need page_size >= 1");
         goto release;
     }
     Py_ssize_t n = b.len / 8 / ps;
+    const int64_t *s = aligned(&b, &tmp);
+    if (s == NULL) goto release;
     out = PyBytes_FromStringAndSize(NULL, n * 8);
     if (out == NULL) goto release;
-    const int64_t *s = (const int64_t *)b.buf;
     int64_t *dst = (int64_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < n; i++, s += ps) {
         int64_t page = s[0] >= 0 && s[0] % ps == 0 ? s[0] / ps : -1;
@@ -160,6 +189,7 @@ static PyObject *slot_pages(PyObject *self, PyObject *args) {
         dst[i] = page;
     }
 release:
+    PyMem_Free(tmp);
     PyBuffer_Release(&b);
     return out;
 }
@@ -228,7 +258,7 @@ static PyObject *pack_shared(PyObject *self, PyObject *args) {
             Py_ssize_t at = 0;  /* whole 8-byte words first, then the tokens of the last one */
             while (at + 8 <= bytes && memcmp(a + at, b + at, 8) == 0) at += 8;
             n = at / 4;
-            while (n < bytes / 4 && ((const int32_t *)a)[n] == ((const int32_t *)b)[n]) n++;
+            while (n < bytes / 4 && memcmp(a + 4 * n, b + 4 * n, 4) == 0) n++;
         }
         shared[i] = n;
         total += bufs[i].len - 4 * n;

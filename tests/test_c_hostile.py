@@ -170,3 +170,19 @@ def test_copy_pages_checks_what_its_arguments_tell():
         with pytest.raises(error):
             cpu_copy._copy.copy_pages(*args, 1, False)
     assert not dst.any()
+
+
+def test_misaligned_buffers_read_as_the_twin_reads_them(monkeypatch):
+    ids = np.array([3, 0, 7], np.int64).tobytes()
+    slots = np.arange(8, 16, dtype=np.int64).tobytes()
+    toks = np.array([5, -2, 9], np.int32).tobytes()
+    for raw, call in (
+        (ids, lambda b: fastpath.page_slots(b, 4)),
+        (slots, lambda b: fastpath.slot_pages(b, 4)),
+        (toks, lambda b: fastpath.min_token(b)),
+    ):
+        off = memoryview(b"\0" + raw)[1:]  # one byte off any alignment
+        same(monkeypatch, lambda off=off, call=call: call(off))
+        assert bytes(fastpath.page_slots(ids, 4)) == bytes(
+            fastpath.page_slots(memoryview(b"\0" + ids)[1:], 4)
+        )
