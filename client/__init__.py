@@ -5,8 +5,9 @@ Names are imported on first use: the CLI never imports torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hicache.lazy import lazy_exports
 
 _EXPORTS = {
     "HiCacheClient": "hicache.client.client",
@@ -52,10 +53,4 @@ if TYPE_CHECKING:
     from hicache.progress import LoadFailed
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hicache.client' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports("hicache.client", _EXPORTS, globals())

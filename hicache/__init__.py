@@ -7,8 +7,9 @@ never pay for torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hicache.lazy import lazy_exports
 
 _EXPORTS = {
     "HiRadixCache": "hicache.cache",
@@ -72,10 +73,4 @@ if TYPE_CHECKING:
     from hicache.types import EvictResult, MatchResult
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'hicache' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports("hicache", _EXPORTS, globals())

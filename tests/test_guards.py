@@ -146,12 +146,7 @@ def test_a_second_daemon_on_a_live_endpoint_is_refused_and_leaves_it_alone(ep):
     try:
         with HiCacheClient(ep, name="c1") as c1:
             pid = c1.ping()["pid"]
-            r = subprocess.run(
-                [sys.executable, "-m", "hicache.daemon", "--endpoint", ep, *SMALL],
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
+            r = failed_start(ep)
             assert r.returncode == 2 and "another hicache-daemon serves" in r.stderr
             assert len(r.stderr.strip().splitlines()) == 1  # one line, no traceback
             assert os.path.exists(ep[len("ipc://") :])
@@ -161,6 +156,16 @@ def test_a_second_daemon_on_a_live_endpoint_is_refused_and_leaves_it_alone(ep):
         stop_daemon(proc)
 
 
+def failed_start(endpoint: str) -> subprocess.CompletedProcess:
+    """A daemon start expected to fail (it must say why in one line)."""
+    return subprocess.run(
+        [sys.executable, "-m", "hicache.daemon", "--endpoint", endpoint, *SMALL],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="hands a folder to another user (needs root)")
 def test_a_socket_folder_another_user_controls_is_refused(tmp_path):
     squat = tmp_path / "squat"
@@ -168,20 +173,10 @@ def test_a_socket_folder_another_user_controls_is_refused(tmp_path):
     os.chmod(tmp_path, 0o755)
     os.chmod(squat, 0o777)
     os.chown(squat, pwd.getpwnam("nobody").pw_uid, -1)
-    r = subprocess.run(
-        [sys.executable, "-m", "hicache.daemon", "--endpoint", f"ipc://{squat}/h.sock", *SMALL],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = failed_start(f"ipc://{squat}/h.sock")
     assert r.returncode == 2 and "owned by uid" in r.stderr
     os.chown(squat, os.getuid(), -1)  # ours, but writable by everyone
-    r = subprocess.run(
-        [sys.executable, "-m", "hicache.daemon", "--endpoint", f"ipc://{squat}/h.sock", *SMALL],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = failed_start(f"ipc://{squat}/h.sock")
     assert r.returncode == 2 and "writable by other users" in r.stderr
     shutil.rmtree(squat)
 
@@ -192,12 +187,7 @@ def test_a_failed_start_leaves_no_shared_memory_and_stale_segments_do_not_break_
     number = busy.bind_to_random_port("tcp://127.0.0.1")
     try:
         before = set(glob.glob(mine + "*"))
-        r = subprocess.run(
-            [sys.executable, "-m", "hicache.daemon", "--endpoint", f"tcp://*:{number}", *SMALL],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        r = failed_start(f"tcp://*:{number}")
         assert r.returncode == 2 and "cannot listen" in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
         assert set(glob.glob(mine + "*")) == before  # nothing left behind
