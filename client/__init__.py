@@ -17,6 +17,7 @@ _EXPORTS = {
     "DaemonTimeout": "hicache.client.connection",
     "EpochChanged": "hicache.client.connection",
     "LeaseLost": "hicache.client.connection",
+    "LayoutMismatch": "hicache.client.connection",
     "NotOwned": "hicache.client.connection",
     "AttachedPools": "hicache.client.pools",
     "LoadTicket": "hicache.client.results",
@@ -31,6 +32,7 @@ __all__ = [
     "EpochChanged",
     "HiCacheClient",
     "Inserted",
+    "LayoutMismatch",
     "LeaseLost",
     "LoadFailed",
     "LoadTicket",
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
         DaemonError,
         DaemonTimeout,
         EpochChanged,
+        LayoutMismatch,
         LeaseLost,
         NotOwned,
     )

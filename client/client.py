@@ -40,6 +40,7 @@ from hicache.client.results import LoadTicket, Match, PageFrame
 from hicache.client.session import SessionLink
 from hicache.config import HiCacheConfig
 from hicache.endpoints import env_endpoint
+from hicache.engine_layout import EngineLayout
 from hicache.fastpath import pack_shared
 from hicache.progress import LayerProgress
 from hicache.protocol import (
@@ -177,6 +178,26 @@ class HiCacheClient:
             if self.pools is None:
                 self.pools = attach_pools(self.config, self.info["pools"])
             return self.pools
+
+    def register_layout(self, layout: EngineLayout) -> EngineLayout:
+        """For engines that own their device tier (vLLM), with a daemon started with
+        ``--device-tier engine``: name this engine rank's KV layout. The first registration
+        makes the daemon's pool (the shared host tier, one page per engine block); a later one
+        must be equal in identity (``EngineLayout.identity``). Returns the layout the daemon
+        serves; ``config`` and ``attach()`` then describe the pool. Raises LayoutMismatch
+        (naming both layouts) and changes nothing when it differs."""
+        reply = self._call(Op.REGISTER, {"layout": layout.as_dict()})[0]
+        with self._attach_lock:
+            self._link.info.update(reply.fields)
+            if self.pools is None:  # (a pool already mapped stays: the daemon has one pool)
+                self._reset()
+        return EngineLayout.from_dict(reply.fields["layout"])
+
+    @property
+    def layout(self) -> EngineLayout | None:
+        """The KV layout the daemon serves (device_tier=engine), None before a registration."""
+        raw = self.info.get("layout")
+        return None if raw is None else EngineLayout.from_dict(raw)
 
     # ---- cache operations ----
     def match_prefix(self, token_ids: Any, namespace: Any = None, lock: bool = True) -> Match:

@@ -67,6 +67,11 @@ class LeaseLost(DaemonError):
     open a new HiCacheClient."""
 
 
+class LayoutMismatch(DaemonError):
+    """LAYOUT_MISMATCH: the daemon serves another KV layout (model, dtype, block size, ...);
+    the message names both. Nothing changed: use a daemon of its own for this engine."""
+
+
 class ClientClosed(RuntimeError):
     """The client was closed: open a new one."""
 
@@ -75,7 +80,11 @@ class DaemonTimeout(TimeoutError):
     """No reply within the timeout (the daemon is down, or busy for too long)."""
 
 
-_ERRORS = {ErrorCode.LEASE_EXPIRED: LeaseLost, ErrorCode.NOT_OWNED: NotOwned}
+_ERRORS = {
+    ErrorCode.LEASE_EXPIRED: LeaseLost,
+    ErrorCode.NOT_OWNED: NotOwned,
+    ErrorCode.LAYOUT_MISMATCH: LayoutMismatch,
+}
 LateHandler = Callable[[Op, Reply, list], None]
 
 

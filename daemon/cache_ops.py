@@ -122,6 +122,8 @@ class CacheOpsMixin:
                 if m.loading:
                     m = self._landed(tokens, space, m)
                 results.append(self._result(session, m, lock, state))
+                session.hit_tokens += m.device_hit_length + m.host_hit_length
+            session.queried_tokens += sum(map(len, batch)) >> 2  # keys are int32 bytes
         except BaseException:
             self._undo_locks(session, results)  # a failed request holds nothing
             raise

@@ -25,6 +25,7 @@ from hicache import __version__
 from hicache.allocator import OWNED
 from hicache.cache import HiRadixCache
 from hicache.daemon.cache_ops import CacheOpsMixin
+from hicache.daemon.engine_tier import EngineTier, no_layout
 from hicache.daemon.limits import SessionLimits
 from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
@@ -45,6 +46,8 @@ Frames = list[Any]
 Result = tuple[dict[str, Any], Frames]
 NO_SESSION_OPS = {Op.HELLO, Op.PING, Op.STATS}
 ADMIN_OPS = {Op.EVICT, Op.FLUSH}
+# what a daemon for engine-owned device tiers answers before an engine registered its layout
+NO_CACHE_OPS = NO_SESSION_OPS | {Op.HEARTBEAT, Op.GOODBYE, Op.REGISTER, Op.HOLDINGS}
 MAX_SESSION_LIST = 1000  # sessions listed by stats (the count is always exact)
 
 
@@ -92,14 +95,18 @@ class Handlers(CacheOpsMixin):
         clock: Callable[[], float] | None = None,
         limits: SessionLimits | None = None,
         admin_token: str | None = None,
+        engine_tier: EngineTier | None = None,
     ):
-        self.cache = cache
+        self.cache = cache  # None until an engine registers its layout (device_tier=engine)
+        self.engine_tier = engine_tier  # device_tier=engine: the layout engines register
         self.sessions = sessions
         self.boot_epoch = boot_epoch
         self.info = info  # hello's config and pool description, and server facts for stats
         # leases run on the service clock: time the daemon was not running does not count
         self.clock = clock or ServiceClock(max_gap=min(1.0, sessions.lease_s / 4))
-        self.limits = limits or SessionLimits.for_pool(cache.device_alloc.capacity_pages)
+        self.limits = limits or SessionLimits.for_pool(
+            0 if cache is None else cache.device_alloc.capacity_pages
+        )
         self.admin_token = admin_token  # what an admin hello must show (None: no admins)
         self.started = self.clock()
         self.housekeep_errors = 0  # exceptions caught in housekeeping (each one is a bug)
@@ -122,6 +129,7 @@ class Handlers(CacheOpsMixin):
             Op.TREE: self.tree,
             Op.PING: self.ping,
             Op.HOLDINGS: self.holdings,
+            Op.REGISTER: self.register,
         }
 
     # ---- transport-facing -------------------------------------------------------------------
@@ -144,6 +152,8 @@ class Handlers(CacheOpsMixin):
                     )
             else:
                 self._check_epoch(req.epoch, required=False)
+            if self.cache is None and req.op not in NO_CACHE_OPS:
+                raise no_layout()
             fields, out = self.table[req.op](session, req.fields, frames)
             return self._reply(ErrorCode.OK, request_id, fields), out
         except ProtocolError as exc:
@@ -174,7 +184,8 @@ class Handlers(CacheOpsMixin):
         """Process transfer acks and give back what sessions past their quarantine held.
         Never raises: a bug here is logged and counted, and the daemon keeps serving."""
         try:
-            self.cache.poll()
+            if self.cache is not None:
+                self.cache.poll()
             ended = self.sessions.expire(self.clock())
         except Exception:
             self.housekeep_errors += 1
@@ -192,6 +203,8 @@ class Handlers(CacheOpsMixin):
         """Release every lock and free every page an ended session still held. Only pages the
         allocator still counts as owned are freed: nothing of the tree's or the free list's."""
         session = ended.session
+        if self.cache is None:  # nothing can be held before the pool exists
+            return
         for record in session.locks.values():
             self.cache.dec_lock_ref(record.node)
         session.locks.clear()
@@ -248,6 +261,18 @@ class Handlers(CacheOpsMixin):
     def ping(self, _: Session | None, fields: dict, frames: Frames) -> Result:
         return {"pong": True, "pid": os.getpid()}, []
 
+    def register(self, session: Session, fields: dict, frames: Frames) -> Result:
+        """An engine that owns its device tier names its KV layout (engine_tier.py): the first
+        one makes the pool; an equal one is accepted, another refused with both named."""
+        if self.engine_tier is None:
+            raise EngineTier.refusal()
+        layout, made = self.engine_tier.register(fields.get("layout"))
+        if made is not None:
+            self.cache, self.limits = made.cache, made.limits
+            self.info.update(made.info)
+        info = self.info
+        return {"layout": layout.as_dict(), "config": info["config"], "pools": info["pools"]}, []
+
     # ---- maintenance (admin) ----
     def _settle(self) -> None:
         """Wait for in-flight copies and process their acks (admin ops act on settled data)."""
@@ -283,7 +308,8 @@ class Handlers(CacheOpsMixin):
 
     def stats(self, _: Session | None, fields: dict, frames: Frames) -> Result:
         check = self._bool(fields, "check", False)
-        out: dict[str, Any] = self.cache.stats().as_dict()
+        cache = self.cache
+        out: dict[str, Any] = {} if cache is None else cache.stats().as_dict()
         listed = [
             {
                 "id": s.id,
@@ -293,6 +319,8 @@ class Handlers(CacheOpsMixin):
                 "locks": len(s.locks),
                 "admin": s.admin,
                 "lapsed": bool(s.release_at),
+                "queried_tokens": s.queried_tokens,
+                "hit_tokens": s.hit_tokens,
             }
             for s, _ in zip(self.sessions.holders(), range(MAX_SESSION_LIST), strict=False)
         ]
@@ -300,14 +328,17 @@ class Handlers(CacheOpsMixin):
         out.update(
             sessions=len(self.sessions),
             sessions_quarantined=len(quarantined),
-            quarantined_tokens=sum(len(s.owned) for s in quarantined) * self.cache.page_size,
+            quarantined_tokens=sum(len(s.owned) for s in quarantined)
+            * (0 if cache is None else cache.page_size),
             boot_epoch=self.boot_epoch,
             version=__version__,
             protocol=PROTOCOL_VERSION,
             config=self.info.get("config", {}),
             uptime_s=round(self.clock() - self.started, 3),
             pid=os.getpid(),
-            token_bytes=self.cache.config.token_bytes,
+            token_bytes=0 if cache is None else cache.config.token_bytes,
+            device_tier=self.info["config"].get("device_tier", "daemon"),
+            layout=self.info.get("layout"),
             endpoint=self.info.get("endpoint", ""),
             housekeep_errors=self.housekeep_errors,
             **self.server_counters(),
@@ -325,6 +356,10 @@ class Handlers(CacheOpsMixin):
         """The cache's invariants, plus the sessions' against it: every OWNED page is owned by
         exactly one session (live or in quarantine) and every session lock is a lock the
         cache holds on an in-tree node. Raises IntegrityError."""
+        if self.cache is None:
+            if any(s.owned or s.locks for s in self.sessions.holders()):
+                raise IntegrityError("a session holds pages or locks, and there is no pool")
+            return
         self.cache.check_integrity()
         state = self.cache.device_alloc.state
         seen: dict[int, int] = {}

@@ -24,7 +24,9 @@ import zmq
 
 from hicache.backing import CudaBacking, SharedMemoryBacking
 from hicache.cache import HiRadixCache
+from hicache.config import HiCacheConfig
 from hicache.daemon.endpoint import AdminToken, EndpointClaim, EndpointError, bind_address
+from hicache.daemon.engine_tier import EngineTier
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.limits import SessionLimits
 from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, segment_name
@@ -89,47 +91,69 @@ class Daemon:
         removed = remove_stale()
         if removed:
             log.info("removed %d stale shared-memory segments", len(removed))
-        token = instance_token()
-        self._lock = InstanceLock(token)  # taken before any segment exists
+        self._token = instance_token()
+        self._lock = InstanceLock(self._token)  # taken before any segment exists
         self.boot_epoch = secrets.randbits(62) | 1  # never 0: 0 means "no epoch yet"
-        device = (
-            SharedMemoryBacking(segment_name("device", token))
-            if cfg.device == "cpu"
-            else CudaBacking(cfg.device)
-        )
-        host = SharedMemoryBacking(segment_name("host", token)) if cfg.host_enabled else None
-        self._backings = [b for b in (device, host) if b is not None]
-        self.cache = HiRadixCache(cfg, device, host)
-        self.progress = self._share_progress(token)
         info = {
             "boot_epoch": self.boot_epoch,
             "protocol": PROTOCOL_VERSION,
             "endpoint": settings.endpoint,
             "config": settings.as_dict(),
-            "pools": {
-                "device": device.describe(),
-                "host": host.describe() if host else None,
-                "progress": None
-                if self.progress is None
-                else {**self.progress.describe(), "capacity": PROGRESS_CAPACITY},
-            },
+            "pools": None,  # device_tier=engine: none until an engine registers its layout
+            "layout": None,
         }
-        limits = SessionLimits.for_pool(
-            self.cache.device_alloc.capacity_pages,
-            settings.session_owned_fraction,
-            settings.session_max_locks,
-            settings.session_max_loads,
-        )
+        tier = EngineTier(settings, self._make_cache) if settings.engine_tier else None
+        if tier is None:
+            info["pools"] = self._make_cache(cfg)[1]
         sessions = SessionTable(settings.lease_seconds, settings.quarantine, settings.max_sessions)
         self.handlers = Handlers(
             self.cache,
             sessions,
             self.boot_epoch,
             info,
-            limits=limits,
+            limits=None if self.cache is None else self._limits(),
             admin_token=self._admin.value,
+            engine_tier=tier,
         )
         self.handlers.server_counters = self._counters
+
+    def _make_cache(self, cfg: HiCacheConfig) -> tuple[HiRadixCache, dict]:
+        """Create the pools and the cache for ``cfg`` (at start, or when the first engine
+        registers its layout); returns the cache and the pools' description. A failure leaves
+        nothing behind."""
+        token = self._token
+        device = (
+            SharedMemoryBacking(segment_name("device", token))
+            if cfg.device == "cpu"
+            else CudaBacking(cfg.device)
+        )
+        host = SharedMemoryBacking(segment_name("host", token)) if cfg.host_enabled else None
+        backings = [b for b in (device, host) if b is not None]
+        try:
+            self.cache = HiRadixCache(cfg, device, host)
+            self.progress = self._share_progress(token)
+        except BaseException:
+            self.cache = None
+            for backing in backings:
+                backing.close()
+            raise
+        self._backings = backings
+        return self.cache, {
+            "device": device.describe(),
+            "host": host.describe() if host else None,
+            "progress": None
+            if self.progress is None
+            else {**self.progress.describe(), "capacity": PROGRESS_CAPACITY},
+        }
+
+    def _limits(self) -> SessionLimits:
+        settings = self.settings
+        return SessionLimits.for_pool(
+            self.cache.device_alloc.capacity_pages,
+            settings.session_owned_fraction,
+            settings.session_max_locks,
+            settings.session_max_loads,
+        )
 
     def _counters(self) -> dict[str, int]:
         return {"replies_dropped": self.replies_dropped}

@@ -71,6 +71,8 @@ class Session:
     locks: dict[int, Any] = field(default_factory=dict)  # lock id -> what the handlers locked
     loads: set[int] = field(default_factory=set)  # tickets of loads this session started
     release_at: float = 0.0  # in quarantine: when its pages and locks are given back
+    queried_tokens: int = 0  # tokens this session asked MATCH about (`hicache info sessions`)
+    hit_tokens: int = 0  # of them, found cached (device and host)
     _lock_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def add_lock(self, record: Any) -> int:

@@ -63,7 +63,33 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
     "session_max_locks": (int, 65536, "locks one session may hold at once"),
     "session_max_loads": (int, 256, "load-backs one session may have in flight at once"),
     "max_sessions": (int, 4096, "sessions (live and quarantined) at once"),
+    "device_tier": (
+        str,
+        "daemon",
+        "who owns the device tier: daemon (its own device pool, engines write into it) or "
+        "engine (vLLM: engines keep their own blocks; the daemon's one pool is the shared host "
+        "tier, shaped by the first engine that registers its KV layout)",
+    ),
+    "host_bytes": (
+        int,
+        None,
+        "device_tier=engine: host pool size in bytes (suffixes KiB, MiB, GiB; "
+        "default: host_tokens if set, else 1GiB)",
+    ),
 }
+DEVICE_TIERS = ("daemon", "engine")
+DEFAULT_ENGINE_HOST_BYTES = 1 << 30
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(raw: object) -> int:
+    """A size in bytes from an int or a string such as 512MiB, 4GiB, 2G (powers of 1024)."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*", str(raw), re.I)
+    if m is None:
+        raise ValueError(f"host_bytes: {raw!r} is not a size (e.g. 4GiB, 512MiB, 1073741824)")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
 @dataclass(frozen=True)
@@ -76,19 +102,35 @@ class DaemonSettings:
     session_max_locks: int = 65536
     session_max_loads: int = 256
     max_sessions: int = 4096
+    device_tier: str = "daemon"  # daemon: the daemon's device pool; engine: engines' own blocks
+    host_bytes: int | None = None  # device_tier=engine: the pool's size (None: host_tokens)
+
+    @property
+    def engine_tier(self) -> bool:
+        return self.device_tier == "engine"
+
+    def engine_pool_tokens(self, page_bytes: int, page_size: int) -> int:
+        """device_tier=engine: the pool's size in tokens for pages of ``page_bytes``."""
+        if self.host_bytes is None and self.config.host_tokens:
+            return self.config.host_tokens // page_size * page_size
+        size = DEFAULT_ENGINE_HOST_BYTES if self.host_bytes is None else self.host_bytes
+        return size // page_bytes * page_size
 
     @property
     def quarantine(self) -> float:
         return self.lease_seconds if self.quarantine_seconds is None else self.quarantine_seconds
 
-    def as_dict(self) -> dict[str, Any]:
-        out = {f.name: _plain(getattr(self.config, f.name)) for f in _fields()}
+    def as_dict(self, config: HiCacheConfig | None = None) -> dict[str, Any]:
+        """The settings as JSON-able values; ``config``: the cache's config in their place
+        (device_tier=engine: the pool an engine's layout made)."""
+        config = config or self.config
+        out = {f.name: _plain(getattr(config, f.name)) for f in _fields()}
         out.update({name: getattr(self, name) for name in DAEMON_FIELDS})
         out["quarantine_seconds"] = self.quarantine
         # what the defaults resolve to (not settings themselves)
-        out["host_capacity_tokens"] = self.config.host_capacity_tokens
+        out["host_capacity_tokens"] = config.host_capacity_tokens
         with contextlib.suppress(ValueError):  # (a backend that cannot run fails at start)
-            out["transfer_backend_resolved"] = resolve_backend(self.config).value
+            out["transfer_backend_resolved"] = resolve_backend(config).value
         return out
 
 
@@ -116,6 +158,8 @@ _TYPES = {
 
 
 def _convert(name: str, raw: str) -> Any:
+    if name == "host_bytes":
+        return parse_bytes(raw)
     kind = _TYPES.get(name, str)
     try:
         return kind(raw)
@@ -212,6 +256,17 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     for name in ("session_max_locks", "session_max_loads", "max_sessions"):
         if isinstance(daemon[name], bool) or not isinstance(daemon[name], int) or daemon[name] < 1:
             raise ValueError(f"{name}: must be an integer >= 1, got {daemon[name]!r}")
+    if daemon["device_tier"] not in DEVICE_TIERS:
+        raise ValueError(
+            f"device_tier: {daemon['device_tier']!r} is not one of {', '.join(DEVICE_TIERS)}"
+        )
+    host_bytes = daemon["host_bytes"]
+    if host_bytes is not None:
+        host_bytes = parse_bytes(host_bytes)
+        if host_bytes < 1 << 20:
+            raise ValueError(f"host_bytes: at least 1MiB, got {host_bytes}")
+        if daemon["device_tier"] != "engine":
+            raise ValueError("host_bytes: only with device_tier=engine (else host_tokens)")
     return DaemonSettings(
         HiCacheConfig(**merged),
         str(daemon["endpoint"]),
@@ -221,4 +276,6 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         daemon["session_max_locks"],
         daemon["session_max_loads"],
         daemon["max_sessions"],
+        daemon["device_tier"],
+        host_bytes,
     )

@@ -65,6 +65,8 @@ class Op(IntEnum):
     TREE = 16  # fields: max_nodes -> a bounded dump
     PING = 17
     HOLDINGS = 18  # -> fields: lock_ids, owned_pages; frame: the owned page ids (int64)
+    REGISTER = 19  # fields: layout (an EngineLayout's fields) -> layout, config, pools: an
+    # engine that owns its device tier names its KV layout; the first one sizes the pool
 
 
 class ErrorCode(IntEnum):
@@ -81,6 +83,8 @@ class ErrorCode(IntEnum):
     LEASE_EXPIRED = 10  # the session's lease ran out: its locks and pages are taken back
     FORBIDDEN = 11  # an admin operation from a session that did not open as admin
     QUOTA_EXCEEDED = 12  # the session would hold more pages, locks or loads than allowed
+    LAYOUT_MISMATCH = 13  # the engine's KV layout differs from the one the daemon serves
+    NO_LAYOUT = 14  # a daemon for engine-owned device tiers has no KV layout yet (REGISTER)
 
 
 _OPS = {int(op): op for op in Op}  # a dict lookup: calling an enum class is slow
