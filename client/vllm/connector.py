@@ -1,0 +1,151 @@
+"""HiCacheConnector: vLLM's v1 KV connector over hicache-daemon, a shared host KV tier.
+
+    --kv-transfer-config '{"kv_connector": "HiCacheConnector",
+                           "kv_connector_module_path": "hicache.client.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"hicache.endpoint": "ipc://..."}}'
+
+vLLM makes one instance in its scheduler process (role SCHEDULER) and one in every worker
+(role WORKER); they share nothing but vLLM's per-step metadata. This class only routes vLLM's
+calls to the half of its role: ``scheduler.SchedulerSide`` and ``worker.WorkerSide``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hicache.client.vllm.compat import (
+    HOST_SOURCE,
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    check_version,
+    has_worker_metadata,
+)
+from hicache.client.vllm.daemon_link import DaemonLink
+from hicache.client.vllm.meta import StepPlan
+from hicache.client.vllm.scheduler import SchedulerSide
+from hicache.client.vllm.settings import ConnectorSettings, model_identity
+from hicache.client.vllm.worker import WorkerSide
+
+log = logging.getLogger("hicache.vllm")
+
+
+class HiCacheConnector(KVConnectorBase_V1):
+    if HOST_SOURCE is not None:
+        _cache_hit_source = HOST_SOURCE  # vLLM's metrics count these hits as host hits
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
+        check_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = ConnectorSettings.from_extra(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("HiCacheConnector: pipeline parallelism is not supported")
+        self.model = model_identity(vllm_config)
+        self.block_size = vllm_config.cache_config.block_size
+        engine = vllm_config.kv_transfer_config.engine_id or "vllm"
+        self.sched: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        s = self.settings
+        if role == KVConnectorRole.SCHEDULER:
+            store = s.store and has_worker_metadata()  # stores need the workers' reports
+            if s.store and not store:
+                log.warning("hicache: this vLLM sends no worker reports: loads only")
+            name = f"vllm-scheduler:{engine}"
+            link = DaemonLink(s.endpoint, name, s.timeout_s, s.retry_s, self.model)
+            self.sched = SchedulerSide(
+                s if store else _no_store(s), link, self.block_size, parallel.world_size
+            )
+            link.ready()  # connect now (the workers registered the layout before this)
+        else:
+            rank = getattr(parallel, "rank", 0) % max(1, parallel.tensor_parallel_size)
+            self.worker = WorkerSide(s.endpoint, s.timeout_s, rank, f"vllm-worker{rank}:{engine}")
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped store is a later miss
+
+    # ---- scheduler side -----------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.sched is not None:
+            self.sched.block_ids = lambda rid: kv_cache_manager.get_block_ids(rid)[0]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple:
+        n = self.sched.lookup(request, num_computed_tokens)
+        return n, False  # loaded synchronously, before the forward pass of its step
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self.sched.after_alloc(request, ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        return self.sched.plan(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.sched.report(getattr(connector_output, "kv_connector_worker_meta", None))
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        self.sched.finished(request.request_id)
+        return False, None  # stores were copied in the steps that computed them
+
+    # ---- worker side --------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        cfg = self._vllm_config
+        mc, parallel = cfg.model_config, cfg.parallel_config
+        self.worker.register(
+            kv_caches,
+            model=self.model,
+            num_blocks=getattr(self._kv_cache_config, "num_blocks", None),
+            num_kv_heads=mc.get_num_kv_heads(parallel),
+            total_kv_heads=mc.get_total_num_kv_heads(),
+            head_size=mc.get_head_size(),
+            block_size=self.block_size,
+            tp_size=parallel.tensor_parallel_size,
+            backend=self._backend(),
+        )
+
+    def _backend(self) -> str:
+        """The byte format's name: platform, resolved cache layout, attention spec."""
+        from vllm.platforms import current_platform
+
+        layout = getattr(self._kv_cache_config, "kv_cache_layout", None) or getattr(
+            self._vllm_config.cache_config, "kv_cache_layout", None
+        )
+        groups = getattr(self._kv_cache_config, "kv_cache_groups", None) or []
+        spec = type(groups[0].kv_cache_spec).__name__ if groups else ""
+        return f"{current_platform.device_type}/{layout or ''}/{spec}"
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker.load(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every layer was loaded in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
+        return  # whole blocks are stored in wait_for_save, after the forward pass
+
+    def wait_for_save(self) -> None:
+        self.worker.store(self._get_connector_metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> Any:
+        plan = self._connector_metadata if self.has_connector_metadata() else None
+        return self.worker.report(plan)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        if self.sched is not None:
+            self.sched.close()
+
+
+def _no_store(settings: ConnectorSettings) -> ConnectorSettings:
+    from dataclasses import replace
+
+    return replace(settings, store=False)

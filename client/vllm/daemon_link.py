@@ -1,0 +1,149 @@
+"""DaemonLink: the scheduler's session with hicache-daemon, and what happens when it fails.
+
+vLLM must keep serving whatever the daemon does, so every failure becomes a miss:
+- down or too slow (no socket, a timeout, a closed client): the link stays down for
+  ``retry_s`` and every lookup meanwhile is a miss, without a call (a stalled daemon costs one
+  timeout per ``retry_s``, not one per request);
+- restarted (EpochChanged) or lease lost: a new session at once, the layout registered again;
+  everything of the old session is void (``generation`` changes);
+- another layout served (LayoutMismatch): logged once, looked at again every ``retry_s``.
+A daemon error on one operation (OUT_OF_MEMORY, NOT_OWNED) fails that operation only.
+
+Scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import zmq
+
+from hicache.client.client import HiCacheClient
+from hicache.client.connection import (
+    ClientClosed,
+    DaemonError,
+    DaemonTimeout,
+    EpochChanged,
+    LayoutMismatch,
+    LeaseLost,
+)
+from hicache.client.vllm.meta import PoolRef
+from hicache.engine_layout import EngineLayout
+
+log = logging.getLogger("hicache.vllm")
+T = TypeVar("T")
+DOWN = (DaemonTimeout, ClientClosed, OSError, zmq.ZMQError, ConnectionError)
+
+
+class Unavailable(Exception):
+    """The daemon cannot be used now (down, restarted, another layout): treat as a miss."""
+
+
+class DaemonLink:
+    def __init__(self, endpoint: str, name: str, timeout_s: float, retry_s: float, model: str):
+        self.endpoint = endpoint
+        self.name = name
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.model = model  # this engine's model identity (checked against a served layout)
+        self.layout: EngineLayout | None = None  # this engine's layout, once known
+        self.client: HiCacheClient | None = None
+        self.pool: PoolRef | None = None  # what workers map for this session's pages
+        self.generation = 0  # +1 per session: pages, slots and locks of another are void
+        self.down_until = 0.0
+        self.failures = 0  # times the daemon was found unusable
+        self._said: str | None = None  # the last problem logged (each is logged once)
+
+    # ---- the session ------------------------------------------------------------------------
+    def ready(self) -> HiCacheClient | None:
+        """The client, connected and with the layout registered; None while the daemon cannot
+        be used (no call is made before ``down_until``)."""
+        if self.client is not None and self.pool is not None:
+            return self.client
+        if time.monotonic() < self.down_until:
+            return None
+        try:
+            return self._connect()
+        except Unavailable:
+            return None
+
+    def _connect(self) -> HiCacheClient | None:
+        try:
+            if self.client is None:
+                self.client = HiCacheClient(self.endpoint, self.name, timeout_s=self.timeout_s)
+                self.generation += 1
+            client = self.client
+            served = client.layout
+            if self.layout is None and served is not None and served.model == self.model:
+                self.layout = served  # this engine's workers registered it at start
+            if self.layout is None:
+                return None  # the workers' reports will bring it (the daemon restarted)
+            client.register_layout(self.layout)
+            info = client.info
+            self.pool = PoolRef(
+                info["boot_epoch"], dict(info["config"]), dict(info["pools"]), info["layout"]
+            )
+            self._said = None
+            return client
+        except LayoutMismatch as exc:
+            self._down(f"hicache: not used by this engine: {exc.message}")
+        except (EpochChanged, LeaseLost):
+            self._drop()
+            self.down_until = 0.0  # a new session at the next call
+        except (DaemonError, *DOWN) as exc:
+            self._down(f"hicache-daemon at {self.endpoint} unusable, recomputing: {exc}")
+        raise Unavailable
+
+    def learn_layout(self, raw: dict[str, Any]) -> None:
+        """A worker's layout (from its report): register it when the link has none yet."""
+        if self.layout is None:
+            self.layout = EngineLayout.from_dict(raw)
+            self.down_until = 0.0
+
+    # ---- calls ----------------------------------------------------------------------------
+    def call(self, fn: Callable[[HiCacheClient], T]) -> T:
+        """``fn(client)``; raises Unavailable (the link goes down or renews its session) or
+        DaemonError for a refused operation."""
+        client = self.ready()
+        if client is None:
+            raise Unavailable
+        try:
+            return fn(client)
+        except (EpochChanged, LeaseLost) as exc:
+            log.warning("hicache-daemon session ended (%s): starting a new one", exc.code.name)
+            self._drop()
+            raise Unavailable from None
+        except DOWN as exc:
+            self._down(f"hicache-daemon at {self.endpoint} unusable, recomputing: {exc}")
+            raise Unavailable from None
+
+    def _down(self, message: str) -> None:
+        self.failures += 1
+        self.down_until = time.monotonic() + self.retry_s
+        if message != self._said:
+            log.warning("%s (next try in %.0f s)", message, self.retry_s)
+            self._said = message
+        self._drop()
+
+    def _drop(self) -> None:
+        """Forget the session (its locks and pages lapse with its lease in the daemon). The
+        client is closed on a thread of its own: a goodbye to a stalled daemon must not stall
+        vLLM's scheduler."""
+        client, self.client, self.pool = self.client, None, None
+        if client is not None:
+            threading.Thread(target=_close_quietly, args=(client,), daemon=True).start()
+
+    def close(self) -> None:
+        client, self.client, self.pool = self.client, None, None
+        if client is not None:
+            _close_quietly(client)
+
+
+def _close_quietly(client: HiCacheClient) -> None:
+    with contextlib.suppress(Exception):
+        client.close()

@@ -1,0 +1,333 @@
+"""SchedulerSide: the connector in vLLM's scheduler: lookups, pins, copy plans, publishing.
+
+Per request (``Tracked``), the daemon holds a **chain**: a locked match of the request's prefix
+that hicache has (whole blocks). It is taken at lookup and extended as the request's blocks are
+published, and released when the request ends (finished, aborted, preempted and looked up
+again), so the pages a load reads cannot be evicted before the copy and a store always extends
+what is cached.
+
+- Lookup (``get_num_new_matched_tokens``): the prompt's whole blocks, never the last token's
+  block (at least one token is left to compute), matched and locked; the hit beyond vLLM's own
+  (block-aligned) hit is reported, and loaded synchronously before the step's forward pass.
+- Stores: a block is planned once vLLM will have computed all its tokens by the end of the
+  step (speculative tokens not counted); pool pages are allocated for it, every worker copies
+  it after the forward pass (``wait_for_save``), and only when every rank reported the step
+  done is it inserted (``insert_and_lock``, in prefix order). A failed copy is freed, never
+  published, and its blocks are planned again.
+
+Runs on vLLM's scheduler thread only; holds nothing of vLLM but the live Request objects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.client.connection import DaemonError
+from hicache.client.results import Match
+from hicache.client.vllm.daemon_link import DaemonLink, Unavailable
+from hicache.client.vllm.meta import Copy, PoolRef, StepPlan, StepReport
+from hicache.client.vllm.settings import ConnectorSettings, request_namespace
+
+log = logging.getLogger("hicache.vllm")
+
+
+@dataclass
+class Store:
+    """Blocks of one request planned for publication: tokens [start, end)."""
+
+    job: int
+    step: int
+    start: int
+    end: int
+    slots: torch.Tensor  # pool slots the session owns until insert or free
+    generation: int
+    ok: bool | None = None  # the step's outcome once every rank reported it
+
+
+@dataclass
+class Tracked:
+    request: Any  # vLLM's Request (its all_token_ids grow as it decodes)
+    namespace: str
+    generation: int  # the daemon session the chain belongs to
+    pool: PoolRef | None = None  # the pool the chain's pages are in
+    looked: float = 0.0  # when the lookup locked the chain (monotonic)
+    chain: Match | None = None  # locked in the daemon: tokens [0, chain_len)
+    chain_len: int = 0
+    planned: int = 0  # tokens cached or planned for a store (>= chain_len)
+    local: int = 0  # vLLM's own block-aligned hit at lookup
+    pending: deque[Store] = field(default_factory=deque)
+    finished: bool = False
+
+
+@dataclass
+class Figures:
+    """What the scheduler side did (tokens): for logs, tests and benchmarks."""
+
+    lookups: int = 0
+    queried_tokens: int = 0
+    hit_tokens: int = 0  # hicache hits beyond vLLM's own
+    loaded_tokens: int = 0
+    stored_tokens: int = 0  # published
+    failed_stores: int = 0
+    unavailable: int = 0  # lookups answered as misses because the daemon was not usable
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, link: DaemonLink, block_size: int, world: int):
+        self.settings = settings
+        self.link = link
+        self.block_size = block_size
+        self.world = world  # workers that must report a step before its stores are published
+        self.namespace_base = f"{link.model}\0{settings.namespace}"
+        self.tracked: dict[str, Tracked] = {}
+        self.retired: list[Tracked] = []  # ended requests whose stores are still pending
+        self.loads: list[tuple[Copy, Tracked]] = []  # planned since the last step's plan
+        self.step = 0
+        self.open_steps: deque[tuple[int, list[Store]]] = deque()  # planned, not yet reported
+        self.jobs = itertools.count(1)
+        self.figures = Figures()
+        self.block_ids = None  # callable(req_id) -> block ids of group 0 (vLLM's manager)
+
+    # ---- lookup ---------------------------------------------------------------------------
+    def lookup(self, request: Any, num_computed: int) -> int:
+        """Tokens hicache has beyond ``num_computed`` (vLLM's own block-aligned hit), whole
+        blocks, never the prompt's last token; the prefix is locked until the request ends."""
+        self._end(request.request_id)  # a lookup again (not scheduled, preempted): start over
+        if not _cacheable(request):
+            return 0
+        bs = self.block_size
+        tokens = request.all_token_ids
+        limit = (len(tokens) - 1) // bs * bs
+        self.figures.lookups += 1
+        self.figures.queried_tokens += max(0, len(tokens) - num_computed)
+        if limit < bs:
+            return 0
+        namespace = request_namespace(self.namespace_base, request)
+        try:
+            match = self.link.call(
+                lambda c: c.match_prefix(np.asarray(tokens[:limit], np.int64), namespace)
+            )
+        except Unavailable:
+            self.figures.unavailable += 1
+            return 0
+        except DaemonError as exc:
+            log.warning("hicache lookup refused: %s", exc)
+            return 0
+        hit = match.device_hit_length
+        self.tracked[request.request_id] = Tracked(
+            request,
+            namespace,
+            self.link.generation,
+            self.link.pool,
+            time.monotonic(),
+            match,
+            chain_len=hit,
+            planned=hit,
+            local=num_computed,
+        )
+        external = max(0, hit - num_computed)
+        self.figures.hit_tokens += external
+        return external
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
+        """Plan the load of the ``num_external`` tokens vLLM allocated blocks for (0: none)."""
+        t = self.tracked.get(request.request_id)
+        if t is None or not num_external or t.chain is None or t.pool is None:
+            return
+        bs = self.block_size
+        first, count = t.local // bs, num_external // bs
+        pages = t.chain.device_pages[first : first + count].numpy()
+        blocks = np.asarray(block_ids[first : first + count], dtype=np.int64)
+        if len(pages) != count or len(blocks) != count:  # (vLLM allocated otherwise: a bug)
+            log.error("hicache: load of %d blocks does not fit its allocation", count)
+            return
+        copy = Copy(next(self.jobs), request.request_id, t.pool.epoch, blocks, pages.copy())
+        self.loads.append((copy, t))
+        self.figures.loaded_tokens += num_external
+
+    # ---- the step's plan --------------------------------------------------------------------
+    def plan(self, out: Any) -> StepPlan:
+        """This step's copies: the loads planned since the last step, and stores of the blocks
+        this step completes."""
+        self.step += 1
+        plan = StepPlan(self.step)
+        lease = self.link.client.lease_s if self.link.client is not None else 0.0
+        for copy, t in self.loads:
+            # pages pinned by a session that may have lapsed since (a stalled scheduler) may be
+            # someone else's now: such a load fails (vLLM recomputes), it is never copied
+            if time.monotonic() - t.looked > lease / 2 or t.pool is None:
+                copy = Copy(copy.job, copy.req_id, 0, copy.block_ids, copy.pages)
+            else:
+                plan.pools[t.pool.epoch] = t.pool
+            plan.loads.append(copy)
+        self.loads = []
+        stores = self._plan_stores(out) if self.settings.store else []
+        if stores:
+            pool = self.link.pool
+            plan.pools[pool.epoch] = pool
+            plan.stores = [Copy(s.job, rid, pool.epoch, b, p) for s, rid, b, p in stores]
+            self.open_steps.append((self.step, [s for s, *_ in stores]))
+        return plan
+
+    def _plan_stores(self, out: Any) -> list[tuple[Store, str, np.ndarray, np.ndarray]]:
+        wanted: list[tuple[Tracked, int, int]] = []
+        spec = out.scheduled_spec_decode_tokens or {}
+        for req_id, computed in _scheduled(out):
+            t = self.tracked.get(req_id)
+            if t is None or t.finished:
+                continue
+            if t.generation != self.link.generation:
+                self._void(t)
+                continue
+            done = computed + out.num_scheduled_tokens[req_id] - len(spec.get(req_id, ()))
+            request = t.request
+            limit = len(request.all_token_ids)
+            if not self.settings.store_generated:
+                limit = request.num_prompt_tokens
+            end = min(done, limit) // self.block_size * self.block_size
+            if end > t.planned:
+                wanted.append((t, t.planned, end))
+        if not wanted:
+            return []
+        total = sum(end - start for _, start, end in wanted)
+        try:
+            slots = self.link.call(lambda c: c.alloc(total))
+        except (Unavailable, DaemonError) as exc:  # (OUT_OF_MEMORY: all pinned) skip the step
+            log.debug("hicache: no pages for %d tokens this step: %s", total, exc)
+            return []
+        if self.link.pool is None:  # (the link went down in between)
+            return []
+        plans, at, bs = [], 0, self.block_size
+        for t, start, end in wanted:
+            mine = slots[at : at + end - start]
+            at += end - start
+            rid = t.request.request_id
+            ids = self.block_ids(rid)[start // bs : end // bs]
+            store = Store(next(self.jobs), self.step, start, end, mine, self.link.generation)
+            t.pending.append(store)
+            t.planned = end
+            blocks = np.asarray(ids, dtype=np.int64)
+            plans.append((store, rid, blocks, (mine[::bs] // bs).numpy()))
+        return plans
+
+    # ---- the workers' reports ------------------------------------------------------------
+    def report(self, rep: StepReport | None) -> None:
+        """A step's outcome: its stores are published when every rank copied them (and the
+        steps before it, whose reports never came, count as failed)."""
+        if rep is None:
+            return
+        if rep.layout is not None:
+            self.link.learn_layout(rep.layout)
+        while self.open_steps and self.open_steps[0][0] <= rep.step:
+            step, stores = self.open_steps.popleft()
+            ok = step == rep.step and rep.ranks >= self.world
+            for store in stores:
+                store.ok = ok and store.job not in rep.failed
+                self.figures.failed_stores += not store.ok
+        self._publish()
+
+    def _publish(self) -> None:
+        """Insert settled stores in prefix order; free failed ones and re-plan their blocks."""
+        for t in [*self.tracked.values(), *self.retired]:
+            while t.pending and t.pending[0].ok is not None:
+                store = t.pending.popleft()
+                if store.generation != self.link.generation:
+                    continue  # pages of another daemon life: void
+                if t.generation != self.link.generation:
+                    self._void(t)  # the chain is void: these pages cannot extend it
+                if store.ok and store.start == t.chain_len:
+                    self._insert(t, store)
+                else:
+                    self._free(store.slots)
+                    t.planned = min(t.planned, t.chain_len)
+        still = []
+        for t in self.retired:
+            if t.pending:
+                still.append(t)
+            else:
+                self._release(t)
+        self.retired = still
+
+    def _insert(self, t: Tracked, store: Store) -> None:
+        tokens = np.asarray(t.request.all_token_ids[: store.end], dtype=np.int64)
+        prefix = torch.empty(0, dtype=torch.int64) if t.chain is None else t.chain.device_indices
+        try:
+            inserted = self.link.call(
+                lambda c: c.insert_and_lock(tokens, torch.cat([prefix, store.slots]), t.namespace)
+            )
+        except (Unavailable, DaemonError) as exc:
+            log.warning("hicache: publishing %d tokens failed: %s", store.end - store.start, exc)
+            t.planned = t.chain_len
+            return
+        old, t.chain = t.chain, inserted.match
+        t.chain_len = inserted.match.device_hit_length
+        t.planned = max(t.planned, t.chain_len)
+        self.figures.stored_tokens += store.end - store.start
+        if old is not None:
+            self._release_match(old)
+
+    # ---- request ends ------------------------------------------------------------------------
+    def finished(self, req_id: str) -> None:
+        """The request ended (vLLM frees its blocks after this: every planned store of it was
+        already copied, in the step that computed it)."""
+        self._end(req_id)
+
+    def _end(self, req_id: str) -> None:
+        t = self.tracked.pop(req_id, None)
+        if t is None:
+            return
+        t.finished = True
+        if t.pending:
+            self.retired.append(t)  # released once its stores are settled
+        else:
+            self._release(t)
+
+    def _release(self, t: Tracked) -> None:
+        if t.chain is not None and t.generation == self.link.generation:
+            self._release_match(t.chain)
+        t.chain = None
+
+    def _release_match(self, match: Match) -> None:
+        try:
+            self.link.call(lambda c: c.release(match))
+        except (Unavailable, DaemonError) as exc:
+            log.debug("hicache: release failed: %s", exc)
+
+    def _free(self, slots: torch.Tensor) -> None:
+        try:
+            self.link.call(lambda c: c.free(slots))
+        except (Unavailable, DaemonError) as exc:
+            log.debug("hicache: free failed: %s", exc)
+
+    def _void(self, t: Tracked) -> None:
+        """The daemon session changed: the chain and plans of the old one are void (the old
+        daemon or session took its pages back); the request's blocks are stored afresh."""
+        t.chain, t.chain_len, t.planned = None, 0, 0
+        t.pending = deque(s for s in t.pending if s.generation == self.link.generation)
+        t.generation, t.pool = self.link.generation, self.link.pool
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def _cacheable(request: Any) -> bool:
+    """Token ids say all of a prompt's KV (no images, no prompt embeddings)."""
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+        return False
+    return True
+
+
+def _scheduled(out: Any) -> list[tuple[str, int]]:
+    """(request id, tokens computed before this step) of every request scheduled this step."""
+    pairs = [(r.req_id, r.num_computed_tokens) for r in out.scheduled_new_reqs]
+    cached = out.scheduled_cached_reqs
+    pairs.extend(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+    return pairs

@@ -1,0 +1,168 @@
+"""WorkerSide: the connector in each vLLM worker process: the KV layout, and the block copies.
+
+At start (``register``) it reads the layout of vLLM's KV caches from the registered tensors and
+registers it with the daemon: a daemon serving another layout stops vLLM's start with an error
+naming both; a daemon that is not there is a warning (vLLM serves without it, and the
+scheduler registers the layout later from this side's reports). It needs no session after
+that: every step's plan names the pools (mapped here by their shared-memory paths, one daemon
+life each, kept while plans name them) and the pages to copy.
+
+Loads run before the forward pass (``start_load_kv``), stores after it (``wait_for_save``),
+all layers each. A load that cannot be done (the pool gone, a bad page) is reported to vLLM as
+failed blocks, never left as garbage KV; a store that cannot be done is reported to the
+scheduler, which then never publishes it.
+
+Runs on the worker's model-runner thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from hicache.client.client import HiCacheClient
+from hicache.client.connection import DaemonError, LayoutMismatch
+from hicache.client.pools import AttachedPools, attach_pools
+from hicache.client.vllm.blocks import BlockCopier, block_format, engine_layout, ordered_layers
+from hicache.client.vllm.daemon_link import DOWN
+from hicache.client.vllm.meta import Copy, PoolRef, StepPlan, StepReport
+from hicache.config import HiCacheConfig
+from hicache.engine_layout import EngineLayout
+
+log = logging.getLogger("hicache.vllm")
+KEEP_POOLS = 2  # daemon lives whose pools stay mapped (the current one and the one before)
+
+
+class WorkerSide:
+    def __init__(self, endpoint: str, timeout_s: float, rank: int, name: str):
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self.rank = rank  # tensor-parallel rank: where this rank's share of a page starts
+        self.name = name
+        self.layout: EngineLayout | None = None
+        self.copier: BlockCopier | None = None
+        self.pools: dict[int, tuple[AttachedPools, list[torch.Tensor]]] = {}  # by epoch
+        self.load_errors: set[int] = set()  # block ids, until vLLM asks
+        self.failed_stores: set[int] = set()  # jobs, until the step's report
+        self.failed_loads = 0
+        self.layout_acked = False  # a plan named a pool of this layout: no need to report it
+
+    # ---- start ------------------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor], **facts: Any) -> EngineLayout:
+        """Read the layout from vLLM's tensors (``facts``: model, heads, sizes; see
+        blocks.engine_layout), and register it with the daemon. Raises RuntimeError when the
+        daemon serves another layout."""
+        names = ordered_layers(kv_caches)
+        tensors = [kv_caches[n] for n in names]
+        num_blocks = facts.pop("num_blocks")
+        fmt = block_format(tensors, num_blocks)
+        layout = engine_layout(fmt, num_layers=len(tensors), **facts)
+        self.layout = layout
+        offset = self.rank * layout.rank_elems
+        self.copier = BlockCopier(tensors, fmt, offset, layout.block_size)
+        try:
+            with HiCacheClient(
+                self.endpoint, self.name, timeout_s=self.timeout_s, heartbeat=False
+            ) as hc:
+                hc.register_layout(layout)
+        except LayoutMismatch as exc:
+            raise RuntimeError(
+                f"hicache: vLLM's KV layout does not fit the daemon at {self.endpoint}: "
+                f"{exc.message}"
+            ) from None
+        except (DaemonError, *DOWN) as exc:
+            log.warning(
+                "hicache-daemon at %s not usable at start (%s): serving without it until it is",
+                self.endpoint,
+                exc,
+            )
+        log.info(
+            "hicache: rank %d registered %d layers, blocks %s %s (%s copies)",
+            self.rank,
+            layout.num_layers,
+            list(layout.block_shape),
+            layout.dtype,
+            "C" if self.copier.use_c else "torch",
+        )
+        return layout
+
+    # ---- copies -----------------------------------------------------------------------------
+    def load(self, plan: StepPlan) -> None:
+        """Every planned load, before the forward pass; failures become load errors."""
+        for copy in plan.loads:
+            try:
+                self._copy(plan, copy, load=True)
+            except Exception as exc:  # never garbage KV: vLLM recomputes these blocks
+                log.warning("hicache: load of %d blocks failed: %s", len(copy.block_ids), exc)
+                self.load_errors.update(int(b) for b in copy.block_ids)
+                self.failed_loads += len(copy.block_ids)
+
+    def store(self, plan: StepPlan) -> None:
+        """Every planned store, after the forward pass; failures are reported."""
+        for copy in plan.stores:
+            try:
+                self._copy(plan, copy, load=False)
+            except Exception as exc:  # never published
+                log.warning("hicache: store of %d blocks failed: %s", len(copy.block_ids), exc)
+                self.failed_stores.add(copy.job)
+
+    def _copy(self, plan: StepPlan, copy: Copy, load: bool) -> None:
+        if self.copier is None:
+            raise RuntimeError("no KV caches registered")
+        if not copy.epoch:
+            raise RuntimeError("the scheduler withdrew this copy (its pin may have lapsed)")
+        views = self._pool(plan.pools[copy.epoch])
+        if load:
+            self.copier.load(views, copy.block_ids, copy.pages)
+        else:
+            self.copier.store(views, copy.block_ids, copy.pages)
+        if any(t.is_cuda for t in self.copier.tensors[:1]):
+            torch.cuda.current_stream().synchronize()  # done before the report says so
+
+    def _pool(self, ref: PoolRef) -> list[torch.Tensor]:
+        """The pool of one daemon life, mapped on first use (a layout unlike this rank's is
+        refused: its pages would be another model's KV)."""
+        mapped = self.pools.get(ref.epoch)
+        if mapped is None:
+            served = EngineLayout.from_dict(ref.layout)
+            mismatch = served.mismatch(self.layout)
+            if mismatch:
+                raise RuntimeError(mismatch)
+            names = HiCacheConfig.__dataclass_fields__
+            cfg = HiCacheConfig(**{k: v for k, v in ref.config.items() if k in names})
+            pools = attach_pools(cfg, ref.pools)
+            mapped = (pools, self.copier.pool_views(list(pools.kv_buffer)))
+            self.pools[ref.epoch] = mapped
+            for old in sorted(self.pools)[:-KEEP_POOLS]:
+                self._unmap(old)
+            self.layout_acked = True
+        return mapped[1]
+
+    def _unmap(self, epoch: int) -> None:
+        pools, _ = self.pools.pop(epoch)
+        try:
+            pools.close()
+        except Exception:  # a view still alive: the mapping goes with the process
+            log.debug("hicache: pool of epoch %d left mapped", epoch)
+
+    # ---- what vLLM asks after the step -----------------------------------------------------
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def report(self, plan: StepPlan | None) -> StepReport | None:
+        """This step's outcome for the scheduler (its layout too, until a plan showed that the
+        scheduler registered it)."""
+        layout = None if self.layout_acked or self.layout is None else self.layout.as_dict()
+        if plan is None and layout is None:
+            return None
+        failed, self.failed_stores = self.failed_stores, set()
+        failed_loads, self.failed_loads = self.failed_loads, 0
+        step = -1 if plan is None else plan.step
+        return StepReport(step, 1, failed, failed_loads, layout)
+
+    def close(self) -> None:
+        for epoch in list(self.pools):
+            self._unmap(epoch)
