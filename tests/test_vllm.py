@@ -1,0 +1,149 @@
+"""Real vLLM (the CPU build in CI) with HiCacheConnector: every engine runs in a process of its
+own (tests/vllm_runner.py), started in a new session and killed with its workers at the end.
+
+A tiny random Llama, greedy decoding: outputs must be bit-identical with KV from hicache, and
+the hits must be what the prompt lengths say.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+
+from hicache.client import HiCacheClient  # noqa: E402
+from hicache.daemon.launch import start_daemon, stop_daemon  # noqa: E402
+from hicache.engine_layout import EngineLayout  # noqa: E402
+from tests.vllm_runner import BLOCK, make_model, prompts  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_TIMEOUT_S = 300
+EXPECTED_CACHED = [(len(p) - 1) // BLOCK * BLOCK for p in prompts()]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("vllm") / "tiny-llama")
+    make_model(folder)
+    return folder
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    ep = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(ep, "--device-tier", "engine", "--host-bytes", "16MiB")
+    try:
+        yield ep, proc
+    finally:
+        stop_daemon(proc)
+
+
+def run(scenario: str, **args) -> dict:
+    """One engine process; its whole process group is killed whatever happens."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.vllm_runner", scenario, json.dumps(args)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stray vLLM workers too
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    results = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert results, f"{scenario} printed no result (exit {proc.returncode}):\n{err[-4000:]}"
+    return json.loads(results[-1][len("RESULT ") :])
+
+
+def same(a: list[dict], b: list[dict], tol: float = 0.0) -> bool:
+    """Token ids equal; logprobs equal (or within ``tol``: another tensor-parallel size sums in
+    another order)."""
+    for x, y in zip(a, b, strict=True):
+        if x["tokens"] != y["tokens"]:
+            return False
+        for lx, ly in zip(x["logprobs"], y["logprobs"], strict=True):
+            if any(abs(p - q) > tol for p, q in zip(lx, ly, strict=True)):
+                return False
+    return True
+
+
+def held(stats: dict) -> list:
+    """Locks and owned pages sessions still hold (none once vLLM is idle)."""
+    return [s for s in stats["sessions"] if s["locks"] or s["owned_pages"]]
+
+
+def test_vllm_outputs_are_identical_with_kv_from_hicache(model, daemon):
+    ep, proc = daemon
+    plain = run("plain", model=model)["run"]
+    r = run("main", model=model, endpoint=ep, daemon_pid=proc.pid)
+    cold = r["cold"]
+    assert same(cold, plain)  # the connector changes nothing of a cold run
+    assert r["stats_after_cold"]["device_cached_tokens"] > 0  # stored
+    assert r["stats_after_cold"]["integrity"] == "ok" and not held(r["stats_after_cold"])
+    # vLLM's 23 blocks hold less than the prompts: hicache serves what vLLM evicted
+    assert same(r["warm_no_reset"], cold)
+    assert r["external_after_warm"] > 0
+    # vLLM's own prefix cache emptied: every whole block of every prompt comes from hicache
+    assert same(r["reset"], cold)
+    assert [o["cached"] for o in r["reset"]] == EXPECTED_CACHED
+    assert r["external_after_reset"] > r["external_after_warm"]  # in vLLM's own metrics
+    stats = r["stats_after_reset"]
+    assert stats["integrity"] == "ok" and not held(stats)
+    engine = [s for s in stats["sessions"] if s["client"].startswith("vllm-scheduler")]
+    assert engine and engine[0]["hit_tokens"] > 0  # hits per engine in `hicache info`
+    # pages poisoned behind the daemon's back change the output: the KV really came from it
+    assert not same(r["poisoned"], cold)
+    assert same(r["after_flush"], cold)
+    # the daemon SIGKILLed two steps into a batch: every request completes, right
+    assert same(r["killed"], cold)
+
+
+def test_engines_of_both_tensor_parallel_sizes_share_what_the_other_stored(model, daemon):
+    ep, _ = daemon
+    tp1 = run("generate", model=model, endpoint=ep)
+    assert tp1["external"] == 0
+    tp2 = run("generate", model=model, endpoint=ep, tp=2)  # another process, another TP size
+    assert [o["cached"] for o in tp2["run"]] == EXPECTED_CACHED
+    assert tp2["external"] > 0
+    assert same(tp2["run"], tp1["run"], tol=1e-5)
+    with HiCacheClient(ep, name="test", admin=True) as hc:
+        hc.flush()
+    tp2_cold = run("generate", model=model, endpoint=ep, tp=2)  # both ranks store their heads
+    assert tp2_cold["external"] == 0
+    tp1_again = run("generate", model=model, endpoint=ep)
+    assert [o["cached"] for o in tp1_again["run"]] == EXPECTED_CACHED
+    assert same(tp1_again["run"], tp2_cold["run"], tol=1e-5)
+    with HiCacheClient(ep, name="test") as hc:
+        stats = hc.stats(check=True)
+    assert stats["integrity"] == "ok"
+
+
+def test_an_engine_with_another_layout_does_not_start(model, daemon, tmp_path):
+    ep, _ = daemon
+    other = EngineLayout(
+        model="another-model|main|",
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=32,
+        dtype="float32",
+        block_size=BLOCK,
+        block_shape=(2, BLOCK, 64),
+    )
+    with HiCacheClient(ep, name="test") as hc:
+        hc.register_layout(other)
+    r = run("mismatch", model=model, endpoint=ep)
+    assert not r["started"]
+    assert "KV layout mismatch" in r["error"]
+    assert "another-model" in r["error"] and model in r["error"]  # both named
