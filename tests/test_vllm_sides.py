@@ -1,0 +1,271 @@
+"""The connector's two halves under vLLM's call order, played by hand (tests/vllm_fake.py),
+against a live daemon: what is loaded is the right KV, pins never leak, failures are misses.
+Fast enough for every path; tests/test_vllm.py runs the real vLLM."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from hicache.client import HiCacheClient
+from hicache.client.vllm.meta import Copy, StepPlan
+from hicache.client.vllm.settings import ConnectorSettings
+from hicache.daemon.launch import start_daemon, stop_daemon
+from tests.vllm_fake import BS, FakeVllm
+
+ENGINE = ("--device-tier", "engine", "--host-tokens", "512", "--lease-seconds", "2")
+
+
+@pytest.fixture
+def ep(tmp_path):
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(endpoint, *ENGINE, "--quarantine-seconds", "0.5")
+    try:
+        yield endpoint
+    finally:
+        stop_daemon(proc)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 1000, n).tolist()
+
+
+def daemon_state(endpoint: str) -> dict:
+    with HiCacheClient(endpoint, name="probe") as hc:
+        stats = hc.stats(check=True)
+    assert stats["integrity"] == "ok"
+    mine = [s for s in stats["session_list"] if s["client"] == "fake-vllm"]
+    return {
+        "cached": stats["device_cached_tokens"],
+        "locks": sum(s["locks"] for s in mine),
+        "owned": sum(s["owned_pages"] for s in mine),
+    }
+
+
+def run_to_end(v: FakeVllm, rid: str, tokens: list[int], decode: int = 0, chunk: int = 64) -> None:
+    req = v.add(rid, tokens)
+    v.admit(req)
+    while req.computed < len(req.all_token_ids):
+        v.step({rid: min(chunk, len(req.all_token_ids) - req.computed)})
+    for i in range(decode):
+        v.decode(req, 900 + i)
+        v.step({rid: 1})
+    v.finish(req)
+
+
+def test_what_one_engine_stored_another_loads_exactly(ep):
+    tokens = prompt(42)
+    a = FakeVllm(ep)
+    run_to_end(a, "a", tokens, decode=5)  # 47 tokens computed: 11 whole blocks
+    assert daemon_state(ep) == {"cached": 44, "locks": 0, "owned": 0}
+    b = FakeVllm(ep)
+    req = b.add("b", tokens)
+    ext = b.admit(req)
+    assert ext == (len(tokens) - 1) // BS * BS  # never the whole prompt
+    b.step({"b": len(tokens) - ext})
+    assert not b.load_errors and b.kv_matches(req, len(tokens))
+    b.poison_blocks()
+    assert not b.kv_matches(req, len(tokens))  # (the check can fail)
+    b.finish(req)
+    assert daemon_state(ep)["locks"] == 0
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("writer,reader", [(1, 2), (2, 1), (2, 2)])
+def test_ranks_of_any_tensor_parallel_size_share_blocks(ep, writer, reader):
+    tokens = prompt(37, seed=writer * 10 + reader)
+    a = FakeVllm(ep, ranks=writer)
+    run_to_end(a, "a", tokens)
+    b = FakeVllm(ep, ranks=reader)
+    req = b.add("b", tokens)
+    ext = b.admit(req)
+    assert ext == 36
+    b.step({"b": len(tokens) - ext})
+    assert not b.load_errors and b.kv_matches(req, len(tokens))  # each rank its own heads
+    b.finish(req)
+    a.close(), b.close()
+
+
+def test_a_whole_prompt_hit_leaves_its_last_block_to_compute(ep):
+    tokens = prompt(32, seed=3)  # exactly 8 blocks
+    a = FakeVllm(ep)
+    run_to_end(a, "a", tokens, decode=4)
+    b = FakeVllm(ep)
+    req = b.add("b", tokens)
+    assert b.admit(req) == 28  # the 8th block holds the last token: computed, not loaded
+    b.finish(req)
+    a.close(), b.close()
+
+
+def test_no_path_leaks_a_pin_or_a_page(ep):
+    a = FakeVllm(ep)
+    run_to_end(a, "seed", prompt(40, seed=5))
+    tokens = prompt(40, seed=5)
+    b = FakeVllm(ep)
+    # looked up, never scheduled, looked up again (vLLM retries), then aborted
+    r1 = b.add("r1", tokens)
+    assert b.admit(r1, alloc=False) == 36
+    assert b.admit(r1, alloc=False) == 36
+    assert daemon_state(ep)["locks"] == 1  # the second lookup replaced the first pin
+    b.sched.finished("r1")
+    assert daemon_state(ep)["locks"] == 0
+    # a 0-token allocation (vLLM had the prefix itself), then finished
+    r2 = b.add("r2", tokens)
+    b.sched.lookup(r2, 36)
+    b.sched.after_alloc(r2, [], 0)
+    b.sched.finished("r2")
+    assert daemon_state(ep)["locks"] == 0
+    # preempted mid-prefill (its blocks freed, looked up again from scratch), then finished
+    r3 = b.add("r3", prompt(60, seed=6))
+    b.admit(r3)
+    b.step({"r3": 20})
+    b.free.extend(r3.blocks)
+    r3.blocks, r3.computed = [], 0
+    b.admit(r3)
+    b.step({"r3": 60 - r3.computed})
+    # finished before the report of its last step arrived: released once it did
+    r4 = b.add("r4", prompt(30, seed=7))
+    b.admit(r4)
+    plan = b.sched.plan(_out({"r4": 30}, r4))
+    b._compute(r4, 30)
+    b.finish(r4)
+    assert daemon_state(ep)["locks"] >= 1  # r4's chain waits for its stores
+    for w in b.workers:
+        w.store(plan)
+    b.sched.report(b.workers[0].report(plan))
+    b.finish(r3)
+    state = daemon_state(ep)
+    assert state["locks"] == 0 and state["owned"] == 0
+    assert state["cached"] >= 40 + 56 + 28  # what r3 and r4 computed was published
+    a.close(), b.close()
+
+
+def test_a_store_that_failed_on_one_rank_is_never_published(ep):
+    tokens = prompt(24, seed=8)
+    a = FakeVllm(ep, ranks=2)
+    a.fail_store_rank = 1
+    req = a.add("a", tokens)
+    a.admit(req)
+    a.step({"a": 24})
+    assert daemon_state(ep) == {"cached": 0, "locks": 1, "owned": 0}  # freed, not inserted
+    a.fail_store_rank = None
+    a.decode(req, 5)
+    a.step({"a": 1})  # the blocks are planned again, and published
+    assert daemon_state(ep)["cached"] == 24
+    a.finish(req)
+    b = FakeVllm(ep, ranks=2)
+    r = b.add("b", tokens)
+    assert b.admit(r) == 20
+    b.step({"b": 4})
+    assert b.kv_matches(r, 24)
+    a.close(), b.close()
+
+
+def test_a_load_that_cannot_be_done_is_reported_as_failed_blocks(ep):
+    a = FakeVllm(ep)
+    run_to_end(a, "a", prompt(20, seed=9))
+    w = a.workers[0]
+    ref = a.sched.link.pool
+    gone = type(ref)(ref.epoch + 1, ref.config, {"device": {"path": "/nonexistent"}}, ref.layout)
+    plan = StepPlan(
+        99, {gone.epoch: gone}, loads=[Copy(1, "x", gone.epoch, _ids(3, 4), _ids(1, 2))]
+    )
+    w.load(plan)
+    assert w.take_load_errors() == {3, 4}
+    plan = StepPlan(100, {ref.epoch: ref}, loads=[Copy(2, "x", ref.epoch, _ids(5), _ids(10**6))])
+    w.load(plan)  # a page outside the pool
+    assert w.take_load_errors() == {5}
+    withdrawn = StepPlan(101, {}, loads=[Copy(3, "x", 0, _ids(6), _ids(1))])
+    w.load(withdrawn)
+    assert w.take_load_errors() == {6}
+    a.close()
+
+
+def test_a_stalled_scheduler_withdraws_its_loads(ep):
+    a = FakeVllm(ep)
+    run_to_end(a, "a", prompt(20, seed=10))
+    b = FakeVllm(ep)
+    req = b.add("b", prompt(20, seed=10))
+    b.admit(req)
+    b.sched.loads[0][1].looked -= 60  # the lookup happened a minute ago (the pin may be gone)
+    b.step({"b": 4})
+    assert b.load_errors == set(req.blocks[:4])  # vLLM recomputes them
+    a.close(), b.close()
+
+
+def test_a_daemon_that_is_down_or_restarted_is_a_miss_then_serves_again(tmp_path):
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(endpoint, *ENGINE)
+    try:
+        a = FakeVllm(endpoint)
+        run_to_end(a, "a", prompt(20, seed=11))
+    finally:
+        stop_daemon(proc)
+    started = time.monotonic()
+    req = a.add("b", prompt(20, seed=11))
+    assert a.admit(req) == 0  # down: a miss, at once
+    a.step({"b": 20})
+    a.finish(req)
+    assert time.monotonic() - started < 3
+    assert a.sched.figures.unavailable >= 1
+    proc = start_daemon(endpoint, *ENGINE)  # a new daemon life: no layout until registered
+    try:
+        run_to_end(a, "c", prompt(20, seed=12))  # re-registers the layout it learned
+        b = FakeVllm(endpoint)
+        req = b.add("d", prompt(20, seed=12))
+        assert b.admit(req) == 16
+        b.step({"d": 4})
+        assert b.kv_matches(req, 20)
+        b.finish(req)
+        assert daemon_state(endpoint) == {"cached": 20, "locks": 0, "owned": 0}
+        b.close()
+    finally:
+        stop_daemon(proc)
+    a.close()
+
+
+def test_namespaces_keep_salts_and_unreadable_prompts_apart(ep):
+    a = FakeVllm(ep)
+    tokens = prompt(20, seed=13)
+    req = a.add("a", tokens, cache_salt="tenant-a")
+    a.admit(req)
+    a.step({"a": 20})
+    a.finish(req)
+    other = a.add("b", tokens, cache_salt="tenant-b")
+    assert a.admit(other) == 0
+    a.finish(other)
+    same = a.add("c", tokens, cache_salt="tenant-a")
+    assert a.admit(same) == 16
+    a.finish(same)
+    image = a.add("d", tokens, cache_salt="tenant-a", mm_features=["an image"])
+    assert a.admit(image) == 0  # token ids do not say an image's KV
+    a.finish(image)
+    a.close()
+
+
+def test_settings_refuse_unknown_keys_and_bad_values():
+    s = ConnectorSettings.from_extra({"hicache.timeout_s": "0.5", "other.key": 1})
+    assert s.timeout_s == 0.5
+    with pytest.raises(ValueError, match="hicache.timeuot_s"):
+        ConnectorSettings.from_extra({"hicache.timeuot_s": 1})
+    with pytest.raises(ValueError, match="hicache.store"):
+        ConnectorSettings.from_extra({"hicache.store": "maybe"})
+
+
+def _ids(*values: int) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
+
+
+def _out(todo: dict, req) -> object:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, num_computed_tokens=req.computed) for r in todo
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens=dict(todo),
+        scheduled_spec_decode_tokens={},
+    )
