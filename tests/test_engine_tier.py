@@ -1,0 +1,150 @@
+"""A daemon for engines that own their device tier (--device-tier engine): layouts, the pool they
+make, and what is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache.client import DaemonError, HiCacheClient, LayoutMismatch
+from hicache.daemon.launch import start_daemon, stop_daemon
+from hicache.daemon.settings import build_parser, parse_bytes, resolve
+from hicache.engine_layout import EngineLayout
+from hicache.protocol import ErrorCode
+from tests.daemon_helpers import SMALL
+
+
+def layout(**over) -> EngineLayout:
+    fields = dict(
+        model="m",
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=32,
+        dtype="float32",
+        block_size=32,
+        block_shape=(2, 32, 64),
+        backend="cpu",
+    )
+    fields.update(over)
+    return EngineLayout(**fields)
+
+
+def test_layouts_of_any_tensor_parallel_size_are_one_identity_when_sharded_by_heads():
+    tp1 = layout()
+    tp2 = layout(num_kv_heads=1, block_shape=(1, 32, 64), tp_size=2)
+    assert tp1.mismatch(tp2) is None and tp1.page_bytes == tp2.page_bytes
+    by_rank = layout(num_kv_heads=1, block_shape=(1, 32, 64), tp_size=2, shard="rank")
+    assert "tp_size" in tp1.mismatch(by_rank)
+    assert "dtype='float32'" in tp1.mismatch(layout(dtype="float16"))
+    assert tp1.tokens_for_bytes(10 * tp1.page_bytes + 1) == 10 * 32
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(dtype="int8"), "dtype"),
+        (dict(block_shape=(2, 32, 63), block_size=32, head_size=1), None),  # fine: 2*32*63
+        (dict(block_shape=(3, 32, 64)), "shard"),  # heads shard: the block starts with the heads
+        (dict(num_layers=0), "num_layers"),
+        (dict(num_layers=True), "num_layers"),
+        (dict(block_shape=(2, 5, 3), block_size=32), "whole number"),
+        (dict(model="x" * 600), "model"),
+        (dict(shard="layers"), "shard"),
+    ],
+)
+def test_bad_layouts_are_refused_naming_the_field(bad, match):
+    if match is None:
+        layout(**bad)
+        return
+    with pytest.raises(ValueError, match=match):
+        layout(**bad)
+
+
+def test_from_dict_refuses_unknown_and_missing_fields():
+    raw = layout().as_dict()
+    assert EngineLayout.from_dict(raw) == layout()
+    with pytest.raises(ValueError, match="unknown"):
+        EngineLayout.from_dict({**raw, "extra": 1})
+    raw.pop("dtype")
+    with pytest.raises(ValueError, match="dtype"):
+        EngineLayout.from_dict(raw)
+
+
+def test_settings_of_the_engine_tier():
+    def settings(*argv: str):
+        return resolve(build_parser().parse_args(list(argv)), environ={})
+
+    s = settings("--device-tier", "engine", "--host-bytes", "64MiB")
+    assert s.engine_tier and s.host_bytes == 64 << 20
+    assert s.engine_pool_tokens(page_bytes=32768, page_size=32) == 2048 * 32
+    s = settings("--device-tier", "engine", "--host-tokens", "4096")  # no device pool to exceed
+    assert s.engine_pool_tokens(page_bytes=32768, page_size=32) == 4096
+    assert parse_bytes("2G") == 2 << 30 and parse_bytes(512) == 512
+    for argv, match in [
+        (("--device-tier", "gpu"), "device_tier"),
+        (("--host-bytes", "1GiB"), "only with device_tier=engine"),
+        (("--device-tier", "engine", "--host-bytes", "lots"), "not a size"),
+        (("--device-tier", "engine", "--host-bytes", "1KiB"), "at least"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            settings(*argv)
+
+
+@pytest.fixture
+def ep(tmp_path):
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(endpoint, "--device-tier", "engine", "--host-bytes", "4MiB")
+    try:
+        yield endpoint
+    finally:
+        stop_daemon(proc)
+
+
+def test_the_first_layout_makes_the_pool_and_others_are_refused(ep):
+    with HiCacheClient(ep, name="e1") as hc:
+        with pytest.raises(DaemonError) as err:
+            hc.match_prefix(list(range(64)))
+        assert err.value.code is ErrorCode.NO_LAYOUT
+        assert hc.layout is None and hc.stats()["layout"] is None
+        served = hc.register_layout(layout(num_kv_heads=1, block_shape=(1, 32, 64), tp_size=2))
+        assert hc.config.page_size == 32 and hc.config.device_tokens == 128 * 32  # 4 MiB
+        pools = hc.attach()
+        assert pools.kv_buffer[0].numel() == (128 + 1) * 32 * 2 * 64  # + the padding page
+        slots = hc.alloc(64)
+        pools.kv_buffer[1][slots] = 7.0
+        hc.insert(list(range(64)), slots)
+    with HiCacheClient(ep, name="e2") as hc:
+        assert hc.layout == served
+        assert hc.register_layout(layout()) == served  # TP 1 of the same model: shared
+        m = hc.match_prefix(list(range(65)))
+        assert m.device_hit_length == 64
+        assert bool((hc.attach().kv_buffer[1][m.device_indices] == 7.0).all())
+        hc.release(m)
+        with pytest.raises(LayoutMismatch, match="model='m'.*model='m2'"):
+            hc.register_layout(layout(model="m2"))
+        stats = hc.stats(check=True)
+        assert stats["integrity"] == "ok" and stats["device_tier"] == "engine"
+        assert stats["device_cached_tokens"] == 64  # the refused registration changed nothing
+
+
+def test_a_pool_too_small_for_one_block_is_out_of_memory(tmp_path):
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(endpoint, "--device-tier", "engine", "--host-bytes", "1MiB")
+    try:
+        with HiCacheClient(endpoint) as hc:
+            with pytest.raises(DaemonError) as err:
+                hc.register_layout(layout(block_shape=(2, 32, 4096), head_size=2048))
+            assert err.value.code is ErrorCode.OUT_OF_MEMORY
+            assert hc.register_layout(layout()) == layout()  # nothing was made: a fit one is
+    finally:
+        stop_daemon(proc)
+
+
+def test_a_daemon_that_owns_its_device_pool_refuses_layouts(tmp_path):
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(endpoint, *SMALL)
+    try:
+        with HiCacheClient(endpoint) as hc:
+            with pytest.raises(LayoutMismatch, match="device-tier engine"):
+                hc.register_layout(layout())
+    finally:
+        stop_daemon(proc)
