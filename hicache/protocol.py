@@ -210,7 +210,12 @@ def decode_tokens(frame: bytes | memoryview) -> np.ndarray:
 
 def split(values: np.ndarray, lengths: Any, what: str) -> list[np.ndarray]:
     """Cut a concatenated array into sequences of ``lengths`` (a msgpack list of ints)."""
-    if type(lengths) is list and len(lengths) == 1 and lengths[0] == len(values):
+    if (
+        type(lengths) is list
+        and len(lengths) == 1
+        and type(lengths[0]) is int
+        and lengths[0] == len(values)
+    ):
         return [values]  # the common single sequence, without numpy's split machinery
     if (
         not isinstance(lengths, list)
@@ -236,7 +241,7 @@ def split_tokens(frame: bytes | memoryview, lengths: Any, shared: Any = None) ->
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"token ids frame of {len(frame)} bytes")
     if shared is None and type(lengths) is list and len(lengths) == 1:
-        if lengths[0] * 4 == len(frame):  # one sequence: the frame is its key
+        if type(lengths[0]) is int and lengths[0] * 4 == len(frame):  # the frame is its key
             return [frame if type(frame) is bytes else bytes(frame)]
     shared = _check_shared(lengths, shared)
     if sum(lengths) > MAX_MATCH_TOKENS:  # checked before anything is built

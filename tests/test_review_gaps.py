@@ -283,12 +283,6 @@ def test_floats_and_bools_where_ints_are_meant_get_bad_field_and_change_nothing(
         stop_daemon(proc)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: hicache/protocol.py split() and split_tokens() take a one-sequence "
-    "`lengths` on a fast path that compares lengths[0] == len (4.0 == 4, True == 1), so a "
-    "float or bool length of a single sequence is accepted and the request runs",
-)
 @pytest.mark.parametrize(
     ("op", "lengths"),
     [(Op.MATCH, [16.0]), (Op.MATCH, [True]), (Op.INSERT, [8.0])],

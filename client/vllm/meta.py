@@ -51,6 +51,7 @@ class StepReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
     failed: set[int] = field(default_factory=set)  # store jobs that failed on some rank
     failed_loads: int = 0  # blocks that failed to load (also reported to vLLM as invalid)
     layout: dict[str, Any] | None = None  # a worker's EngineLayout, until the scheduler has one
+    seconds: float = 0.0  # spent copying this step (the slowest rank: ranks copy in parallel)
 
     def aggregate(self, other: StepReport) -> StepReport:
         """vLLM folds the workers' reports into one: ranks add up, failures unite."""
@@ -61,4 +62,5 @@ class StepReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
             failed=self.failed | other.failed,
             failed_loads=self.failed_loads + other.failed_loads,
             layout=self.layout or other.layout,
+            seconds=max(self.seconds, other.seconds),
         )

@@ -20,12 +20,14 @@ Runs on vLLM's scheduler thread only; holds nothing of vLLM but the live Request
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +39,21 @@ from hicache.client.vllm.meta import Copy, PoolRef, StepPlan, StepReport
 from hicache.client.vllm.settings import ConnectorSettings, request_namespace
 
 log = logging.getLogger("hicache.vllm")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def timed(method: F) -> F:
+    """Adds the call's time to ``self.figures.scheduler_s`` (the connector's own cost)."""
+
+    @functools.wraps(method)
+    def wrapper(self: SchedulerSide, *args: Any, **kw: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return method(self, *args, **kw)
+        finally:
+            self.figures.scheduler_s += time.perf_counter() - started
+
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass
@@ -78,6 +95,8 @@ class Figures:
     stored_tokens: int = 0  # published
     failed_stores: int = 0
     unavailable: int = 0  # lookups answered as misses because the daemon was not usable
+    scheduler_s: float = 0.0  # spent in the scheduler side's calls (daemon round trips included)
+    worker_s: float = 0.0  # spent copying in the workers (the slowest rank per step)
 
 
 class SchedulerSide:
@@ -97,6 +116,7 @@ class SchedulerSide:
         self.block_ids = None  # callable(req_id) -> block ids of group 0 (vLLM's manager)
 
     # ---- lookup ---------------------------------------------------------------------------
+    @timed
     def lookup(self, request: Any, num_computed: int) -> int:
         """Tokens hicache has beyond ``num_computed`` (vLLM's own block-aligned hit), whole
         blocks, never the prompt's last token; the prefix is locked until the request ends."""
@@ -137,6 +157,7 @@ class SchedulerSide:
         self.figures.hit_tokens += external
         return external
 
+    @timed
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
         """Plan the load of the ``num_external`` tokens vLLM allocated blocks for (0: none)."""
         t = self.tracked.get(request.request_id)
@@ -154,6 +175,7 @@ class SchedulerSide:
         self.figures.loaded_tokens += num_external
 
     # ---- the step's plan --------------------------------------------------------------------
+    @timed
     def plan(self, out: Any) -> StepPlan:
         """This step's copies: the loads planned since the last step, and stores of the blocks
         this step completes."""
@@ -219,11 +241,13 @@ class SchedulerSide:
         return plans
 
     # ---- the workers' reports ------------------------------------------------------------
+    @timed
     def report(self, rep: StepReport | None) -> None:
         """A step's outcome: its stores are published when every rank copied them (and the
         steps before it, whose reports never came, count as failed)."""
         if rep is None:
             return
+        self.figures.worker_s += rep.seconds
         if rep.layout is not None:
             self.link.learn_layout(rep.layout)
         while self.open_steps and self.open_steps[0][0] <= rep.step:
@@ -275,6 +299,7 @@ class SchedulerSide:
             self._release_match(old)
 
     # ---- request ends ------------------------------------------------------------------------
+    @timed
     def finished(self, req_id: str) -> None:
         """The request ended (vLLM frees its blocks after this: every planned store of it was
         already copied, in the step that computed it)."""

@@ -18,6 +18,7 @@ Runs on the worker's model-runner thread only.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ class WorkerSide:
         self.failed_stores: set[int] = set()  # jobs, until the step's report
         self.failed_loads = 0
         self.layout_acked = False  # a plan named a pool of this layout: no need to report it
+        self.seconds = 0.0  # spent copying since the last report
 
     # ---- start ------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor], **facts: Any) -> EngineLayout:
@@ -91,6 +93,7 @@ class WorkerSide:
     # ---- copies -----------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
         """Every planned load, before the forward pass; failures become load errors."""
+        started = time.perf_counter()
         for copy in plan.loads:
             try:
                 self._copy(plan, copy, load=True)
@@ -98,15 +101,18 @@ class WorkerSide:
                 log.warning("hicache: load of %d blocks failed: %s", len(copy.block_ids), exc)
                 self.load_errors.update(int(b) for b in copy.block_ids)
                 self.failed_loads += len(copy.block_ids)
+        self.seconds += time.perf_counter() - started
 
     def store(self, plan: StepPlan) -> None:
         """Every planned store, after the forward pass; failures are reported."""
+        started = time.perf_counter()
         for copy in plan.stores:
             try:
                 self._copy(plan, copy, load=False)
             except Exception as exc:  # never published
                 log.warning("hicache: store of %d blocks failed: %s", len(copy.block_ids), exc)
                 self.failed_stores.add(copy.job)
+        self.seconds += time.perf_counter() - started
 
     def _copy(self, plan: StepPlan, copy: Copy, load: bool) -> None:
         if self.copier is None:
@@ -161,7 +167,8 @@ class WorkerSide:
         failed, self.failed_stores = self.failed_stores, set()
         failed_loads, self.failed_loads = self.failed_loads, 0
         step = -1 if plan is None else plan.step
-        return StepReport(step, 1, failed, failed_loads, layout)
+        seconds, self.seconds = self.seconds, 0.0
+        return StepReport(step, 1, failed, failed_loads, layout, seconds)
 
     def close(self) -> None:
         for epoch in list(self.pools):

@@ -1,0 +1,321 @@
+"""bench_vllm: real vLLM alone against vLLM + hicache on the chat and doc-QA traces.
+
+Per trace, vLLM's KV cache holds 25% of the trace's working set; the daemon's host pool holds
+all of it. Configurations: vLLM with its own prefix caching alone; vLLM + hicache (one engine);
+two engines splitting the trace, alone and sharing one daemon. vLLM's own CPU offloading is
+tried and its refusal printed (LMCache: whether it is installed). Requests run one after the
+other per engine (as a chat user waits for each answer), 8 generated tokens each, greedy.
+
+Per run: prompt tokens computed (and what an unbounded cache would compute on the same trace:
+the ceiling), time to first token p50/p90, throughput, hit ratios by tier (vLLM's own cache,
+hicache), the connector's own time. The last line is one JSON object.
+
+    python -m scripts.bench_vllm [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 32
+GENERATED = 8
+# 8 layers, 4 KV heads of 64 (8 query heads), fp32: prefill of ~2.5k tokens takes a while on
+# two cores, so a hit is worth something
+MODEL = dict(hidden=512, layers=8, heads=8, kv_heads=4, inter=1536, vocab=512)
+KV_TOKEN_BYTES = MODEL["layers"] * MODEL["kv_heads"] * 64 * 2 * 4
+
+
+# ---- one engine, in its own process ------------------------------------------------------------
+def engine_main(spec: dict) -> dict:
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kw: dict[str, Any] = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=spec["max_model_len"],
+        block_size=BLOCK,
+        kv_cache_memory_bytes=spec["kv_bytes"],
+        max_num_seqs=2,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+    )
+    if spec.get("connector"):
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=spec["connector"],
+            kv_connector_module_path=spec.get("module"),
+            kv_role="kv_both",
+            kv_connector_extra_config=spec.get("extra", {}),
+        )
+    try:
+        llm = LLM(**kw)
+    except Exception as exc:  # a connector that refuses this machine
+        return {"refused": f"{type(exc).__name__}: {str(exc).splitlines()[-1][:200]}"}
+    requests = json.loads(Path(spec["requests"]).read_text())
+    engine = llm.llm_engine
+    sp = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=1)
+    out = []
+    started = time.perf_counter()
+    for i, prompt in enumerate(requests):
+        t0 = time.perf_counter()
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt), sp)
+        ttft, final = None, None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if ttft is None and o.outputs and o.outputs[0].token_ids:
+                    ttft = time.perf_counter() - t0
+                if o.finished:
+                    final = o
+        c = final.outputs[0]
+        out.append(
+            {
+                "prompt": len(prompt),
+                "cached": final.num_cached_tokens,
+                "ttft": ttft,
+                "tokens": list(c.token_ids),
+                "logprobs": [[lp[t].logprob for t in sorted(lp)] for lp in c.logprobs],
+            }
+        )
+    wall = time.perf_counter() - started
+    metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    connector = _connector_figures(llm)
+    return {"requests": out, "wall_s": wall, "metrics": metrics, "connector": connector}
+
+
+def _connector_figures(llm) -> dict:
+    try:
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        return dict(vars(conn.sched.figures))
+    except AttributeError:
+        return {}
+
+
+def run_engines(specs: list[dict], tmp: str) -> list[dict]:
+    """Each spec in a process of its own, all at once; whole process groups killed after."""
+    procs = []
+    for i, spec in enumerate(specs):
+        path = Path(tmp) / f"spec-{time.monotonic_ns()}-{i}.json"
+        path.write_text(json.dumps(spec))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "scripts.bench_vllm", "--engine", str(path)],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=3600)
+            lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+            if not lines:
+                raise RuntimeError(f"an engine failed (exit {p.returncode}):\n{err[-3000:]}")
+            results.append(json.loads(lines[-1][len("RESULT ") :]))
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    return results
+
+
+# ---- the driver ------------------------------------------------------------------------------
+def make_model(folder: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=MODEL["vocab"],
+        hidden_size=MODEL["hidden"],
+        num_attention_heads=MODEL["heads"],
+        num_key_value_heads=MODEL["kv_heads"],
+        num_hidden_layers=MODEL["layers"],
+        intermediate_size=MODEL["inter"],
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+
+
+def ceiling(prompts: list[list[int]]) -> int:
+    """Prompt tokens an unbounded cache of every earlier prompt's whole blocks computes (at
+    least the last token of each prompt), in vLLM's block granularity."""
+    seen: set[tuple[int, ...]] = set()
+    computed = 0
+    for p in prompts:
+        hit = 0
+        while hit + BLOCK <= len(p) - 1 and tuple(p[: hit + BLOCK]) in seen:
+            hit += BLOCK
+        computed += len(p) - hit
+        for end in range(BLOCK, len(p) + 1, BLOCK):
+            seen.add(tuple(p[:end]))
+    return computed
+
+
+def summarize(runs: list[dict]) -> dict:
+    reqs = [r for run in runs for r in run["requests"]]
+    prompt = sum(r["prompt"] for r in reqs)
+    cached = sum(r["cached"] for r in reqs)
+    ttfts = sorted(r["ttft"] for r in reqs)
+    m = [run["metrics"] for run in runs]
+    external = sum(x.get("vllm:external_prefix_cache_hits", 0) for x in m)
+    conn = [run.get("connector") or {} for run in runs]
+    conn_s = sum(c.get("scheduler_s", 0) + c.get("worker_s", 0) for c in conn)
+    generated = GENERATED * len(reqs)
+    return {
+        "prompt": prompt,
+        "computed": prompt - cached,
+        "hit_vllm": (cached - external) / prompt,
+        "hit_hicache": external / prompt,
+        "ttft_p50": statistics.median(ttfts),
+        "ttft_sum": sum(ttfts),
+        "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
+        "tok_s": (prompt + generated) / max(run["wall_s"] for run in runs),
+        "connector_s": conn_s,
+        "n": len(reqs),
+        "outputs": [(r["tokens"], r["logprobs"]) for r in reqs],
+    }
+
+
+def row(trace: str, label: str, s: dict, ceil: int) -> None:
+    print(
+        f"{trace:6s} {label:28s} computed={s['computed']:7d} (ceiling {ceil:6d}, "
+        f"{ceil / max(s['computed'], 1):4.2f}) ttft p50={s['ttft_p50'] * 1e3:7.1f}ms "
+        f"p90={s['ttft_p90'] * 1e3:7.1f}ms {s['tok_s']:7.0f} tok/s "
+        f"hit vllm={s['hit_vllm']:.3f} hicache={s['hit_hicache']:.3f}",
+        flush=True,
+    )
+
+
+def bench_trace(name: str, prompts: list[list[int]], model: str, tmp: str) -> dict:
+    from hicache.daemon.launch import start_daemon, stop_daemon
+
+    longest = max(len(p) for p in prompts) + GENERATED
+    max_len = -(-longest // BLOCK) * BLOCK
+    working = len({tuple(p[:e]) for p in prompts for e in range(BLOCK, len(p) + 1, BLOCK)})
+    working_tokens = working * BLOCK
+    kv_tokens = max(working_tokens // 4, max_len + 2 * BLOCK)
+    path = Path(tmp) / f"{name}.json"
+    path.write_text(json.dumps(prompts))
+    halves = [Path(tmp) / f"{name}-{i}.json" for i in range(2)]
+    for i, half in enumerate(halves):
+        half.write_text(json.dumps(prompts[i::2]))
+    base = {"model": model, "max_model_len": max_len, "kv_bytes": kv_tokens * KV_TOKEN_BYTES}
+    ceil = ceiling(prompts)
+    print(
+        f"# {name}: {len(prompts)} requests, working set {working_tokens} tokens, vLLM KV "
+        f"{kv_tokens} tokens ({kv_tokens / working_tokens:.0%}), unbounded-cache ceiling "
+        f"{ceil} computed",
+        flush=True,
+    )
+    runs: dict[str, dict] = {}
+    runs["vllm alone"] = summarize(run_engines([{**base, "requests": str(path)}], tmp))
+    row(name, "vllm alone", runs["vllm alone"], ceil)
+    for label, n in (("vllm + hicache", 1), ("2 engines + 1 hicache", 2)):
+        ep = f"ipc://{tmp}/{name}-{n}.sock"
+        host = ["--host-tokens", str(4 * working_tokens)]
+        proc = start_daemon(ep, "--device-tier", "engine", *host)
+        extra = {"hicache.endpoint": ep}
+        conn = {"connector": "HiCacheConnector", "module": "hicache.client.vllm", "extra": extra}
+        try:
+            files = [path] if n == 1 else halves
+            specs = [{**base, **conn, "requests": str(f)} for f in files]
+            runs[label] = summarize(run_engines(specs, tmp))
+        finally:
+            stop_daemon(proc)
+        row(name, label, runs[label], ceil)
+    specs = [{**base, "requests": str(f)} for f in halves]
+    runs["2 engines alone"] = summarize(run_engines(specs, tmp))
+    row(name, "2 engines alone", runs["2 engines alone"], ceil)
+    alone, hi = runs["vllm alone"], runs["vllm + hicache"]
+    per_token = alone["ttft_sum"] / max(alone["computed"], 1)  # prefill seconds per token
+    saved_s = (alone["computed"] - hi["computed"]) * per_token
+    return {
+        "reduction": alone["computed"] / max(hi["computed"], 1),
+        "reduction_2": runs["2 engines alone"]["computed"]
+        / max(runs["2 engines + 1 hicache"]["computed"], 1),
+        "ceiling_ratio": ceil / max(hi["computed"], 1),
+        "ttft_speedup": alone["ttft_p50"] / hi["ttft_p50"],
+        "overhead": hi["connector_s"] / saved_s if saved_s > 0 else float("inf"),
+        "identical": alone["outputs"] == hi["outputs"],
+    }
+
+
+def peers(model: str, tmp: str) -> None:
+    """vLLM's own CPU offloading and LMCache on this machine, started as users would."""
+    spec = {"model": model, "max_model_len": 512, "kv_bytes": 64 << 20, "requests": ""}
+    offload = {"connector": "OffloadingConnector", "extra": {"cpu_bytes_to_use": 64 << 20}}
+    (r,) = run_engines([{**spec, **offload}], tmp)
+    print(f"# vLLM OffloadingConnector: {r.get('refused', 'started')}")
+    try:
+        import lmcache  # noqa: F401
+
+        print("# LMCache: installed (not measured here)")
+    except ImportError:
+        print("# LMCache: not installed (its 0.5.6 CPU build serves no hits on this machine)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", help=argparse.SUPPRESS)  # internal: one engine's run
+    ap.add_argument("--quick", action="store_true", help="smaller traces (a smoke run)")
+    args = ap.parse_args()
+    if args.engine:
+        result = engine_main(json.loads(Path(args.engine).read_text()))
+        print("RESULT " + json.dumps(result), flush=True)
+        os._exit(0)
+    from scripts import traces
+
+    with tempfile.TemporaryDirectory(prefix="hicache-vllm-") as tmp:
+        model = f"{tmp}/model"
+        make_model(model)
+        peers(model, tmp)
+        chat = [r["prompt"] for r in traces.chat()]
+        docqa = [r["prompt"] for r in traces.doc_qa()]
+        if args.quick:
+            chat, docqa = chat[:12], [p[-700:] for p in docqa[:12]]
+        c = bench_trace("chat", chat, model, tmp)
+        d = bench_trace("docqa", docqa, model, tmp)
+    print(
+        json.dumps(
+            {
+                "vllm_recompute_reduction_chat": round(c["reduction"], 2),
+                "vllm_recompute_reduction_docqa": round(d["reduction"], 2),
+                "two_engines_recompute_reduction_chat": round(c["reduction_2"], 2),
+                "two_engines_recompute_reduction_docqa": round(d["reduction_2"], 2),
+                "ceiling_over_hicache_chat": round(c["ceiling_ratio"], 3),
+                "ceiling_over_hicache_docqa": round(d["ceiling_ratio"], 3),
+                "ttft_p50_speedup_docqa": round(d["ttft_speedup"], 2),
+                "ttft_p50_speedup_chat": round(c["ttft_speedup"], 2),
+                "connector_overhead_fraction": round(max(c["overhead"], d["overhead"]), 4),
+                "outputs_identical": c["identical"] and d["identical"],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
