@@ -11,6 +11,7 @@ daemon reports, so engine and daemon always agree on layers, KV heads, head dim 
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,12 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from hicache.client import HiCacheClient, LoadTicket
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# transformers 5.2x renamed forward's past_key_values to cache; vLLM pins an older 5.1x
+CACHE_KWARG = (
+    "past_key_values"
+    if "past_key_values" in inspect.signature(LlamaForCausalLM.forward).parameters
+    else "cache"
+)
 
 
 def build_model(client: HiCacheClient, seed: int = 0, vocab: int = 512) -> LlamaForCausalLM:
@@ -120,7 +127,8 @@ class ReferenceEngine:
             cache = self._cache_from_pool(prefix[:reuse], load, waited)
             ids = torch.from_numpy(tokens[reuse:].astype(np.int64)).unsqueeze(0)
             positions = torch.arange(reuse, len(tokens)).unsqueeze(0)
-            out = self.model(ids, cache=cache, position_ids=positions, use_cache=True)
+            kv = {CACHE_KWARG: cache}  # (its name differs between transformers versions)
+            out = self.model(ids, position_ids=positions, use_cache=True, **kv)
             if load is not None:
                 hc.wait_load(load)  # even a layer the model did not read: before insert
             t2 = time.perf_counter()
