@@ -41,8 +41,22 @@ def _pick(stats: dict, *keys: str) -> dict:
     return {k: stats[k] for k in keys if k in stats}
 
 
+_EMPTY = dict.fromkeys(
+    [
+        "hit_device_tokens",
+        "hit_host_tokens",
+        "miss_tokens",
+        "device_capacity_tokens",
+        "host_capacity_tokens",
+        "page_size",
+    ],
+    0,
+)
+
+
 def sections(stats: dict) -> dict[str, dict]:
     """Group the daemon's stats into INFO sections (shared by `info` and tests)."""
+    stats = {**_EMPTY, **stats}  # (a daemon for engine-owned tiers before any layout: zeros)
     requested = stats["hit_device_tokens"] + stats["hit_host_tokens"] + stats["miss_tokens"]
     tb = stats.get("token_bytes", 0)
     return {
@@ -54,6 +68,8 @@ def sections(stats: dict) -> dict[str, dict]:
             "host_capacity_tokens": stats["host_capacity_tokens"],
             "host_capacity_human": _human(stats["host_capacity_tokens"], tb),
             "page_size": stats["page_size"],
+            # engine: vLLM keeps the device tier; the "device" pool below is its host tier
+            "device_tier": stats.get("device_tier", "daemon"),
         },
         "device_pool": _pick(
             stats,
@@ -88,7 +104,9 @@ def sections(stats: dict) -> dict[str, dict]:
         )
         | {
             f"session_{s['id']}": f"client={s['client']},pid={s['pid']},"
-            f"owned_pages={s['owned_pages']},locks={s['locks']}"
+            f"owned_pages={s['owned_pages']},locks={s['locks']},"
+            f"queried_tokens={s.get('queried_tokens', 0)},hit_tokens={s.get('hit_tokens', 0)},"
+            f"hit_ratio={_ratio(s.get('hit_tokens', 0), s.get('queried_tokens', 0))}"
             + (",lapsed" if s.get("lapsed") else "")
             for s in stats.get("session_list", [])
         },

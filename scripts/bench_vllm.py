@@ -63,6 +63,7 @@ def engine_main(spec: dict) -> dict:
             kv_connector=spec["connector"],
             kv_connector_module_path=spec.get("module"),
             kv_role="kv_both",
+            kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec.get("extra", {}),
         )
     try:

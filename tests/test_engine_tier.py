@@ -148,3 +148,29 @@ def test_a_daemon_that_owns_its_device_pool_refuses_layouts(tmp_path):
                 hc.register_layout(layout())
     finally:
         stop_daemon(proc)
+
+
+def test_hicache_info_before_a_layout_and_hits_per_engine_after(ep):
+    import os
+    import subprocess
+    import sys
+
+    def info(*section: str) -> str:
+        env = {**os.environ, "HICACHE_ENDPOINT": ep}
+        r = subprocess.run(
+            [sys.executable, "-m", "hicache.client.cli", "info", *section],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert "device_tier:engine" in info("memory")  # no pool yet: zeros, not a traceback
+    with HiCacheClient(ep, name="vllm-a") as hc:
+        hc.register_layout(layout())
+        hc.insert(list(range(64)), hc.alloc(64))
+        hc.release(hc.match_prefix(list(range(96))))
+        text = info("sessions")
+    assert "client=vllm-a" in text and "queried_tokens=96,hit_tokens=64" in text

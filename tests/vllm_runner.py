@@ -85,6 +85,7 @@ def make_llm(args: dict, connector: bool = True, **over: Any):
             kv_connector="HiCacheConnector",
             kv_connector_module_path="hicache.client.vllm",
             kv_role="kv_both",
+            kv_load_failure_policy="recompute",
             kv_connector_extra_config=extra,
         )
     kw.update(over)

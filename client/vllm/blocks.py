@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hicache import cpu_copy
 from hicache.config import DTYPES
 from hicache.cpu_copy import copy_pages_c
 from hicache.engine_layout import EngineLayout
@@ -120,7 +121,10 @@ def engine_layout(
 
 class BlockCopier:
     """Copies whole blocks of every layer between vLLM's caches and this rank's share of the
-    pool. Not thread-safe: the worker's model-runner thread calls it."""
+    pool. The path is chosen once (``path``): ``c`` (CPU caches, ``hicache.cpu_copy``),
+    ``triton`` (CUDA caches: the page-copy kernel reads and writes the pinned, mapped pool on
+    the current stream) or ``torch`` (any strides, any device). Not thread-safe: the worker's
+    model-runner thread calls it."""
 
     def __init__(
         self, tensors: list[torch.Tensor], fmt: BlockFormat, rank_offset: int, block_size: int
@@ -130,49 +134,70 @@ class BlockCopier:
         self.rank_offset = rank_offset  # elements into a page's layer row where this rank starts
         self.block_size = block_size  # tokens per block = pool slots per page
         self.elems = math.prod(fmt.block_shape)  # of one block of one layer on this rank
+        part = self.elems // fmt.kv_parts
+        self.rows = block_size if part % block_size == 0 else 1  # a part as rows x width
+        self.width = part // self.rows
         self.engine_views = [self._engine_view(t) for t in tensors]
-        self.use_c = all(v is not None for v in self.engine_views)
+        self.path = self._choose_path()
+
+    def _choose_path(self) -> str:
+        if any(v is None for v in self.engine_views):
+            return "torch"
+        if self.tensors[0].is_cuda:
+            from hicache.kernels import triton_copy
+
+            return "triton" if triton_copy.available() else "torch"
+        return "c" if cpu_copy.available() else "torch"
 
     def _engine_view(self, t: torch.Tensor) -> torch.Tensor | None:
-        """``[kv_parts, 1, blocks, 1, part]`` over the tensor's own memory, when a block's part
-        is one contiguous run (what the C copy needs), else None."""
-        if t.device.type != "cpu":
-            return None
+        """``[kv_parts, 1, blocks, rows, width]`` over the tensor's own memory, when a block's
+        part is one contiguous run (what the page copies need), else None."""
         parts, d = self.fmt.kv_parts, self.fmt.block_dim
-        part = self.elems // parts
         try:
-            view = t.view(parts, self.fmt.num_blocks, part)
+            view = t.view(parts, self.fmt.num_blocks, self.rows, self.width)
         except RuntimeError:  # not expressible over these strides
             return None
-        if view.stride(2) != 1 or (d > 0 and view.stride(0) == 0):
+        if view.stride(3) != 1 or view.stride(2) != self.width or (d > 0 and not view.stride(0)):
             return None
-        return view.unsqueeze(1).unsqueeze(3)
+        return view.unsqueeze(1)
 
     def pool_views(self, kv_buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Per layer, this rank's part of every page: ``[kv_parts, 1, pages, 1, part]``."""
+        """Per layer, this rank's part of every page: ``[kv_parts, 1, pages, rows, width]``."""
         out = []
         parts = self.fmt.kv_parts
-        part = self.elems // parts
         for buf in kv_buffers:  # [slots, 1, width] per layer, a page = block_size slots
             pages = buf.view(-1, self.block_size * buf.shape[1] * buf.shape[2])
             mine = pages[:, self.rank_offset : self.rank_offset + self.elems]
-            out.append(mine.reshape(-1, parts, part).permute(1, 0, 2).unsqueeze(1).unsqueeze(3))
+            view = mine.reshape(-1, parts, self.rows, self.width).permute(1, 0, 2, 3)
+            out.append(view.unsqueeze(1))
         return out
 
     def store(self, pool: list[torch.Tensor], block_ids: np.ndarray, pages: np.ndarray) -> None:
-        """pool[pages] = vLLM[block_ids], every layer. Raises IndexError (nothing copied for
-        the layer) for an id out of range."""
+        """pool[pages] = vLLM[block_ids], every layer. Raises IndexError, copying nothing, for
+        an id out of range."""
         self._check(block_ids, pages, pool)
         for layer, (src, dst) in enumerate(zip(self.engine_views, pool, strict=True)):
-            if not (self.use_c and copy_pages_c(src, dst, block_ids, pages)):
-                self._torch_copy(self.tensors[layer], dst, block_ids, pages, to_pool=True)
+            self._copy(layer, src, dst, block_ids, pages, to_pool=True)
 
     def load(self, pool: list[torch.Tensor], block_ids: np.ndarray, pages: np.ndarray) -> None:
         """vLLM[block_ids] = pool[pages], every layer (see store)."""
         self._check(block_ids, pages, pool)
         for layer, (dst, src) in enumerate(zip(self.engine_views, pool, strict=True)):
-            if not (self.use_c and copy_pages_c(src, dst, pages, block_ids)):
-                self._torch_copy(self.tensors[layer], src, block_ids, pages, to_pool=False)
+            self._copy(layer, src, dst, pages, block_ids, to_pool=False)
+
+    def _copy(self, layer, src, dst, src_ids, dst_ids, to_pool: bool) -> None:  # noqa: ANN001
+        if self.path == "c" and copy_pages_c(src, dst, src_ids, dst_ids):
+            return
+        if self.path == "triton":
+            from hicache.kernels.triton_copy import copy_pages_triton
+
+            device = self.tensors[layer].device
+            ids = [torch.from_numpy(x).to(device) for x in (src_ids, dst_ids)]
+            copy_pages_triton(src, dst, *ids, check=False)  # (checked: _check)
+            return
+        engine_ids, pages = (src_ids, dst_ids) if to_pool else (dst_ids, src_ids)
+        pool_view = dst if to_pool else src
+        self._torch_copy(self.tensors[layer], pool_view, engine_ids, pages, to_pool)
 
     def _check(self, block_ids: np.ndarray, pages: np.ndarray, pool: list[torch.Tensor]) -> None:
         if len(block_ids) != len(pages):
@@ -196,7 +221,7 @@ class BlockCopier:
     ) -> None:
         """Any strides, any device: blocks first, then [parts, part] per block."""
         blocks = tensor.movedim(self.fmt.block_dim, 0)  # [blocks, *before, *after]
-        rows = pool_view[:, 0, :, 0, :].permute(1, 0, 2)  # [pages, parts, part]
+        rows = pool_view[:, 0].flatten(2).permute(1, 0, 2)  # [pages, parts, part]
         ids = torch.from_numpy(block_ids).to(tensor.device)
         at = torch.from_numpy(pages)
         if to_pool:

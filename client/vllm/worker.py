@@ -86,7 +86,7 @@ class WorkerSide:
             layout.num_layers,
             list(layout.block_shape),
             layout.dtype,
-            "C" if self.copier.use_c else "torch",
+            self.copier.path,
         )
         return layout
 
