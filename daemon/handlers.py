@@ -337,7 +337,7 @@ class Handlers(CacheOpsMixin):
             uptime_s=round(self.clock() - self.started, 3),
             pid=os.getpid(),
             token_bytes=0 if cache is None else cache.config.token_bytes,
-            device_tier=self.info["config"].get("device_tier", "daemon"),
+            device_tier=self.info.get("config", {}).get("device_tier", "daemon"),
             layout=self.info.get("layout"),
             endpoint=self.info.get("endpoint", ""),
             housekeep_errors=self.housekeep_errors,
