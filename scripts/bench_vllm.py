@@ -6,6 +6,10 @@ two engines splitting the trace, alone and sharing one daemon. vLLM's own CPU of
 tried and its refusal printed (LMCache: whether it is installed). Requests run one after the
 other per engine (as a chat user waits for each answer), 8 generated tokens each, greedy.
 
+Outputs: the greedy token ids of vLLM alone and vLLM + hicache are compared (and the largest
+logprob difference printed: vLLM computes a prompt in other chunks when part of it is cached,
+so logprobs may differ in the last bits, as with vLLM's own prefix cache).
+
 Per run: prompt tokens computed (and what an unbounded cache would compute on the same trace:
 the ceiling), time to first token p50/p90, throughput, hit ratios by tier (vLLM's own cache,
 hicache), the connector's own time. The last line is one JSON object.
@@ -30,9 +34,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 32
 GENERATED = 8
-# 8 layers, 4 KV heads of 64 (8 query heads), fp32: prefill of ~2.5k tokens takes a while on
-# two cores, so a hit is worth something
-MODEL = dict(hidden=512, layers=8, heads=8, kv_heads=4, inter=1536, vocab=512)
+# 8 layers, 12 query heads and 2 KV heads of 64 (grouped-query attention, as served models
+# have), fp32: prefill of ~2.5k tokens takes a while on two cores, so a hit is worth something
+MODEL = dict(hidden=768, layers=8, heads=12, kv_heads=2, inter=2048, vocab=512)
 KV_TOKEN_BYTES = MODEL["layers"] * MODEL["kv_heads"] * 64 * 2 * 4
 
 
@@ -184,7 +188,8 @@ def summarize(runs: list[dict]) -> dict:
     m = [run["metrics"] for run in runs]
     external = sum(x.get("vllm:external_prefix_cache_hits", 0) for x in m)
     conn = [run.get("connector") or {} for run in runs]
-    conn_s = sum(c.get("scheduler_s", 0) + c.get("worker_s", 0) for c in conn)
+    sched_s = sum(c.get("scheduler_s", 0) for c in conn)
+    worker_s = sum(c.get("worker_s", 0) for c in conn)
     generated = GENERATED * len(reqs)
     return {
         "prompt": prompt,
@@ -195,7 +200,9 @@ def summarize(runs: list[dict]) -> dict:
         "ttft_sum": sum(ttfts),
         "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))],
         "tok_s": (prompt + generated) / max(run["wall_s"] for run in runs),
-        "connector_s": conn_s,
+        "connector_s": sched_s + worker_s,
+        "scheduler_s": sched_s,
+        "worker_s": worker_s,
         "n": len(reqs),
         "outputs": [(r["tokens"], r["logprobs"]) for r in reqs],
     }
@@ -206,7 +213,13 @@ def row(trace: str, label: str, s: dict, ceil: int) -> None:
         f"{trace:6s} {label:28s} computed={s['computed']:7d} (ceiling {ceil:6d}, "
         f"{ceil / max(s['computed'], 1):4.2f}) ttft p50={s['ttft_p50'] * 1e3:7.1f}ms "
         f"p90={s['ttft_p90'] * 1e3:7.1f}ms {s['tok_s']:7.0f} tok/s "
-        f"hit vllm={s['hit_vllm']:.3f} hicache={s['hit_hicache']:.3f}",
+        f"hit vllm={s['hit_vllm']:.3f} hicache={s['hit_hicache']:.3f}"
+        + (
+            f" connector {s['scheduler_s'] / s['n'] * 1e3:.2f}+{s['worker_s'] / s['n'] * 1e3:.2f}"
+            "ms/req (scheduler+copies)"
+            if s["connector_s"]
+            else ""
+        ),
         flush=True,
     )
 
@@ -261,7 +274,13 @@ def bench_trace(name: str, prompts: list[list[int]], model: str, tmp: str) -> di
         "ceiling_ratio": ceil / max(hi["computed"], 1),
         "ttft_speedup": alone["ttft_p50"] / hi["ttft_p50"],
         "overhead": hi["connector_s"] / saved_s if saved_s > 0 else float("inf"),
-        "identical": alone["outputs"] == hi["outputs"],
+        "identical": [t for t, _ in alone["outputs"]] == [t for t, _ in hi["outputs"]],
+        "logprob_diff": max(
+            abs(x - y)
+            for (_, la), (_, lb) in zip(alone["outputs"], hi["outputs"], strict=True)
+            for ra, rb in zip(la, lb, strict=True)
+            for x, y in zip(ra, rb, strict=True)
+        ),
     }
 
 
@@ -313,6 +332,7 @@ def main() -> None:
                 "ttft_p50_speedup_chat": round(c["ttft_speedup"], 2),
                 "connector_overhead_fraction": round(max(c["overhead"], d["overhead"]), 4),
                 "outputs_identical": c["identical"] and d["identical"],
+                "max_logprob_diff": max(c["logprob_diff"], d["logprob_diff"]),
             }
         )
     )
