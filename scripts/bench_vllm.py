@@ -74,12 +74,18 @@ def engine_main(spec: dict) -> dict:
         llm = LLM(**kw)
     except Exception as exc:  # a connector that refuses this machine
         return {"refused": f"{type(exc).__name__}: {str(exc).splitlines()[-1][:200]}"}
-    requests = json.loads(Path(spec["requests"]).read_text())
+    items = json.loads(Path(spec["requests"]).read_text())
     engine = llm.llm_engine
-    sp = SamplingParams(temperature=0, max_tokens=GENERATED, ignore_eos=True, logprobs=1)
+    history: dict[int, list[int]] = {}  # chat: each conversation so far, with its own answers
     out = []
     started = time.perf_counter()
-    for i, prompt in enumerate(requests):
+    for i, item in enumerate(items):
+        if "conv" in item:  # a chat turn: the conversation so far, then the user's tokens
+            prompt = history.get(item["conv"], item["system"] or []) + item["user"]
+            gen = item["answer_len"]
+        else:
+            prompt, gen = item["prompt"], GENERATED
+        sp = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True, logprobs=1)
         t0 = time.perf_counter()
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=prompt), sp)
         ttft, final = None, None
@@ -90,9 +96,12 @@ def engine_main(spec: dict) -> dict:
                 if o.finished:
                     final = o
         c = final.outputs[0]
+        if "conv" in item:
+            history[item["conv"]] = prompt + list(c.token_ids)
         out.append(
             {
                 "prompt": len(prompt),
+                "sequence": prompt + list(c.token_ids),
                 "cached": final.num_cached_tokens,
                 "ttft": ttft,
                 "tokens": list(c.token_ids),
@@ -165,18 +174,20 @@ def make_model(folder: str) -> None:
     LlamaForCausalLM(cfg).save_pretrained(folder)
 
 
-def ceiling(prompts: list[list[int]]) -> int:
-    """Prompt tokens an unbounded cache of every earlier prompt's whole blocks computes (at
-    least the last token of each prompt), in vLLM's block granularity."""
+def ceiling(requests: list[dict]) -> int:
+    """Prompt tokens an unbounded cache computes on the same requests: it holds the whole blocks
+    of every earlier sequence whose KV was computed (the prompt and all generated tokens but
+    the last), and a prompt still computes at least its last token (vLLM's block granularity)."""
     seen: set[tuple[int, ...]] = set()
     computed = 0
-    for p in prompts:
+    for r in requests:
+        p, seq = r["sequence"][: r["prompt"]], r["sequence"][:-1]
         hit = 0
         while hit + BLOCK <= len(p) - 1 and tuple(p[: hit + BLOCK]) in seen:
             hit += BLOCK
         computed += len(p) - hit
-        for end in range(BLOCK, len(p) + 1, BLOCK):
-            seen.add(tuple(p[:end]))
+        for end in range(BLOCK, len(seq) + 1, BLOCK):
+            seen.add(tuple(seq[:end]))
     return computed
 
 
@@ -190,7 +201,7 @@ def summarize(runs: list[dict]) -> dict:
     conn = [run.get("connector") or {} for run in runs]
     sched_s = sum(c.get("scheduler_s", 0) for c in conn)
     worker_s = sum(c.get("worker_s", 0) for c in conn)
-    generated = GENERATED * len(reqs)
+    generated = sum(len(r["tokens"]) for r in reqs)
     return {
         "prompt": prompt,
         "computed": prompt - cached,
@@ -224,29 +235,33 @@ def row(trace: str, label: str, s: dict, ceil: int) -> None:
     )
 
 
-def bench_trace(name: str, prompts: list[list[int]], model: str, tmp: str) -> dict:
+def bench_trace(
+    name: str, items: list[dict], halves: list[list[dict]], model: str, tmp: str
+) -> dict:
+    """``items`` in one engine; ``halves`` in two engines at once."""
     from hicache.daemon.launch import start_daemon, stop_daemon
 
-    longest = max(len(p) for p in prompts) + GENERATED
-    max_len = -(-longest // BLOCK) * BLOCK
-    working = len({tuple(p[:e]) for p in prompts for e in range(BLOCK, len(p) + 1, BLOCK)})
-    working_tokens = working * BLOCK
-    kv_tokens = max(working_tokens // 4, max_len + 2 * BLOCK)
     path = Path(tmp) / f"{name}.json"
-    path.write_text(json.dumps(prompts))
-    halves = [Path(tmp) / f"{name}-{i}.json" for i in range(2)]
-    for i, half in enumerate(halves):
-        half.write_text(json.dumps(prompts[i::2]))
-    base = {"model": model, "max_model_len": max_len, "kv_bytes": kv_tokens * KV_TOKEN_BYTES}
-    ceil = ceiling(prompts)
+    path.write_text(json.dumps(items))
+    half_paths = [Path(tmp) / f"{name}-{i}.json" for i in range(2)]
+    for half, items_half in zip(half_paths, halves, strict=True):
+        half.write_text(json.dumps(items_half))
+    longest = max(_longest(items), *(_longest(h) for h in halves))
+    max_len = -(-longest // BLOCK) * BLOCK
+    base = {"model": model, "max_model_len": max_len}
+    runs: dict[str, dict] = {}
+    working_tokens = _working_set(items)
+    kv_tokens = max(working_tokens // 4, max_len + 2 * BLOCK)
+    base["kv_bytes"] = kv_tokens * KV_TOKEN_BYTES
+    (alone,) = run_engines([{**base, "requests": str(path)}], tmp)
+    ceil = ceiling(alone["requests"])
     print(
-        f"# {name}: {len(prompts)} requests, working set {working_tokens} tokens, vLLM KV "
+        f"# {name}: {len(items)} requests, working set {working_tokens} tokens, vLLM KV "
         f"{kv_tokens} tokens ({kv_tokens / working_tokens:.0%}), unbounded-cache ceiling "
         f"{ceil} computed",
         flush=True,
     )
-    runs: dict[str, dict] = {}
-    runs["vllm alone"] = summarize(run_engines([{**base, "requests": str(path)}], tmp))
+    runs["vllm alone"] = summarize([alone])
     row(name, "vllm alone", runs["vllm alone"], ceil)
     for label, n in (("vllm + hicache", 1), ("2 engines + 1 hicache", 2)):
         ep = f"ipc://{tmp}/{name}-{n}.sock"
@@ -255,13 +270,13 @@ def bench_trace(name: str, prompts: list[list[int]], model: str, tmp: str) -> di
         extra = {"hicache.endpoint": ep}
         conn = {"connector": "HiCacheConnector", "module": "hicache.client.vllm", "extra": extra}
         try:
-            files = [path] if n == 1 else halves
+            files = [path] if n == 1 else half_paths
             specs = [{**base, **conn, "requests": str(f)} for f in files]
             runs[label] = summarize(run_engines(specs, tmp))
         finally:
             stop_daemon(proc)
         row(name, label, runs[label], ceil)
-    specs = [{**base, "requests": str(f)} for f in halves]
+    specs = [{**base, "requests": str(f)} for f in half_paths]
     runs["2 engines alone"] = summarize(run_engines(specs, tmp))
     row(name, "2 engines alone", runs["2 engines alone"], ceil)
     alone, hi = runs["vllm alone"], runs["vllm + hicache"]
@@ -282,6 +297,39 @@ def bench_trace(name: str, prompts: list[list[int]], model: str, tmp: str) -> di
             for x, y in zip(ra, rb, strict=True)
         ),
     }
+
+
+def _working_set(items: list[dict]) -> int:
+    """Tokens of KV the requests hold at once at most: distinct system prompts, every turn's
+    user tokens and answer (chat); distinct whole blocks of the prompts (others)."""
+    blocks: set[tuple[int, ...]] = set()
+    tokens = 0
+    for item in items:
+        if "conv" in item:
+            tokens += len(item["user"]) + item["answer_len"]
+            head = item["system"] or []
+            blocks.update(tuple(head[:e]) for e in range(BLOCK, len(head) + 1, BLOCK))
+        else:
+            p = item["prompt"]
+            blocks.update(tuple(p[:e]) for e in range(BLOCK, len(p) + 1, BLOCK))
+    return tokens + len(blocks) * BLOCK
+
+
+def _longest(items: list[dict]) -> int:
+    """The longest prompt and answer of a request list (chat: the whole conversation)."""
+    convs: dict[int, int] = {}
+    longest = 0
+    for item in items:
+        if "conv" in item:
+            convs[item["conv"]] = (
+                convs.get(item["conv"], len(item["system"] or []))
+                + len(item["user"])
+                + item["answer_len"]
+            )
+            longest = max(longest, convs[item["conv"]])
+        else:
+            longest = max(longest, len(item["prompt"]) + GENERATED)
+    return longest
 
 
 def peers(model: str, tmp: str) -> None:
@@ -313,12 +361,14 @@ def main() -> None:
         model = f"{tmp}/model"
         make_model(model)
         peers(model, tmp)
-        chat = [r["prompt"] for r in traces.chat()]
-        docqa = [r["prompt"] for r in traces.doc_qa()]
+        chat = traces.chat_turns()
+        docqa = [{"prompt": r["prompt"]} for r in traces.doc_qa()]
         if args.quick:
-            chat, docqa = chat[:12], [p[-700:] for p in docqa[:12]]
-        c = bench_trace("chat", chat, model, tmp)
-        d = bench_trace("docqa", docqa, model, tmp)
+            chat = traces.chat_turns(convs=4, turns=3, system_len=256, answer_len=16)
+            docqa = [{"prompt": r["prompt"][-700:]} for r in traces.doc_qa()[:12]]
+        by_conv = [[t for t in chat if t["conv"] % 2 == i] for i in range(2)]  # sticky routing
+        c = bench_trace("chat", chat, by_conv, model, tmp)
+        d = bench_trace("docqa", docqa, [docqa[0::2], docqa[1::2]], model, tmp)
     print(
         json.dumps(
             {

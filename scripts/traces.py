@@ -31,6 +31,37 @@ def chat(seed: int = 1, vocab: int = 512) -> list[dict]:
     ]
 
 
+def chat_turns(
+    seed: int = 1,
+    vocab: int = 512,
+    systems: int = 2,
+    system_len: int = 1024,
+    convs: int = 12,
+    turns: int = 4,
+    user_len: int = 150,
+    answer_len: int = 80,
+) -> list[dict]:
+    """The chat trace's shape for an engine that writes the answers itself (a real model): per
+    request the conversation, its system prompt (first turn only), the user's tokens and how
+    many tokens to answer. The engine's prompt is the conversation so far (system, then each
+    turn's user tokens and its own answer) plus the new user tokens; conversations interleave
+    turn by turn in a shuffled order, as in ``chat``."""
+    rng = np.random.default_rng(seed)
+    heads = [rng.integers(1, vocab, system_len).tolist() for _ in range(systems)]
+    out = []
+    for turn in range(turns):
+        for conv in rng.permutation(convs):
+            out.append(
+                {
+                    "conv": int(conv),
+                    "system": heads[conv % systems] if turn == 0 else None,
+                    "user": rng.integers(1, vocab, user_len).tolist(),
+                    "answer_len": answer_len,
+                }
+            )
+    return out
+
+
 def doc_qa(
     seed: int = 2, vocab: int = 512, docs: int = 6, doc_len: int = 2500, questions: int = 4
 ) -> list[dict]:
