@@ -363,17 +363,27 @@ class HiCacheClient:
         fields, frames = _insert_request(pairs, namespaces)
         return self._call(Op.INSERT, fields, frames)[0].fields["prefix_lens"]
 
-    def insert_and_lock(self, token_ids: Any, slots: Any, namespace: Any = None) -> Inserted:
+    def insert_and_lock(
+        self, token_ids: Any, slots: Any, namespace: Any = None, replaces: Match | None = None
+    ) -> Inserted:
         """Insert an unfinished request (SGLang's cache_unfinished_req) and lock what is now
         cached, atomically: only whole pages are inserted; the slots of the partial tail page
         stay this session's (go on decoding into them). Returns the already-cached length and
         a locked Match whose ``device_indices`` are the slots to use for the whole-page prefix
         from now on: where another engine cached the same tokens first, they are its slots,
         and this session's duplicates were freed. Release the match (and any earlier one) as
-        usual; insert again when the request finishes."""
+        usual; insert again when the request finishes. ``replaces``: an earlier locked Match
+        of this request released in the same round trip once the insert succeeded (it is
+        left locked when the insert fails)."""
         fields, frames = _insert_request([(token_ids, slots)], [namespace])
         fields["lock"] = True
+        live = replaces is not None and replaces.generation == self._link.generation
+        if live and replaces.lock_id:
+            replaces.check_locked()
+            fields["release"] = [replaces.lock_id]
         reply, matches = self._matches(fields, frames, Op.INSERT)
+        if replaces is not None:
+            replaces.mark_released()
         return Inserted(reply["prefix_lens"][0], matches[0])
 
     def release(self, *matches: Match) -> None:

@@ -211,9 +211,12 @@ class CacheOpsMixin:
         are inserted, the partial tail page stays the session's, and the reply is a locked
         match of what is now cached (MATCH's reply form): the pages the request must use for
         its prefix from now on (where another engine cached the same tokens first, its pages,
-        and the caller's duplicates are freed)."""
+        and the caller's duplicates are freed). ``release``: lock ids released once the insert
+        succeeded (the match this one replaces: one round trip, and nothing released when the
+        insert fails)."""
         _need_frames(frames, 2, "insert")
         lock = self._bool(fields, "lock", False)
+        releases = self._held_ids(session, fields["release"]) if "release" in fields else []
         tokens = split(decode_tokens(frames[0]), fields.get("lengths"), "token ids")
         slots = split(decode_slots(frames[1]), fields.get("lengths"), "slot indices")
         spaces = self._namespaces(fields, len(tokens))
@@ -228,6 +231,7 @@ class CacheOpsMixin:
         except BaseException:
             self._undo_locks(session, results)  # (the sequences before stay inserted)
             raise
+        self._release_ids(session, releases)
         if not lock:
             return {"prefix_lens": prefix_lens}, []
         fields, out = self._match_reply(results, state[0])
@@ -275,7 +279,12 @@ class CacheOpsMixin:
     def release(self, session: Session, fields: dict, frames: Frames) -> Result:
         if fields.get("all") is True:  # every lock of the session (asyncio cancellations)
             fields = {"lock_ids": list(session.locks)}
-        ids = fields.get("lock_ids")
+        self._release_ids(session, self._held_ids(session, fields.get("lock_ids")))
+        return {}, []
+
+    @staticmethod
+    def _held_ids(session: Session, ids: Any) -> list[int]:
+        """Distinct lock ids the session holds (BAD_FIELD, NOT_OWNED: nothing released)."""
         if (
             not isinstance(ids, list)
             or not all(type(i) is int for i in ids)
@@ -285,6 +294,8 @@ class CacheOpsMixin:
         missing = [i for i in ids if i not in session.locks]
         if missing:
             raise ProtocolError(ErrorCode.NOT_OWNED, f"locks {missing[:8]} are not held")
+        return ids
+
+    def _release_ids(self, session: Session, ids: list[int]) -> None:
         for lock_id in ids:
             self.cache.dec_lock_ref(session.pop_lock(lock_id).node)
-        return {}, []

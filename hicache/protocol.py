@@ -56,7 +56,8 @@ class Op(IntEnum):
     ALLOC_EXTEND = 7  # frames: prefix_lens, seq_lens, last_loc (int64) -> slots frame
     ALLOC_DECODE = 8  # frames: seq_lens, last_loc (int64) -> slots frame
     FREE = 9  # frames: slots
-    INSERT = 10  # frames: token ids, slots; fields: lengths, namespaces -> prefix_lens
+    INSERT = 10  # frames: token ids, slots; fields: lengths, namespaces, lock, release (lock ids
+    # released once the insert succeeded) -> prefix_lens (lock: MATCH's reply form too)
     LOCK = 11  # fields: lock_id -> a second lock on the same prefix: lock_id
     RELEASE = 12  # fields: lock_ids, or all: true (every lock of the session)
     EVICT = 13  # fields: device_tokens, host_tokens

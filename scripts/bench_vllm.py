@@ -125,6 +125,7 @@ def _connector_figures(llm) -> dict:
 def run_engines(specs: list[dict], tmp: str) -> list[dict]:
     """Each spec in a process of its own, all at once; whole process groups killed after."""
     procs = []
+    threads = str(max(1, (os.cpu_count() or 1) // len(specs)))  # engines side by side share cores
     for i, spec in enumerate(specs):
         path = Path(tmp) / f"spec-{time.monotonic_ns()}-{i}.json"
         path.write_text(json.dumps(spec))
@@ -136,6 +137,7 @@ def run_engines(specs: list[dict], tmp: str) -> list[dict]:
                 stderr=subprocess.PIPE,
                 text=True,
                 start_new_session=True,
+                env={**os.environ, "OMP_NUM_THREADS": threads},
             )
         )
     results = []

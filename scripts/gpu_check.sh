@@ -17,6 +17,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 echo "## CUDA tests"
 "$PY" -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tail -n 15
 status=${PIPESTATUS[0]}
+echo "## vLLM connector: block copies on the GPU, and real vLLM when its CUDA build is installed"
+"$PY" -m pytest -q tests/test_vllm_blocks.py tests/test_vllm_sides.py 2>&1 | tail -n 3
+"$PY" -c "import vllm" 2>/dev/null && "$PY" -m pytest -q tests/test_vllm.py 2>&1 | tail -n 5
 echo "## transfer benchmark"
 "$PY" -m scripts.bench_transfer 2>&1 | tee /tmp/hicache_bench_transfer.txt | grep -E "GPU|scattered/(kernel|direct)|^\{"
 echo "## table (scattered pages, page_size 16, ratio to one pinned cudaMemcpyAsync)"

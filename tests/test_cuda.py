@@ -149,3 +149,38 @@ def test_layerwise_load_through_a_cuda_daemon(tmp_path):
             assert hc.stats(check=True)["integrity"] == "ok"
     finally:
         stop_daemon(proc)
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_vllm_blocks_on_cuda_round_trip_through_a_pinned_pool(path):
+    """The connector's worker copies with vLLM's caches on the GPU: the Triton page kernel (or
+    torch) reads and writes the pinned, mapped pool."""
+    import numpy as np
+
+    from hicache.backing import register_pinned
+    from hicache.client.vllm.blocks import BlockCopier, block_format
+
+    layers, nb, heads, bs, hs, pages = 3, 16, 2, 16, 64, 10
+    engine = torch.randn(layers, 2, nb, bs, heads, hs, device="cuda")  # FlashAttention-like
+    tensors = [engine[i] for i in range(layers)]
+    fmt = block_format(tensors, nb)
+    elems = int(np.prod(fmt.block_shape))
+    host = torch.full((layers, pages * bs, 1, elems // bs), -7.0)
+    pinned = register_pinned(host)
+    try:
+        copier = BlockCopier(tensors, fmt, 0, bs)
+        assert copier.path == "triton"
+        copier.path = path
+        views = copier.pool_views(list(host))
+        copier.store(views, np.array([3, 9]), np.array([2, 7]))
+        torch.cuda.synchronize()
+        for layer in range(layers):
+            row = host[layer].view(pages, -1)
+            assert torch.equal(row[2], engine[layer][:, 3].reshape(-1).cpu())
+        copier.load(views, np.array([0, 15]), np.array([7, 2]))
+        torch.cuda.synchronize()
+        assert torch.equal(engine[:, :, 0], engine[:, :, 9])
+        assert torch.equal(engine[:, :, 15], engine[:, :, 3])
+    finally:
+        if pinned is not None:
+            torch.cuda.cudart().cudaHostUnregister(pinned)

@@ -4,6 +4,7 @@ make, and what is refused."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hicache.client import DaemonError, HiCacheClient, LayoutMismatch
 from hicache.daemon.launch import start_daemon, stop_daemon
@@ -174,3 +175,22 @@ def test_hicache_info_before_a_layout_and_hits_per_engine_after(ep):
         hc.release(hc.match_prefix(list(range(96))))
         text = info("sessions")
     assert "client=vllm-a" in text and "queried_tokens=96,hit_tokens=64" in text
+
+
+def test_insert_and_lock_replaces_a_match_in_one_round_trip_and_only_on_success(ep):
+    with HiCacheClient(ep, name="e") as hc:
+        hc.register_layout(layout())
+        first = hc.alloc(64)
+        old = hc.insert_and_lock(list(range(64)), first).match
+        assert hc.holdings().lock_ids == [old.lock_id]
+        more = hc.alloc(32)
+        with pytest.raises(DaemonError):  # slots not the session's: nothing happens
+            hc.insert_and_lock(list(range(96)), torch.cat([more, more, more]), replaces=old)
+        assert hc.holdings().lock_ids == [old.lock_id] and not old.released
+        new = hc.insert_and_lock(
+            list(range(96)), torch.cat([old.device_indices, more]), replaces=old
+        ).match
+        assert new.device_hit_length == 96 and old.released
+        assert hc.holdings().lock_ids == [new.lock_id]
+        hc.release(new)
+        assert hc.stats(check=True)["integrity"] == "ok"

@@ -113,6 +113,8 @@ class SchedulerSide:
         self.open_steps: deque[tuple[int, list[Store]]] = deque()  # planned, not yet reported
         self.jobs = itertools.count(1)
         self.figures = Figures()
+        self.reserve = _NO_PAGES  # first slots of pages the session owns for later stores
+        self.reserve_generation = 0
         self.block_ids = None  # callable(req_id) -> block ids of group 0 (vLLM's manager)
 
     # ---- lookup ---------------------------------------------------------------------------
@@ -219,15 +221,11 @@ class SchedulerSide:
                 wanted.append((t, t.planned, end))
         if not wanted:
             return []
-        total = sum(end - start for _, start, end in wanted)
-        try:
-            slots = self.link.call(lambda c: c.alloc(total))
-        except (Unavailable, DaemonError) as exc:  # (OUT_OF_MEMORY: all pinned) skip the step
-            log.debug("hicache: no pages for %d tokens this step: %s", total, exc)
+        bs = self.block_size
+        slots = self._take((sum(end - start for _, start, end in wanted)) // bs)
+        if slots is None or self.link.pool is None:  # (the link went down in between)
             return []
-        if self.link.pool is None:  # (the link went down in between)
-            return []
-        plans, at, bs = [], 0, self.block_size
+        plans, at = [], 0
         for t, start, end in wanted:
             mine = slots[at : at + end - start]
             at += end - start
@@ -239,6 +237,34 @@ class SchedulerSide:
             blocks = np.asarray(ids, dtype=np.int64)
             plans.append((store, rid, blocks, (mine[::bs] // bs).numpy()))
         return plans
+
+    def _take(self, pages: int) -> torch.Tensor | None:
+        """Slots of ``pages`` whole pages the session owns, from the reserve: one ALLOC brings
+        the pages of many stores (refilled as needed, given back when the engine is idle)."""
+        if self.reserve_generation != self.link.generation:  # another session's: void
+            self.reserve, self.reserve_generation = _NO_PAGES, self.link.generation
+        short = pages - len(self.reserve)
+        if short > 0:
+            capacity = self.link.pool.config["device_tokens"] // self.block_size
+            extra = min(RESERVE_PAGES, capacity // 64)
+            for ask in (short + extra, short):  # (a full pool may still have the bare need)
+                try:
+                    got = self.link.call(lambda c, n=ask: c.alloc(n * self.block_size))
+                except (Unavailable, DaemonError) as exc:  # OUT_OF_MEMORY: all pinned
+                    log.debug("hicache: no pages for %d blocks this step: %s", ask, exc)
+                    continue
+                self.reserve = torch.cat([self.reserve, got[:: self.block_size]])
+                break
+            else:
+                return None
+        first, self.reserve = self.reserve[:pages], self.reserve[pages:]
+        return (first[:, None] + torch.arange(self.block_size)).reshape(-1)
+
+    def _idle(self) -> None:
+        """Nothing tracked: the reserve goes back to the pool."""
+        if len(self.reserve) and self.reserve_generation == self.link.generation:
+            self._free(self.reserve)
+        self.reserve = _NO_PAGES
 
     # ---- the workers' reports ------------------------------------------------------------
     @timed
@@ -279,24 +305,25 @@ class SchedulerSide:
             else:
                 self._release(t)
         self.retired = still
+        if not self.tracked and not self.retired:
+            self._idle()
 
     def _insert(self, t: Tracked, store: Store) -> None:
         tokens = np.asarray(t.request.all_token_ids[: store.end], dtype=np.int64)
         prefix = torch.empty(0, dtype=torch.int64) if t.chain is None else t.chain.device_indices
-        try:
+        slots = torch.cat([prefix, store.slots])
+        try:  # the new chain replaces the old one in the same round trip
             inserted = self.link.call(
-                lambda c: c.insert_and_lock(tokens, torch.cat([prefix, store.slots]), t.namespace)
+                lambda c: c.insert_and_lock(tokens, slots, t.namespace, replaces=t.chain)
             )
         except (Unavailable, DaemonError) as exc:
             log.warning("hicache: publishing %d tokens failed: %s", store.end - store.start, exc)
             t.planned = t.chain_len
             return
-        old, t.chain = t.chain, inserted.match
+        t.chain = inserted.match
         t.chain_len = inserted.match.device_hit_length
         t.planned = max(t.planned, t.chain_len)
         self.figures.stored_tokens += store.end - store.start
-        if old is not None:
-            self._release_match(old)
 
     # ---- request ends ------------------------------------------------------------------------
     @timed
@@ -314,6 +341,8 @@ class SchedulerSide:
             self.retired.append(t)  # released once its stores are settled
         else:
             self._release(t)
+            if not self.tracked and not self.retired:
+                self._idle()
 
     def _release(self, t: Tracked) -> None:
         if t.chain is not None and t.generation == self.link.generation:
@@ -341,6 +370,10 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.link.close()
+
+
+RESERVE_PAGES = 64  # pages allocated ahead for stores (at most 1/64 of the pool)
+_NO_PAGES = torch.empty(0, dtype=torch.int64)
 
 
 def _cacheable(request: Any) -> bool:
