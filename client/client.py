@@ -344,7 +344,9 @@ class HiCacheClient:
         then frees nothing."""
         self._call(Op.FREE, None, [slots_frame(as_slots(slots, "slots"))])
 
-    def insert(self, token_ids: Any, slots: Any, namespace: Any = None) -> int:
+    def insert(
+        self, token_ids: Any, slots: Any, namespace: Any = None, replaces: Match | None = None
+    ) -> int:
         """Hand a finished sequence to the cache: ``slots[i]`` holds the KV of token i (the
         match's prefix slots, then this session's own). Returns how many leading tokens were
         cached already (by anyone).
@@ -354,8 +356,15 @@ class HiCacheClient:
         use or free any of these slots afterwards (a request that decodes on uses
         ``insert_and_lock`` instead). KV must be fully written (the stream synchronized)
         before insert: a backup may start at once. Raises NOT_OWNED (nothing inserted) for
-        slots that are neither this session's nor the tree's own at their place."""
-        return self.insert_batch([(token_ids, slots)], [namespace])[0]
+        slots that are neither this session's nor the tree's own at their place. ``replaces``:
+        a locked Match released in the same round trip once the insert succeeded (the
+        request's match, when it ends)."""
+        fields, frames = _insert_request([(token_ids, slots)], [namespace])
+        _replacing(fields, replaces, self._link.generation)
+        prefix_lens = self._call(Op.INSERT, fields, frames)[0].fields["prefix_lens"]
+        if replaces is not None:
+            replaces.mark_released()
+        return prefix_lens[0]
 
     def insert_batch(self, pairs: list, namespaces: list | None = None) -> list[int]:
         """``insert`` for many sequences in one round trip. Sequences before a bad one stay
@@ -377,10 +386,7 @@ class HiCacheClient:
         left locked when the insert fails)."""
         fields, frames = _insert_request([(token_ids, slots)], [namespace])
         fields["lock"] = True
-        live = replaces is not None and replaces.generation == self._link.generation
-        if live and replaces.lock_id:
-            replaces.check_locked()
-            fields["release"] = [replaces.lock_id]
+        _replacing(fields, replaces, self._link.generation)
         reply, matches = self._matches(fields, frames, Op.INSERT)
         if replaces is not None:
             replaces.mark_released()
@@ -460,6 +466,13 @@ class HiCacheClient:
 
 def _named(prefix_lens: Any, seq_lens: Any, last_loc: Any) -> list[tuple[Any, str]]:
     return [(prefix_lens, "prefix_lens"), (seq_lens, "seq_lens"), (last_loc, "last_loc")]
+
+
+def _replacing(fields: dict, replaces: Match | None, generation: int) -> None:
+    """An INSERT that releases ``replaces`` once it succeeded (a void Match: nothing)."""
+    if replaces is not None and replaces.generation == generation and replaces.lock_id:
+        replaces.check_locked()
+        fields["release"] = [replaces.lock_id]
 
 
 def _insert_request(pairs: list, namespaces: list | None) -> tuple[dict, list]:

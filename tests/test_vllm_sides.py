@@ -32,7 +32,9 @@ def prompt(n: int, seed: int = 0) -> list[int]:
     return np.random.default_rng(seed).integers(1, 1000, n).tolist()
 
 
-def daemon_state(endpoint: str) -> dict:
+def daemon_state(endpoint: str, *engines: FakeVllm) -> dict:
+    """Tokens cached, and what the fake engines' sessions hold: locks, and owned pages beyond
+    the reserves ``engines`` keep for their next stores."""
     with HiCacheClient(endpoint, name="probe") as hc:
         stats = hc.stats(check=True)
     assert stats["integrity"] == "ok"
@@ -40,7 +42,7 @@ def daemon_state(endpoint: str) -> dict:
     return {
         "cached": stats["device_cached_tokens"],
         "locks": sum(s["locks"] for s in mine),
-        "owned": sum(s["owned_pages"] for s in mine),
+        "owned": sum(s["owned_pages"] for s in mine) - sum(len(e.sched.reserve) for e in engines),
     }
 
 
@@ -59,7 +61,7 @@ def test_what_one_engine_stored_another_loads_exactly(ep):
     tokens = prompt(42)
     a = FakeVllm(ep)
     run_to_end(a, "a", tokens, decode=5)  # 47 tokens computed: 11 whole blocks
-    assert daemon_state(ep) == {"cached": 44, "locks": 0, "owned": 0}
+    assert daemon_state(ep, a) == {"cached": 44, "locks": 0, "owned": 0}
     b = FakeVllm(ep)
     req = b.add("b", tokens)
     ext = b.admit(req)
@@ -136,7 +138,7 @@ def test_no_path_leaks_a_pin_or_a_page(ep):
         w.store(plan)
     b.sched.report(b.workers[0].report(plan))
     b.finish(r3)
-    state = daemon_state(ep)
+    state = daemon_state(ep, a, b)
     assert state["locks"] == 0 and state["owned"] == 0
     assert state["cached"] >= 40 + 56 + 28  # what r3 and r4 computed was published
     a.close(), b.close()
@@ -149,8 +151,7 @@ def test_a_store_that_failed_on_one_rank_is_never_published(ep):
     req = a.add("a", tokens)
     a.admit(req)
     a.step({"a": 24})
-    reserve = len(a.sched.reserve)  # pages allocated ahead for the request's next blocks
-    assert daemon_state(ep) == {"cached": 0, "locks": 1, "owned": reserve}  # freed, not inserted
+    assert daemon_state(ep, a) == {"cached": 0, "locks": 1, "owned": 0}  # freed, not inserted
     a.fail_store_rank = None
     a.decode(req, 5)
     a.step({"a": 1})  # the blocks are planned again, and published
@@ -220,7 +221,7 @@ def test_a_daemon_that_is_down_or_restarted_is_a_miss_then_serves_again(tmp_path
         b.step({"d": 4})
         assert b.kv_matches(req, 20)
         b.finish(req)
-        assert daemon_state(endpoint) == {"cached": 20, "locks": 0, "owned": 0}
+        assert daemon_state(endpoint, a, b) == {"cached": 20, "locks": 0, "owned": 0}
         b.close()
     finally:
         stop_daemon(proc)

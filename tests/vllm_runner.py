@@ -222,7 +222,13 @@ def scenario_mismatch(args: dict) -> dict:
 
 
 def _brief(stats: dict) -> dict:
-    keys = ("device_cached_tokens", "integrity", "hit_device_tokens", "device_owned_tokens")
+    keys = (
+        "device_cached_tokens",
+        "device_capacity_tokens",
+        "integrity",
+        "hit_device_tokens",
+        "device_owned_tokens",
+    )
     out = {k: stats.get(k) for k in keys}
     out["sessions"] = [
         {k: s[k] for k in ("client", "locks", "owned_pages", "queried_tokens", "hit_tokens")}

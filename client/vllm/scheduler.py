@@ -240,7 +240,8 @@ class SchedulerSide:
 
     def _take(self, pages: int) -> torch.Tensor | None:
         """Slots of ``pages`` whole pages the session owns, from the reserve: one ALLOC brings
-        the pages of many stores (refilled as needed, given back when the engine is idle)."""
+        the pages of many stores (at most 1/64 of the pool stays allocated ahead; the daemon
+        takes it back with the session)."""
         if self.reserve_generation != self.link.generation:  # another session's: void
             self.reserve, self.reserve_generation = _NO_PAGES, self.link.generation
         short = pages - len(self.reserve)
@@ -259,12 +260,6 @@ class SchedulerSide:
                 return None
         first, self.reserve = self.reserve[:pages], self.reserve[pages:]
         return (first[:, None] + torch.arange(self.block_size)).reshape(-1)
-
-    def _idle(self) -> None:
-        """Nothing tracked: the reserve goes back to the pool."""
-        if len(self.reserve) and self.reserve_generation == self.link.generation:
-            self._free(self.reserve)
-        self.reserve = _NO_PAGES
 
     # ---- the workers' reports ------------------------------------------------------------
     @timed
@@ -305,25 +300,31 @@ class SchedulerSide:
             else:
                 self._release(t)
         self.retired = still
-        if not self.tracked and not self.retired:
-            self._idle()
 
     def _insert(self, t: Tracked, store: Store) -> None:
         tokens = np.asarray(t.request.all_token_ids[: store.end], dtype=np.int64)
         prefix = torch.empty(0, dtype=torch.int64) if t.chain is None else t.chain.device_indices
         slots = torch.cat([prefix, store.slots])
+        last = t.finished and not t.pending  # the request ended: publish and unpin at once
         try:  # the new chain replaces the old one in the same round trip
             inserted = self.link.call(
-                lambda c: c.insert_and_lock(tokens, slots, t.namespace, replaces=t.chain)
+                lambda c: (
+                    c.insert(tokens, slots, t.namespace, replaces=t.chain)
+                    if last
+                    else c.insert_and_lock(tokens, slots, t.namespace, replaces=t.chain)
+                )
             )
         except (Unavailable, DaemonError) as exc:
             log.warning("hicache: publishing %d tokens failed: %s", store.end - store.start, exc)
             t.planned = t.chain_len
             return
+        self.figures.stored_tokens += store.end - store.start
+        if last:
+            t.chain, t.chain_len = None, store.end
+            return
         t.chain = inserted.match
         t.chain_len = inserted.match.device_hit_length
         t.planned = max(t.planned, t.chain_len)
-        self.figures.stored_tokens += store.end - store.start
 
     # ---- request ends ------------------------------------------------------------------------
     @timed
@@ -341,8 +342,6 @@ class SchedulerSide:
             self.retired.append(t)  # released once its stores are settled
         else:
             self._release(t)
-            if not self.tracked and not self.retired:
-                self._idle()
 
     def _release(self, t: Tracked) -> None:
         if t.chain is not None and t.generation == self.link.generation:
