@@ -352,6 +352,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", help=argparse.SUPPRESS)  # internal: one engine's run
     ap.add_argument("--quick", action="store_true", help="smaller traces (a smoke run)")
+    ap.add_argument("--trace", choices=["chat", "docqa", "both"], default="both")
     args = ap.parse_args()
     if args.engine:
         result = engine_main(json.loads(Path(args.engine).read_text()))
@@ -369,8 +370,14 @@ def main() -> None:
             chat = traces.chat_turns(convs=4, turns=3, system_len=256, answer_len=16)
             docqa = [{"prompt": r["prompt"][-700:]} for r in traces.doc_qa()[:12]]
         by_conv = [[t for t in chat if t["conv"] % 2 == i] for i in range(2)]  # sticky routing
-        c = bench_trace("chat", chat, by_conv, model, tmp)
-        d = bench_trace("docqa", docqa, [docqa[0::2], docqa[1::2]], model, tmp)
+        c = d = None
+        if args.trace in ("chat", "both"):
+            c = bench_trace("chat", chat, by_conv, model, tmp)
+        if args.trace in ("docqa", "both"):
+            d = bench_trace("docqa", docqa, [docqa[0::2], docqa[1::2]], model, tmp)
+    if c is None or d is None:
+        print(json.dumps({k: v for k, v in (c or d).items()}))
+        return
     print(
         json.dumps(
             {

@@ -280,19 +280,9 @@ class SchedulerSide:
         self._publish()
 
     def _publish(self) -> None:
-        """Insert settled stores in prefix order; free failed ones and re-plan their blocks."""
+        """Publish settled stores in prefix order; free failed ones and re-plan their blocks."""
         for t in [*self.tracked.values(), *self.retired]:
-            while t.pending and t.pending[0].ok is not None:
-                store = t.pending.popleft()
-                if store.generation != self.link.generation:
-                    continue  # pages of another daemon life: void
-                if t.generation != self.link.generation:
-                    self._void(t)  # the chain is void: these pages cannot extend it
-                if store.ok and store.start == t.chain_len:
-                    self._insert(t, store)
-                else:
-                    self._free(store.slots)
-                    t.planned = min(t.planned, t.chain_len)
+            self._publish_one(t)
         still = []
         for t in self.retired:
             if t.pending:
@@ -301,10 +291,43 @@ class SchedulerSide:
                 self._release(t)
         self.retired = still
 
-    def _insert(self, t: Tracked, store: Store) -> None:
-        tokens = np.asarray(t.request.all_token_ids[: store.end], dtype=np.int64)
+    def _publish_one(self, t: Tracked) -> None:
+        """One request: its run of settled good stores that extends the chain goes in one
+        INSERT when it is worth a round trip (``_due``); settled stores that can no longer
+        extend the chain (failed, or after a gap) are freed."""
+        if t.generation != self.link.generation:
+            self._void(t)  # the chain and the old session's pages are void
+        run, end = [], t.chain_len
+        for store in t.pending:
+            if not store.ok or store.start != end:  # (None: not settled yet)
+                break
+            run.append(store)
+            end = store.end
+        if run and self._due(t, run):
+            for _ in run:
+                t.pending.popleft()
+            self._insert(t, run)
+        while t.pending and t.pending[0].ok is not None:
+            head = t.pending[0]
+            if head.ok and head.start == t.chain_len:
+                break  # waits to be published with the next ones
+            t.pending.popleft()
+            self._free(head.slots)
+            t.planned = min(t.planned, t.chain_len)
+
+    def _due(self, t: Tracked, run: list[Store]) -> bool:
+        """Publish now: the request ended, the run holds prompt blocks (another request may
+        want them at once), or enough generated blocks waited (one INSERT for several)."""
+        if t.finished or run[0].start < t.request.num_prompt_tokens:
+            return True
+        return (run[-1].end - run[0].start) // self.block_size >= PUBLISH_BLOCKS
+
+    def _insert(self, t: Tracked, run: list[Store]) -> None:
+        end = run[-1].end
+        tokens = np.asarray(t.request.all_token_ids[:end], dtype=np.int64)
         prefix = torch.empty(0, dtype=torch.int64) if t.chain is None else t.chain.device_indices
-        slots = torch.cat([prefix, store.slots])
+        mine = torch.cat([s.slots for s in run])
+        slots = torch.cat([prefix, mine])
         last = t.finished and not t.pending  # the request ended: publish and unpin at once
         try:  # the new chain replaces the old one in the same round trip
             inserted = self.link.call(
@@ -314,13 +337,17 @@ class SchedulerSide:
                     else c.insert_and_lock(tokens, slots, t.namespace, replaces=t.chain)
                 )
             )
-        except (Unavailable, DaemonError) as exc:
-            log.warning("hicache: publishing %d tokens failed: %s", store.end - store.start, exc)
+        except Unavailable:  # the session is gone, and its pages with it
             t.planned = t.chain_len
             return
-        self.figures.stored_tokens += store.end - store.start
+        except DaemonError as exc:
+            log.warning("hicache: publishing %d tokens failed: %s", end - run[0].start, exc)
+            self._free(mine)
+            t.planned = t.chain_len
+            return
+        self.figures.stored_tokens += end - run[0].start
         if last:
-            t.chain, t.chain_len = None, store.end
+            t.chain, t.chain_len = None, end
             return
         t.chain = inserted.match
         t.chain_len = inserted.match.device_hit_length
@@ -338,6 +365,7 @@ class SchedulerSide:
         if t is None:
             return
         t.finished = True
+        self._publish_one(t)  # what waited to be merged goes now
         if t.pending:
             self.retired.append(t)  # released once its stores are settled
         else:
@@ -372,6 +400,7 @@ class SchedulerSide:
 
 
 RESERVE_PAGES = 64  # pages allocated ahead for stores (at most 1/64 of the pool)
+PUBLISH_BLOCKS = 8  # generated blocks published together (prompt blocks go at once)
 _NO_PAGES = torch.empty(0, dtype=torch.int64)
 
 
