@@ -57,6 +57,7 @@ class DaemonLink:
         self.generation = 0  # +1 per session: pages, slots and locks of another are void
         self.down_until = 0.0
         self.failures = 0  # times the daemon was found unusable
+        self.wait_s = 0.0  # blocked on the daemon (wall minus CPU time of calls), until taken
         self._said: str | None = None  # the last problem logged (each is logged once)
 
     # ---- the session ------------------------------------------------------------------------
@@ -112,6 +113,7 @@ class DaemonLink:
         client = self.ready()
         if client is None:
             raise Unavailable
+        wall, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(client)
         except (EpochChanged, LeaseLost) as exc:
@@ -121,6 +123,12 @@ class DaemonLink:
         except DOWN as exc:
             self._down(f"hicache-daemon at {self.endpoint} unusable, recomputing: {exc}")
             raise Unavailable from None
+        finally:
+            self.wait_s += (time.perf_counter() - wall) - (time.thread_time() - cpu)
+
+    def take_wait(self) -> float:
+        waited, self.wait_s = self.wait_s, 0.0
+        return waited
 
     def _down(self, message: str) -> None:
         self.failures += 1

@@ -43,15 +43,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def timed(method: F) -> F:
-    """Adds the call's time to ``self.figures.scheduler_s`` (the connector's own cost)."""
+    """Adds the call's CPU time on this thread to ``self.figures.scheduler_s`` (the time spent
+    waiting for the daemon is added by DaemonLink: wall time would also count the other
+    threads of vLLM's process that run meanwhile)."""
 
     @functools.wraps(method)
     def wrapper(self: SchedulerSide, *args: Any, **kw: Any) -> Any:
-        started = time.perf_counter()
+        started = time.thread_time()
         try:
             return method(self, *args, **kw)
         finally:
-            self.figures.scheduler_s += time.perf_counter() - started
+            self.figures.scheduler_s += time.thread_time() - started
 
     return wrapper  # type: ignore[return-value]
 
@@ -95,7 +97,7 @@ class Figures:
     stored_tokens: int = 0  # published
     failed_stores: int = 0
     unavailable: int = 0  # lookups answered as misses because the daemon was not usable
-    scheduler_s: float = 0.0  # spent in the scheduler side's calls (daemon round trips included)
+    scheduler_s: float = 0.0  # CPU time of the scheduler side's calls, plus daemon waits
     worker_s: float = 0.0  # spent copying in the workers (the slowest rank per step)
 
 
@@ -180,8 +182,12 @@ class SchedulerSide:
     @timed
     def plan(self, out: Any) -> StepPlan:
         """This step's copies: the loads planned since the last step, and stores of the blocks
-        this step completes."""
-        self.step += 1
+        this step completes. A step with neither gets the shared empty plan (step 0), and the
+        workers send no report for it."""
+        self.step += 1  # (numbers need not be consecutive: a step without copies skips one)
+        stores = self._plan_stores(out) if self.settings.store and self.tracked else []
+        if not stores and not self.loads:
+            return NO_PLAN
         plan = StepPlan(self.step)
         lease = self.link.client.lease_s if self.link.client is not None else 0.0
         for copy, t in self.loads:
@@ -193,7 +199,6 @@ class SchedulerSide:
                 plan.pools[t.pool.epoch] = t.pool
             plan.loads.append(copy)
         self.loads = []
-        stores = self._plan_stores(out) if self.settings.store else []
         if stores:
             pool = self.link.pool
             plan.pools[pool.epoch] = pool
@@ -266,9 +271,10 @@ class SchedulerSide:
     def report(self, rep: StepReport | None) -> None:
         """A step's outcome: its stores are published when every rank copied them (and the
         steps before it, whose reports never came, count as failed)."""
-        if rep is None:
+        if rep is None or (rep.step == 0 and rep.layout is None):
             return
         self.figures.worker_s += rep.seconds
+        self.figures.scheduler_s += self.link.take_wait()
         if rep.layout is not None:
             self.link.learn_layout(rep.layout)
         while self.open_steps and self.open_steps[0][0] <= rep.step:
@@ -400,6 +406,7 @@ class SchedulerSide:
 
 
 RESERVE_PAGES = 64  # pages allocated ahead for stores (at most 1/64 of the pool)
+NO_PLAN = StepPlan(0)  # a step without copies (never mutated)
 PUBLISH_BLOCKS = 8  # generated blocks published together (prompt blocks go at once)
 _NO_PAGES = torch.empty(0, dtype=torch.int64)
 

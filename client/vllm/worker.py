@@ -162,7 +162,8 @@ class WorkerSide:
         """This step's outcome for the scheduler (its layout too, until a plan showed that the
         scheduler registered it)."""
         layout = None if self.layout_acked or self.layout is None else self.layout.as_dict()
-        if plan is None and layout is None:
+        idle = plan is None or (plan.step == 0 and not self.failed_loads)  # nothing planned
+        if idle and layout is None:
             return None
         failed, self.failed_stores = self.failed_stores, set()
         failed_loads, self.failed_loads = self.failed_loads, 0
