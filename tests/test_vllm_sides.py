@@ -4,6 +4,7 @@ Fast enough for every path; tests/test_vllm.py runs the real vLLM."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import numpy as np
@@ -226,6 +227,45 @@ def test_a_daemon_that_is_down_or_restarted_is_a_miss_then_serves_again(tmp_path
     finally:
         stop_daemon(proc)
     a.close()
+
+
+def test_a_daemon_that_stalls_during_a_publication_costs_the_engine_nothing(tmp_path):
+    """An INSERT times out (the daemon is stopped between a step's plan and its report): the
+    next steps plan no stores while the daemon cannot be used, the engine never raises, and
+    once the daemon runs again the request's blocks are stored afresh in a new session."""
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(endpoint, *ENGINE)
+    try:
+        a = FakeVllm(endpoint)
+        tokens = prompt(120, seed=13)
+        req = a.add("a", tokens)
+        a.admit(req)
+        a.step({"a": 8})  # two blocks stored: the reserve has pages for two more
+        plan = a.sched.plan(_out({"a": 8}, req))
+        a._compute(req, 8)
+        for w in a.workers:
+            w.store(plan)
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            a.sched.report(a.workers[0].report(plan))  # its INSERT times out: the link is down
+            assert a.sched.link.pool is None
+            assert a.step({"a": 80}).stores == []  # 20 blocks, no pages to take: none planned
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        a.sched.link.down_until = 0.0  # (no wait for retry_s)
+        a.decode(req, 7)
+        a.step({"a": 25})  # a new session: every computed block is stored again
+        a.finish(req)
+        b = FakeVllm(endpoint)
+        r = b.add("b", tokens + [7])
+        assert b.admit(r) == 120
+        b.step({"b": 1})
+        assert b.kv_matches(r, 121)
+        b.finish(r)
+        assert daemon_state(endpoint)["cached"] == 120
+        a.close(), b.close()
+    finally:
+        stop_daemon(proc)
 
 
 def test_namespaces_keep_salts_and_unreadable_prompts_apart(ep):

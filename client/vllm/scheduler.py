@@ -207,15 +207,17 @@ class SchedulerSide:
         return plan
 
     def _plan_stores(self, out: Any) -> list[tuple[Store, str, np.ndarray, np.ndarray]]:
+        if self.link.ready() is None:  # down (a store can wait: its blocks are planned later)
+            return []
+        generation = self.link.generation
         wanted: list[tuple[Tracked, int, int]] = []
         spec = out.scheduled_spec_decode_tokens or {}
         for req_id, computed in _scheduled(out):
             t = self.tracked.get(req_id)
             if t is None or t.finished:
                 continue
-            if t.generation != self.link.generation:
-                self._void(t)
-                continue
+            if t.generation != generation:
+                self._void(t)  # (its computed blocks are planned again below)
             done = computed + out.num_scheduled_tokens[req_id] - len(spec.get(req_id, ()))
             request = t.request
             limit = len(request.all_token_ids)
@@ -228,15 +230,15 @@ class SchedulerSide:
             return []
         bs = self.block_size
         slots = self._take((sum(end - start for _, start, end in wanted)) // bs)
-        if slots is None or self.link.pool is None:  # (the link went down in between)
-            return []
+        if slots is None or self.link.generation != generation or self.link.pool is None:
+            return []  # (the link went down or renewed its session in between)
         plans, at = [], 0
         for t, start, end in wanted:
             mine = slots[at : at + end - start]
             at += end - start
             rid = t.request.request_id
             ids = self.block_ids(rid)[start // bs : end // bs]
-            store = Store(next(self.jobs), self.step, start, end, mine, self.link.generation)
+            store = Store(next(self.jobs), self.step, start, end, mine, generation)
             t.pending.append(store)
             t.planned = end
             blocks = np.asarray(ids, dtype=np.int64)
@@ -246,19 +248,26 @@ class SchedulerSide:
     def _take(self, pages: int) -> torch.Tensor | None:
         """Slots of ``pages`` whole pages the session owns, from the reserve: one ALLOC brings
         the pages of many stores (at most 1/64 of the pool stays allocated ahead; the daemon
-        takes it back with the session)."""
-        if self.reserve_generation != self.link.generation:  # another session's: void
-            self.reserve, self.reserve_generation = _NO_PAGES, self.link.generation
+        takes it back with the session). None when there are none, or the session changed."""
+        generation, pool = self.link.generation, self.link.pool
+        if pool is None:
+            return None
+        if self.reserve_generation != generation:  # another session's: void
+            self.reserve, self.reserve_generation = _NO_PAGES, generation
         short = pages - len(self.reserve)
         if short > 0:
-            capacity = self.link.pool.config["device_tokens"] // self.block_size
+            capacity = pool.config["device_tokens"] // self.block_size
             extra = min(RESERVE_PAGES, capacity // 64)
             for ask in (short + extra, short):  # (a full pool may still have the bare need)
                 try:
                     got = self.link.call(lambda c, n=ask: c.alloc(n * self.block_size))
                 except (Unavailable, DaemonError) as exc:  # OUT_OF_MEMORY: all pinned
                     log.debug("hicache: no pages for %d blocks this step: %s", ask, exc)
+                    if self.link.generation != generation or self.link.pool is None:
+                        return None  # down or a new session: not this step
                     continue
+                if self.link.generation != generation:
+                    return None  # (another session's pages: never mixed into the reserve)
                 self.reserve = torch.cat([self.reserve, got[:: self.block_size]])
                 break
             else:
