@@ -15,7 +15,19 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     pip install torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
   fi
 fi
-pip install -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
+# System packages the L3 tests need: Redis for the Redis Cluster store, libibverbs for the
+# Mooncake wheel (it loads it even over TCP). Installed when missing and we may (root + apt).
+need=()
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server redis-tools)
+ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  else
+    echo "setup: install ${need[*]} for the L3 tests (they are skipped without them)" >&2
+  fi
+fi
+pip install -e '.[test,l3]' 2>&1 | grep -v "^WARNING: Location" || true
 # vLLM for the connector's tests (the CPU build without a GPU). Its torchvision, torchaudio and
 # torchcodec do not load with this torch and vLLM does not need them: removed.
 if ! .venv/bin/python -c "import vllm" 2>/dev/null; then

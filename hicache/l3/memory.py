@@ -1,0 +1,109 @@
+"""MemoryStore: an in-process store with injected faults, for tests and the demo.
+
+Stores with the same name share one ``Space`` (a dict of values), so two caches in one process
+(two "machines" in a test) see each other's pages. ``Faults`` makes it misbehave the ways real
+stores do: latency, calls that fail, keys that exist but cannot be read, values that come
+back corrupted, a node that is dead, and a capacity past which the oldest values are evicted.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from hicache.l3.store import L3Store, StoreDown
+
+
+@dataclass
+class Faults:
+    """How a space misbehaves (change fields at any time; the next call sees them)."""
+
+    latency_s: float = 0.0  # added to every call
+    down: bool = False  # every call raises StoreDown
+    fail_rate: float = 0.0  # a call raises StoreDown with this probability
+    lose_rate: float = 0.0  # a get of a stored key misses with this probability
+    corrupt: set[str] = field(default_factory=set)  # keys whose values come back with a bit flipped
+    capacity: int | None = None  # values kept (least recently used go first)
+    seed: int = 0
+
+
+class Space:
+    def __init__(self) -> None:
+        self.values: OrderedDict[str, bytes] = OrderedDict()
+        self.lock = threading.Lock()
+        self.faults = Faults()
+        self.rng = random.Random(0)
+        self.calls = 0
+
+
+_SPACES: dict[str, Space] = {}
+_SPACES_LOCK = threading.Lock()
+
+
+def space(name: str) -> Space:
+    """The shared space behind every MemoryStore called ``name`` (created on first use)."""
+    with _SPACES_LOCK:
+        return _SPACES.setdefault(name, Space())
+
+
+def drop_space(name: str) -> None:
+    with _SPACES_LOCK:
+        _SPACES.pop(name, None)
+
+
+class MemoryStore(L3Store):
+    def __init__(self, name: str, **_: object):
+        self.url = f"memory://{name}"
+        self.space = space(name)
+
+    def _enter(self) -> Faults:
+        faults = self.space.faults
+        if faults.latency_s:
+            time.sleep(faults.latency_s)
+        self.space.calls += 1
+        if faults.down or (faults.fail_rate and self.space.rng.random() < faults.fail_rate):
+            raise StoreDown(f"{self.url}: injected failure")
+        return faults
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        self._enter()
+        with self.space.lock:
+            return [k in self.space.values for k in keys]
+
+    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
+        faults = self._enter()
+        values = [self.pages.read(p) + t for p, t in zip(pages, trailers, strict=True)]
+        with self.space.lock:
+            stored = self.space.values
+            for key, value in zip(keys, values, strict=True):
+                stored.setdefault(key, value)
+                stored.move_to_end(key)
+            while faults.capacity is not None and len(stored) > faults.capacity:
+                stored.popitem(last=False)
+        return [True] * len(keys)
+
+    def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
+        faults = self._enter()
+        out: list[bytes | None] = []
+        for key, page in zip(keys, pages, strict=True):
+            with self.space.lock:
+                value = self.space.values.get(key)
+                if value is not None:
+                    self.space.values.move_to_end(key)
+                lost = faults.lose_rate and self.space.rng.random() < faults.lose_rate
+            if value is None or lost or len(value) != self.pages.page_bytes + 16:
+                out.append(None)
+                continue
+            if key in faults.corrupt:
+                flipped = bytearray(value)
+                flipped[len(flipped) // 3] ^= 0x10
+                value = bytes(flipped)
+            self.pages.write(page, memoryview(value)[: self.pages.page_bytes])
+            out.append(value[self.pages.page_bytes :])
+        return out
+
+    def describe(self) -> dict[str, object]:
+        return {"values": len(self.space.values), "calls": self.space.calls}

@@ -1,0 +1,122 @@
+"""MooncakeStore: pages in a Mooncake Store, moved straight between the host pool and the store.
+
+The daemon is a Mooncake client: it registers the whole host pool once, so a put reads a page's
+runs (and its trailer, from a small registered array) and a get writes them, with no copy in
+Python (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``). With
+``segment_bytes`` > 0 the daemon also lends that much memory to the store (its share of the
+distributed pool; values placed there vanish when the daemon stops, as Mooncake documents);
+with 0 it is a pure client of memory lent by others (``mooncake_store_service``).
+
+Result codes (as installed, 0.3.13): put 0 = stored (also for a key already stored); get
+returns the bytes read; -704 OBJECT_NOT_FOUND; -800 TRANSFER_FAIL (a dead segment, a size
+that does not match); -900 RPC_FAIL (the master is unreachable); -200 NO_AVAILABLE_HANDLE
+(the store is full: not stored). Any code other than success is a miss. A call whose every key
+failed with -800/-900 raises StoreDown.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from hicache.l3.pages import TRAILER_BYTES, PageSegments
+from hicache.l3.store import L3Store, StoreDown
+
+DOWN_CODES = (-800, -900)
+MAX_BATCH = 512  # pages per call (the trailer arrays are sized for it)
+
+
+class MooncakeStore(L3Store):
+    def __init__(
+        self,
+        master: tuple[str, int],
+        segment_bytes: int = 0,
+        local_host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        metadata: str = "P2PHANDSHAKE",
+        **_: object,
+    ):
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        self.url = f"mooncake://{master[0]}:{master[1]}"
+        self.store = MooncakeDistributedStore()
+        code = self.store.setup(
+            local_host, metadata, segment_bytes, 16 << 20, protocol, "", f"{master[0]}:{master[1]}"
+        )
+        if code != 0:
+            raise StoreDown(f"{self.url}: setup failed ({code})")
+        self.replicate = ReplicateConfig()
+        self.segment_bytes = segment_bytes
+        # trailers: written before a put, read after a get (one thread calls a store at a time)
+        self.tails = np.zeros((2, MAX_BATCH, TRAILER_BYTES), dtype=np.uint8)
+        self._register(self.tails.ctypes.data, self.tails.nbytes, "trailer buffer")
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def _register(self, ptr: int, size: int, what: str) -> None:
+        code = self.store.register_buffer(ptr, size)
+        if code != 0:
+            raise StoreDown(f"{self.url}: cannot register the {what} ({code})")
+
+    def attach(self, pages: PageSegments) -> None:
+        super().attach(pages)
+        self._register(pages.base, pages.num_pages * pages.page_stride, "host pool")
+
+    def _buffers(self, pages: list[int], side: int) -> tuple[list[list[int]], list[list[int]]]:
+        tails = self.tails[side].ctypes.data
+        ptrs, sizes = [], []
+        for i, page in enumerate(pages):
+            p, s = self.pages.pointers(page)
+            ptrs.append([*p, tails + i * TRAILER_BYTES])
+            sizes.append([*s, TRAILER_BYTES])
+        return ptrs, sizes
+
+    @staticmethod
+    def _check(codes: list[int], what: str, url: str) -> None:
+        if codes and all(c in DOWN_CODES for c in codes):
+            raise StoreDown(f"{url}: {what} failed ({codes[0]})")
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        out: list[bool] = []
+        for at in range(0, len(keys), MAX_BATCH):
+            codes = self.store.batch_is_exist(keys[at : at + MAX_BATCH])
+            if codes and all(c < 0 for c in codes):
+                raise StoreDown(f"{self.url}: exists failed ({codes[0]})")
+            out.extend(c == 1 for c in codes)
+        return out
+
+    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
+        out: list[bool] = []
+        for at in range(0, len(keys), MAX_BATCH):
+            part = pages[at : at + MAX_BATCH]
+            for i, tail in enumerate(trailers[at : at + MAX_BATCH]):
+                self.tails[0, i] = np.frombuffer(tail, dtype=np.uint8)
+            ptrs, sizes = self._buffers(part, 0)
+            codes = self.store.batch_put_from_multi_buffers(
+                keys[at : at + MAX_BATCH], ptrs, sizes, self.replicate
+            )
+            self._check(codes, "put", self.url)
+            out.extend(c == 0 for c in codes)
+        return out
+
+    def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        want = self.pages.page_bytes + TRAILER_BYTES
+        for at in range(0, len(keys), MAX_BATCH):
+            part = pages[at : at + MAX_BATCH]
+            ptrs, sizes = self._buffers(part, 1)
+            codes = self.store.batch_get_into_multi_buffers(keys[at : at + MAX_BATCH], ptrs, sizes)
+            self._check(codes, "get", self.url)
+            out.extend(
+                self.tails[1, i].tobytes() if c == want else None for i, c in enumerate(codes)
+            )
+        return out
+
+    def describe(self) -> dict[str, object]:
+        return {"segment_bytes": self.segment_bytes, "hostname": self.store.get_hostname()}
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.store.close()

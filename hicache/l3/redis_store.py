@@ -1,0 +1,137 @@
+"""RedisStore: pages in a Redis Cluster (or one Redis server), one key per page.
+
+Every batch is split by the node that owns each key and sent as pipelines of at most
+``batch_pages`` commands to that node alone, so a dead node costs only its own keys (a mixed
+cluster pipeline fails whole), and a pipeline's buffers stay small (Redis counts client
+buffers against ``maxmemory``: large pipelines evict other keys). Connections never retry and
+time out fast: a failing node is a miss now, and the tier's breaker decides when to look again.
+Values go through one copy each way (redis-py sends and returns ``bytes``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from hicache.l3.pages import TRAILER_BYTES
+from hicache.l3.store import L3Store, StoreDown
+
+
+class RedisStore(L3Store):
+    def __init__(
+        self,
+        hosts: list[tuple[str, int]],
+        batch_pages: int = 8,
+        timeout_s: float = 1.0,
+        password: str | None = None,
+        **_: object,
+    ):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
+
+        self.url = "redis://" + ",".join(f"{h}:{p}" for h, p in hosts)
+        self.batch_pages = max(1, batch_pages)
+        self.errors = redis.RedisError
+        kw: dict[str, Any] = dict(
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            password=password,
+        )
+        self.cluster: RedisCluster | None = None
+        self.single: redis.Redis | None = None
+        try:
+            self.cluster = RedisCluster(
+                startup_nodes=[ClusterNode(h, p) for h, p in hosts],
+                require_full_coverage=False,
+                **kw,
+            )
+        except redis.RedisError as exc:
+            if "cluster" not in str(exc).lower() or len(hosts) != 1:
+                raise StoreDown(f"{self.url}: {exc}") from None
+            self.single = redis.Redis(host=hosts[0][0], port=hosts[0][1], **kw)  # not a cluster
+            try:
+                self.single.ping()
+            except redis.RedisError as exc2:
+                raise StoreDown(f"{self.url}: {exc2}") from None
+        self.node_errors = 0
+
+    # ---- routing ----------------------------------------------------------------------------
+    def _by_node(self, keys: list[str]) -> dict[Any, list[int]]:
+        """Indices of ``keys`` grouped by the client of the node that owns them."""
+        if self.single is not None:
+            return {self.single: list(range(len(keys)))}
+        groups: dict[Any, list[int]] = defaultdict(list)
+        manager = self.cluster.nodes_manager  # type: ignore[union-attr]
+        for i, key in enumerate(keys):
+            node = manager.get_node_from_slot(self.cluster.keyslot(key))  # type: ignore[union-attr]
+            groups[node.redis_connection or self.cluster.get_redis_connection(node)].append(i)
+        return groups
+
+    def _run(
+        self, keys: list[str], add: Callable[[Any, int], None], fill: list[Any], take: Callable
+    ) -> None:
+        """Per node, pipelines of ``batch_pages`` commands built by ``add(pipe, i)``; each
+        reply goes through ``take(i, reply)`` into ``fill[i]``. A node that fails leaves its
+        entries as they are (misses); every node failing raises StoreDown."""
+        groups = self._by_node(keys)
+        failed, last = 0, None
+        for client, idx in groups.items():
+            try:
+                for at in range(0, len(idx), self.batch_pages):
+                    part = idx[at : at + self.batch_pages]
+                    pipe = client.pipeline(transaction=False)
+                    for i in part:
+                        add(pipe, i)
+                    for i, reply in zip(part, pipe.execute(raise_on_error=False), strict=True):
+                        if not isinstance(reply, Exception):
+                            fill[i] = take(i, reply)
+            except self.errors as exc:
+                failed, last = failed + 1, exc
+                self.node_errors += 1
+        if groups and failed == len(groups):
+            raise StoreDown(f"{self.url}: {last}")
+
+    # ---- the interface ----------------------------------------------------------------------
+    def exists(self, keys: list[str]) -> list[bool]:
+        out = [False] * len(keys)
+        self._run(keys, lambda pipe, i: pipe.exists(keys[i]), out, lambda i, r: bool(r))
+        return out
+
+    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
+        out = [False] * len(keys)
+
+        def add(pipe: Any, i: int) -> None:
+            pipe.set(keys[i], b"".join([*self.pages.views(pages[i]), trailers[i]]))
+
+        self._run(keys, add, out, lambda i, r: bool(r))
+        return out
+
+    def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+        size = self.pages.page_bytes
+
+        def take(i: int, value: bytes | None) -> bytes | None:
+            if value is None or len(value) != size + TRAILER_BYTES:
+                return None  # missing, evicted, or not one of our values
+            self.pages.write(pages[i], memoryview(value)[:size])
+            return value[size:]
+
+        self._run(keys, lambda pipe, i: pipe.get(keys[i]), out, take)
+        return out
+
+    def describe(self) -> dict[str, object]:
+        nodes = 1 if self.single is not None else len(self.cluster.get_primaries())  # type: ignore[union-attr]
+        return {"nodes": nodes, "node_errors": self.node_errors}
+
+    def close(self) -> None:
+        for client in (self.cluster, self.single):
+            if client is not None:
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001  (closing a broken connection)
+                    pass
+        self.cluster = self.single = None

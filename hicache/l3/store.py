@@ -1,0 +1,90 @@
+"""The interface every L3 store implements, and ``open_store`` that picks one by URL.
+
+A store holds values under string keys (``keys.py``); a value is one host page's bytes followed
+by its trailer (``pages.py``). Stores move bytes straight between the host pool and the store
+where they can (Mooncake registers the pool) and through one copy where they cannot (Redis).
+
+Calls are batched and synchronous: the L3 tier calls them from its own IO thread, never from
+the daemon's control loop. A key that cannot be written or read is ``False``/``None`` in the
+result (a miss); ``StoreDown`` means nothing in the call could be done (the store, or every
+node asked, is unreachable). A store never raises anything else for a store-side failure.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from hicache.l3.pages import PageSegments
+
+
+class StoreDown(Exception):
+    """The store cannot be reached: every key of the call is a miss."""
+
+
+class L3Store(ABC):
+    """A batch key-value store for whole pages. One thread calls it at a time."""
+
+    url: str = ""  # where it is, for messages and stats (no credentials)
+
+    def attach(self, pages: PageSegments) -> None:
+        """The host pool whose pages ``put`` reads and ``get`` writes (called once, before any
+        put or get)."""
+        self.pages = pages
+
+    @abstractmethod
+    def exists(self, keys: list[str]) -> list[bool]:
+        """Whether each key is stored (a hint: a later get may still miss)."""
+
+    @abstractmethod
+    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
+        """Store host page ``pages[i]`` followed by ``trailers[i]`` under ``keys[i]``. A key
+        that is already stored counts as stored (values under one key are the same bytes)."""
+
+    @abstractmethod
+    def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
+        """Read each key's page bytes into host page ``pages[i]``; its trailer, or None for a
+        miss (then the page's bytes are undefined). The caller verifies the trailer."""
+
+    def describe(self) -> dict[str, Any]:
+        """Store-specific figures for stats (nodes, segment sizes)."""
+        return {}
+
+    def close(self) -> None:
+        """Release connections and registrations; idempotent."""
+
+
+def open_store(url: str, **options: Any) -> L3Store:
+    """The store at ``url``: ``memory://NAME``, ``redis://HOST:PORT[,HOST:PORT...]`` (a Redis
+    Cluster, or one server) or ``mooncake://HOST:PORT`` (a Mooncake master). Raises
+    ValueError for an unknown scheme or bad address, StoreDown when it cannot be reached."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not rest:
+        raise ValueError(f"l3: {url!r} is not SCHEME://ADDRESS (memory, redis, mooncake)")
+    if scheme == "memory":
+        from hicache.l3.memory import MemoryStore
+
+        return MemoryStore(rest, **options)
+    if scheme == "redis":
+        from hicache.l3.redis_store import RedisStore
+
+        return RedisStore(parse_hosts(rest), **options)
+    if scheme == "mooncake":
+        from hicache.l3.mooncake import MooncakeStore
+
+        (master,) = parse_hosts(rest, at_most=1)
+        return MooncakeStore(master, **options)
+    raise ValueError(f"l3: unknown store {scheme!r} in {url!r} (memory, redis, mooncake)")
+
+
+def parse_hosts(text: str, at_most: int = 64) -> list[tuple[str, int]]:
+    """``host:port[,host:port...]`` -> [(host, port)]; ValueError naming the bad part."""
+    out = []
+    for part in text.split(","):
+        host, sep, port = part.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"l3: {part!r} is not HOST:PORT")
+        out.append((host, int(port)))
+    if not 0 < len(out) <= at_most:
+        raise ValueError(f"l3: expected 1 to {at_most} HOST:PORT, got {text!r}")
+    return out
