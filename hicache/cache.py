@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +36,9 @@ from hicache.transfer import TransferEngine
 from hicache.transfer_book import TransferBookMixin
 from hicache.transfer_cpu import ThreadTransferEngine
 from hicache.types import MatchResult
+
+if TYPE_CHECKING:
+    from hicache.l3.tier import L3Tier
 
 EngineFactory = Callable[[DevicePool, HostPool, Copier], TransferEngine]
 
@@ -81,6 +85,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         self.host_heap = LeafHeap(priority)  # host eviction candidates
         self.user_locks: Counter[TreeNode] = Counter()  # inc_lock_ref calls not yet undone
         self.moved_locks = MovedLocks()  # user locks moved off nodes a failed load dropped
+        self.l3: L3Tier | None = None  # the store under the host tier (attach_l3)
         self._init_transfers()
 
     # ---- allocation (device pool) ---------------------------------------------------------
@@ -199,6 +204,8 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         if unbacked and count and self.host_alloc is not None:
             if self.write_policy.backup_threshold:
                 self._backup_after_hit(path, n_dev)
+        if self.l3 is not None and count and self.l3.selective:
+            self.l3.after_hit(path)
         dev_len, covered = (page_bytes >> 3) * self.page_size, covered >> 2
         counters.hit_device_tokens += dev_len
         counters.hit_host_tokens += covered - dev_len
@@ -295,12 +302,21 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             **vars(self.counters),
         )
 
+    def attach_l3(self, tier: L3Tier) -> None:
+        """Put a third tier under the host pool (made with this cache: ``L3Tier(cache, ...)``)."""
+        if tier.cache is not self:
+            raise ValueError("attach_l3: the tier was made for another cache")
+        self.l3 = tier
+
     def check_integrity(self) -> None:
         """Raise IntegrityError if any invariant is broken (see integrity.py). Mutates nothing."""
         check_cache_integrity(self)
 
     def close(self) -> None:
         """Wait for in-flight copies, stop the transfer engine and release the pools."""
+        if self.l3 is not None:  # first: its IO thread reads and writes host pages
+            self.l3.close()
+            self.l3 = None
         if self.engine is not None:
             self.engine.wait(list(self.records))
             self.poll()

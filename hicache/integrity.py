@@ -153,6 +153,8 @@ def check_cache_integrity(cache: HiRadixCache) -> None:
     _check_pages(cache.device_alloc, [n.device_page_ids() for n in device], "device")
     if cache.host_alloc is not None:
         host = [n.host_pages for n in nodes if n.host_pages is not None]
+        if cache.l3 is not None:  # pages the tree gave up while a write still reads them
+            host += cache.l3.held_pages()
         _check_pages(cache.host_alloc, host, "host")
     elif any(n.host_pages is not None for n in nodes):
         _fail("host pages in a cache without a host tier")
@@ -161,3 +163,8 @@ def check_cache_integrity(cache: HiRadixCache) -> None:
             if node.transfer is not record or not tree.in_tree(node):
                 _fail(f"record {record.ticket}: {node} left the tree or the record")
     _check_heaps(cache, nodes)
+    if cache.l3 is not None:
+        for message in cache.l3.check(nodes):
+            _fail(message)
+    elif any(n.l3 is not None and n.l3 is not True for n in nodes):
+        _fail("a node names an L3 write, but there is no third tier")

@@ -54,6 +54,7 @@ class TreeNode:
         "created",
         "io",
         "transfer",
+        "l3",
     )
 
     def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: object):
@@ -76,6 +77,9 @@ class TreeNode:
         self.created = 0  # logical clock at creation (FIFO eviction)
         self.io = IOState.NONE  # transfer in flight over this node's pages
         self.transfer: object | None = None  # the TransferRecord behind `io`, if any
+        # the third tier (l3/tier.py): None (not known to be in the store), True (stored),
+        # or the write putting it now (it keeps the host pages readable until it ends)
+        self.l3: object | None = None
 
     # ---- derived state ------------------------------------------------------------------
     @property

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
+
 from hicache.fastpath import common_tokens, descend
 from hicache.node import TreeNode
 
@@ -104,7 +106,7 @@ class RadixTree:
         assert 0 < nbytes < len(node.key) and nbytes % self.page_bytes == 0
         pages = nbytes // self.page_bytes
         upper = self._new_node(node.key[:nbytes], node.parent, node.namespace)
-        for field in ("lock_ref", "host_ref", "hit_count", "last_access", "created", "io"):
+        for field in ("lock_ref", "host_ref", "hit_count", "last_access", "created", "io", "l3"):
             setattr(upper, field, getattr(node, field))
         if node.device_pages is not None:
             upper.device_pages, node.device_pages = (
@@ -116,6 +118,8 @@ class RadixTree:
         if node.transfer is not None:
             upper.transfer = node.transfer
             node.transfer.nodes.append(upper)  # type: ignore[attr-defined]
+        if hasattr(node.l3, "nodes"):  # an L3 write reads both halves' pages
+            node.l3.nodes.append(upper)  # type: ignore[union-attr]
         upper.parent.children[node.key[: self.page_bytes]] = upper  # type: ignore[union-attr]
         node.key = node.key[nbytes:]
         node.parent = upper
@@ -132,6 +136,15 @@ class RadixTree:
         leaf.hit_count = 1
         parent.children[key[: self.page_bytes]] = leaf
         self.evictable_tokens += leaf.num_tokens
+        self.num_nodes += 1
+        return leaf
+
+    def add_host_leaf(self, parent: TreeNode, key: bytes, host_pages: np.ndarray) -> TreeNode:
+        """A new host-only leaf under ``parent`` (pages brought from the third tier)."""
+        leaf = self._new_node(key, parent, parent.namespace)
+        leaf.host_pages = host_pages
+        leaf.hit_count = 1
+        parent.children[key[: self.page_bytes]] = leaf
         self.num_nodes += 1
         return leaf
 

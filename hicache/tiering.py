@@ -114,7 +114,7 @@ class TieringMixin:
             order.append(child)
             stack.extend(child.children.values())
         for child in reversed(order):  # children before parents
-            self.host_alloc.release(child.host_pages)
+            self._release_host(child)
             child.host_pages = None
             self.tree.remove_leaf(child)
             self.counters.evicted_host_tokens += child.num_tokens
@@ -144,9 +144,10 @@ class TieringMixin:
                 return
 
     # ---- host -----------------------------------------------------------------------------
-    def evict_host(self, num_tokens: int) -> int:
+    def evict_host(self, num_tokens: int, to_l3: bool = True) -> int:
         """Remove host-only leaves until ``num_tokens`` host tokens are freed (or none is left).
-        Returns the tokens freed."""
+        Returns the tokens freed (given back at once, or when a write to the third tier that
+        reads them ends). ``to_l3=False`` (a flush): no write-back to the third tier."""
         if self.host_alloc is None:
             return 0
         freed = 0
@@ -155,7 +156,7 @@ class TieringMixin:
             if node is None:
                 break
             parent = node.parent
-            self.host_alloc.release(node.host_pages)
+            self._release_host(node, to_l3)
             node.host_pages = None
             self.tree.remove_leaf(node)
             freed += node.num_tokens
@@ -164,10 +165,22 @@ class TieringMixin:
         self.counters.evicted_host_tokens += freed
         return freed
 
+    def _release_host(self, node: TreeNode, to_l3: bool = True) -> None:
+        """Give back a node's host pages, unless the third tier takes them (a write-back, or a
+        write still reading them): then they are freed when that write ends."""
+        l3 = self.l3
+        if l3 is not None and (to_l3 or node.l3 is not None) and l3.evicting(node):
+            return
+        self.host_alloc.release(node.host_pages)
+
     def _alloc_host(self, num_pages: int) -> np.ndarray | None:
         """Allocate host pages for the tree, evicting host-only leaves when short."""
-        pages = self.host_alloc.alloc_pages(num_pages, PageState.TREE)
+        return self._alloc_host_pages(num_pages, PageState.TREE)
+
+    def _alloc_host_pages(self, num_pages: int, state: PageState) -> np.ndarray | None:
+        """Allocate host pages (marked ``state``), evicting host-only leaves when short."""
+        pages = self.host_alloc.alloc_pages(num_pages, state)
         if pages is None:
             self.evict_host((num_pages - self.host_alloc.free_pages) * self.page_size)
-            pages = self.host_alloc.alloc_pages(num_pages, PageState.TREE)
+            pages = self.host_alloc.alloc_pages(num_pages, state)
         return pages

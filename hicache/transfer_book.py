@@ -168,6 +168,8 @@ class TransferBookMixin:
         acks = self.engine.poll()
         for ack in acks:
             self._on_ack(ack)
+        if self.l3 is not None:
+            self.l3.poll()
         return len(acks)
 
     def _on_ack(self, ack: Ack) -> None:
@@ -197,6 +199,8 @@ class TransferBookMixin:
                 self.counters.evicted_device_tokens += self._drop_device(node)
             else:
                 self._push_device(node)
+        if ok and self.l3 is not None:  # their host copies exist: the store may take them
+            self.l3.after_backup(sorted(record.nodes, key=self._depth))
 
     def _load_done(self, record: TransferRecord, ok: bool) -> None:
         for node in record.nodes:

@@ -1,0 +1,83 @@
+"""L3Config: how the third tier behaves (validated once, like HiCacheConfig)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class L3WritePolicy(StrEnum):
+    """When host pages go to the store."""
+
+    WRITE_THROUGH = "write_through"  # once their host copy exists
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # once they were hit write_threshold times
+    WRITE_BACK = "write_back"  # when the host tier evicts them
+
+
+class PrefetchPolicy(StrEnum):
+    """How long a match waits for pages coming from the store (SGLang's three)."""
+
+    BEST_EFFORT = "best_effort"  # not at all: a later match finds what arrived
+    WAIT_COMPLETE = "wait_complete"  # until the fetch ends (bounded by timeout_max_s)
+    TIMEOUT = "timeout"  # up to timeout_s + timeout_per_ki_s per 1024 tokens, at most max
+
+
+@dataclass(frozen=True)
+class L3Config:
+    url: str  # memory://NAME, redis://HOST:PORT[,...], mooncake://HOST:PORT
+    model: str  # model identity (name and revision): part of every key
+    shard: str = "0"  # tensor-parallel shard of the KV this daemon holds: part of every key
+    write_policy: L3WritePolicy | str = L3WritePolicy.WRITE_THROUGH
+    write_threshold: int = 2  # write_through_selective: hits before a page is written
+    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.TIMEOUT
+    timeout_s: float = 0.5  # timeout policy: the base wait
+    timeout_per_ki_s: float = 0.1  # timeout policy: more per 1024 tokens fetched
+    timeout_max_s: float = 5.0  # no match ever waits longer (wait_complete too)
+    min_tokens: int = 0  # fetch only when at least this many tokens could come (0: one page)
+    prefill_tokens_per_s: float = 0.0  # cost model: engines recompute this fast (0: no model)
+    queue_pages: int = 8192  # pages waiting to be written; past this, writes are dropped
+    batch_pages: int = 128  # pages per store call
+    breaker_failures: int = 3  # failed calls in a row that open the breaker
+    breaker_cooldown_s: float = 2.0  # first wait before a probe (doubles up to 60 s)
+    options: dict[str, Any] = field(default_factory=dict)  # store-specific (segment_bytes, ...)
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        for name, cls in (("write_policy", L3WritePolicy), ("prefetch_policy", PrefetchPolicy)):
+            value = getattr(self, name)
+            try:
+                set_(self, name, cls(value))
+            except ValueError:
+                choices = ", ".join(m.value for m in cls)
+                raise ValueError(f"l3_{name}: {value!r} is not one of {choices}") from None
+        if "://" not in self.url:
+            raise ValueError(f"l3: {self.url!r} is not SCHEME://ADDRESS")
+        if not self.model:
+            raise ValueError(
+                "l3_model: name the model (and revision) the KV belongs to: it is part of every "
+                "key, so daemons of other models never read it"
+            )
+        for name in ("write_threshold", "queue_pages", "batch_pages", "breaker_failures"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"l3_{name}: must be an integer >= 1, got {value!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise ValueError(f"l3_min_tokens: must be an integer, got {self.min_tokens!r}")
+        for name in ("timeout_s", "timeout_per_ki_s", "timeout_max_s", "prefill_tokens_per_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"l3_{name}: must be >= 0, got {getattr(self, name)!r}")
+        if not self.breaker_cooldown_s > 0:
+            raise ValueError("l3_breaker_cooldown_s: must be > 0")
+
+    def wait_bound(self, tokens: int) -> float:
+        """How long a match may wait for ``tokens`` coming from the store."""
+        if self.prefetch_policy is PrefetchPolicy.BEST_EFFORT:
+            return 0.0
+        if self.prefetch_policy is PrefetchPolicy.WAIT_COMPLETE:
+            return self.timeout_max_s
+        return min(self.timeout_max_s, self.timeout_s + self.timeout_per_ki_s * tokens / 1024)
+
+    def replace(self, **changes: Any) -> L3Config:
+        return dataclasses.replace(self, **changes)

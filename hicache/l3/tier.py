@@ -1,0 +1,401 @@
+"""L3Tier: the store under the host pool, as the cache's control thread sees it.
+
+Composed into HiRadixCache (``cache.l3``); every method runs on the cache's one thread. The
+IO thread (``worker.py``) makes the store calls. What it changes in the cache:
+
+- ``node.l3``: None (not known to be in the store), True (stored, or came from it) or the
+  ``Write`` putting it now. A node whose write runs keeps its host pages readable: if the tree
+  gives them up (host eviction), the write holds them and frees them when it ends.
+- Writes (``offer``): a node and its not-yet-stored host-resident ancestors, in prefix order,
+  after their host copy exists (write_through), once hit often enough (selective) or when the
+  host tier evicts them (write_back). A bounded queue: past ``queue_pages`` a write is dropped.
+- Fetches (``prefetch``): the part of a prefix beyond what the tree holds; the store's leading
+  run of hits gets host pages (OWNED by the fetch, allocated only once hits are known), is read,
+  verified, and becomes host-only nodes. A value that does not verify ends the run: wrong KV
+  is never inserted. The cost model skips a fetch that would be slower than recomputing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hicache.allocator import PageState
+from hicache.l3.breaker import Breaker
+from hicache.l3.config import L3Config, L3WritePolicy
+from hicache.l3.jobs import Fetch, Write
+from hicache.l3.keys import KeyChain, identity_of
+from hicache.l3.pages import PageSegments
+from hicache.l3.store import L3Store
+from hicache.l3.worker import IOWorker
+
+if TYPE_CHECKING:
+    from hicache.cache import HiRadixCache
+    from hicache.node import TreeNode
+
+log = logging.getLogger("hicache.l3")
+MISS_TTL_S = 1.0  # a prefix the store did not have is not asked for again this soon
+EWMA = 0.2
+
+
+@dataclass
+class L3Counters:
+    """What the tier did (pages unless named otherwise)."""
+
+    lookups: int = 0  # fetches started
+    lookup_pages: int = 0  # pages asked about
+    hit_pages: int = 0  # pages the store had
+    read_pages: int = 0  # pages read and verified
+    adopted_pages: int = 0  # pages that became host nodes
+    read_bytes: int = 0
+    written_pages: int = 0  # pages put
+    present_pages: int = 0  # pages the store had already (not put again)
+    written_bytes: int = 0
+    dropped_pages: int = 0  # writes dropped: queue full
+    failed_write_pages: int = 0  # writes the store refused or could not take
+    corrupt_pages: int = 0  # values that did not verify (never served)
+    skipped_cost: int = 0  # fetches skipped: slower than recomputing
+    skipped_breaker: int = 0  # fetches not started: the breaker is open
+    skipped_room: int = 0  # fetches dropped: no host pages for them
+    errors: int = 0  # jobs that failed as a whole (store down, breaker open)
+    wait_timeouts: int = 0  # matches answered at their bound before the fetch ended
+
+
+class L3Tier:
+    def __init__(
+        self,
+        cache: HiRadixCache,
+        config: L3Config,
+        store: L3Store,
+        notify: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if cache.host_pool is None:
+            raise ValueError("l3: needs a host tier (host_tokens > 0)")
+        self.cache, self.config, self.store, self.clock = cache, config, store, clock
+        self.page_size = cache.page_size
+        self.pages = PageSegments(cache.host_pool)
+        store.attach(self.pages)
+        identity = identity_of(cache.config, config.model, config.shard)
+        self.chain = KeyChain(identity, cache.page_size)
+        self.breaker = Breaker(config.breaker_failures, config.breaker_cooldown_s)
+        self.io = IOWorker(store, self.chain, self.pages, self.breaker, config.batch_pages, notify)
+        self.writes: set[Write] = set()
+        self.fetches: dict[tuple[Any, bytes], Fetch] = {}
+        self.misses: dict[tuple[Any, bytes], float] = {}  # prefixes the store lacked, until
+        self.queued_pages = 0
+        self.counters = L3Counters()
+        self.read_bps = 0.0  # measured store read throughput (bytes/s, EWMA; 0: unknown)
+        self.write_bps = 0.0
+        self.rtt_s = 0.0  # measured time of an exists call
+        self.through = config.write_policy is L3WritePolicy.WRITE_THROUGH
+        self.selective = config.write_policy is L3WritePolicy.WRITE_THROUGH_SELECTIVE
+        self.write_back = config.write_policy is L3WritePolicy.WRITE_BACK
+
+    # ---- writes -------------------------------------------------------------------------------
+    def after_backup(self, nodes: list[TreeNode]) -> None:
+        """Their host copies now exist (a backup's ack)."""
+        if self.through:
+            for node in nodes:
+                self.offer(node)
+        elif self.selective:
+            for node in nodes:
+                if node.hit_count >= self.config.write_threshold:
+                    self.offer(node)
+
+    def after_hit(self, path: list[TreeNode]) -> None:
+        """write_through_selective: a match went through ``path``."""
+        for node in path:
+            if node.l3 is None and node.host_pages is not None:
+                if node.hit_count >= self.config.write_threshold:
+                    self.offer(node)
+
+    def offer(self, node: TreeNode) -> None:
+        """Write ``node`` and its host-resident ancestors not yet in the store, prefix first."""
+        if node.l3 is not None or node.host_pages is None or node.parent is None:
+            return
+        run = [node]
+        up = node.parent
+        while up.parent is not None and up.l3 is None and up.host_pages is not None:
+            run.append(up)
+            up = up.parent
+        run.reverse()
+        pages = np.concatenate([n.host_pages for n in run])
+        if self.queued_pages + len(pages) > self.config.queue_pages:
+            self.counters.dropped_pages += len(pages)
+            return
+        before = _tokens_above(run[0])
+        key = b"".join([*_keys_above(run[0]), *(n.key for n in run)])
+        job = Write(key, node.namespace, before // self.page_size, pages, run)
+        for n in run:
+            n.l3 = job
+        self._submit_write(job)
+
+    def evicting(self, node: TreeNode) -> bool:
+        """The host tier evicts host-only leaf ``node``. True: the tier took its pages (a
+        write-back, or a write still reading them): the caller must not free them."""
+        job = node.l3
+        if isinstance(job, Write):
+            job.held.append(node.host_pages)
+            return True
+        if not self.write_back or job is True:
+            return False
+        pages = node.host_pages
+        if self.queued_pages + len(pages) > self.config.queue_pages:
+            self.counters.dropped_pages += len(pages)
+            return False
+        key = b"".join([*_keys_above(node), node.key])
+        before = _tokens_above(node)
+        write = Write(key, node.namespace, before // self.page_size, pages, [], [pages], True)
+        self._submit_write(write)
+        return True
+
+    def _submit_write(self, job: Write) -> None:
+        self.writes.add(job)
+        self.queued_pages += len(job.pages)
+        self.io.submit(job)
+
+    def _write_done(self, job: Write) -> None:
+        self.writes.discard(job)
+        self.queued_pages -= len(job.pages)
+        c = self.counters
+        if job.error:
+            c.errors += 1
+        c.written_pages += job.stored
+        c.present_pages += job.present
+        c.written_bytes += job.stored * self.pages.page_bytes
+        c.failed_write_pages += job.failed + (len(job.pages) if job.error else 0)
+        if job.stored and job.io_s > 0:
+            self.write_bps = _ewma(self.write_bps, job.stored * self.pages.page_bytes / job.io_s)
+        ok = not job.error and not job.failed
+        for node in job.nodes:
+            if node.l3 is job:
+                node.l3 = True if ok else None
+        for pages in job.held:
+            self.cache.host_alloc.release(pages)
+
+    # ---- fetches --------------------------------------------------------------------------------
+    def prefetch(self, key: bytes, namespace: Any, covered: int) -> Fetch | None:
+        """Start bringing the pages of ``key`` (int32 bytes) beyond ``covered`` tokens (what
+        the tree holds) from the store. The fetch, or None when there is nothing to ask for
+        (too short, asked for already, the store lacked it a moment ago, the breaker is open)."""
+        pb = self.chain.page_bytes
+        aligned = len(key) // pb
+        first = covered // self.page_size
+        want = aligned - first
+        if want <= 0 or want * self.page_size < self.config.min_tokens:
+            return None
+        k = (namespace, key[: aligned * pb])
+        fetch = self.fetches.get(k)
+        if fetch is not None:
+            return fetch
+        now = self.clock()
+        if self.misses.get(k, 0.0) > now:
+            return None
+        if not self.breaker.allow():
+            self.counters.skipped_breaker += 1
+            return None
+        bound = self.config.wait_bound(want * self.page_size)
+        fetch = Fetch(k[1], namespace, first, want, now, now + bound)
+        self.fetches[k] = fetch
+        self.counters.lookups += 1
+        self.counters.lookup_pages += want
+        self.io.submit(fetch)
+        return fetch
+
+    def _fetch_step(self, fetch: Fetch) -> None:
+        """A fetch's IO stage ended: go on or finish."""
+        c = self.counters
+        if fetch.error:
+            c.errors += 1
+            self._end_fetch(fetch)
+            return
+        if fetch.stage == "exists":
+            self.rtt_s = _ewma(self.rtt_s, fetch.io_s)
+            c.hit_pages += fetch.hits
+            if not fetch.hits:
+                self.misses[(fetch.namespace, fetch.key)] = self.clock() + MISS_TTL_S
+                self._end_fetch(fetch)
+            elif self._too_slow(fetch.hits):
+                fetch.skipped = "cost"
+                c.skipped_cost += 1
+                self._end_fetch(fetch)
+            else:
+                pages = self.cache._alloc_host_pages(fetch.hits, PageState.OWNED)
+                if pages is None:
+                    fetch.skipped = "no_room"
+                    c.skipped_room += 1
+                    self._end_fetch(fetch)
+                    return
+                fetch.pages, fetch.stage = pages, "get"
+                self.io.submit(fetch)
+            return
+        c.read_pages += fetch.arrived
+        c.read_bytes += fetch.arrived * self.pages.page_bytes
+        c.corrupt_pages += fetch.corrupt
+        if fetch.arrived and fetch.io_s > 0:
+            self.read_bps = _ewma(self.read_bps, fetch.arrived * self.pages.page_bytes / fetch.io_s)
+        self._adopt(fetch)
+        self._end_fetch(fetch)
+
+    def _too_slow(self, pages: int) -> bool:
+        """Whether reading ``pages`` from the store takes longer than recomputing them."""
+        rate = self.config.prefill_tokens_per_s
+        if not rate or not self.read_bps:  # no model, or nothing measured yet: try
+            return False
+        load_s = pages * self.pages.page_bytes / self.read_bps + self.rtt_s
+        return load_s > pages * self.page_size / rate
+
+    def _adopt(self, fetch: Fetch) -> None:
+        """The verified leading pages become a host-only leaf where the tree ends now (it may
+        have changed since the fetch began); pages the tree holds by now, or that no longer
+        join the tree, are freed."""
+        pages = fetch.pages
+        assert pages is not None
+        cache, tree, pb = self.cache, self.cache.tree, self.chain.page_bytes
+        m = fetch.arrived
+        fetch.pages = None
+        keep = 0
+        if m:
+            end = (fetch.first + m) * pb
+            root = tree.root(fetch.namespace, create=True)
+            path, covered = tree.walk(root, fetch.key[:end])
+            have = covered // pb  # pages the tree holds now
+            if fetch.first <= have < fetch.first + m:
+                start = have - fetch.first
+                mine = pages[start:m]
+                cache.host_alloc.state[mine] = PageState.TREE
+                leaf = tree.add_host_leaf(path[-1] if path else root, fetch.key[covered:end], mine)
+                leaf.l3 = True
+                cache._push_host(leaf)
+                keep = start, m
+                fetch.adopted = m - start
+                self.counters.adopted_pages += fetch.adopted
+            elif not path:
+                cache._drop_empty_root(root)
+        if keep:
+            start, stop = keep
+            rest = np.concatenate([pages[:start], pages[stop:]])
+        else:
+            rest = pages
+        if len(rest):
+            cache.host_alloc.release(rest)
+
+    def _end_fetch(self, fetch: Fetch) -> None:
+        if fetch.pages is not None:  # (ended before its pages were used)
+            self.cache.host_alloc.release(fetch.pages)
+            fetch.pages = None
+        fetch.done = True
+        fetch.stage = "done"
+        self.fetches.pop((fetch.namespace, fetch.key), None)
+
+    # ---- the control thread's turn ------------------------------------------------------------
+    def poll(self) -> list[Fetch]:
+        """Apply what the IO thread finished; returns the fetches that ended."""
+        ended = []
+        done = self.io.done
+        while done:
+            job = done.popleft()
+            if isinstance(job, Write):
+                self._write_done(job)
+            else:
+                self._fetch_step(job)
+                if job.done:
+                    ended.append(job)
+        if len(self.misses) > 4096:
+            now = self.clock()
+            self.misses = {k: t for k, t in self.misses.items() if t > now}
+        return ended
+
+    def wait(self, fetch: Fetch, timeout: float | None = None) -> bool:
+        """Block until ``fetch`` ended (tests and single-threaded users; the daemon defers
+        replies instead). Returns whether it did."""
+        deadline = None if timeout is None else self.clock() + timeout
+        while not fetch.done:
+            if deadline is not None and self.clock() >= deadline:
+                return False
+            self.poll()
+            if not fetch.done:
+                time.sleep(0.0005)
+        return True
+
+    def drain(self) -> None:
+        """Wait until no job is queued or running, and apply them all."""
+        while self.writes or self.fetches or self.io.pending() or self.io.done:
+            self.poll()
+            time.sleep(0.0005)
+
+    # ---- checks and figures ---------------------------------------------------------------------
+    def held_pages(self) -> list[np.ndarray]:
+        """Host pages in the TREE state that writes hold after the tree gave them up."""
+        return [p for job in self.writes for p in job.held]
+
+    def check(self, nodes: list[TreeNode]) -> list[str]:
+        """Invariants of the tier's state in the cache (messages of those broken)."""
+        bad = []
+        for node in nodes:
+            job = node.l3
+            if job is None or job is True:
+                continue
+            if not isinstance(job, Write) or job not in self.writes or node not in job.nodes:
+                bad.append(f"{node}: l3={job!r} is not a live write listing it")
+        owned = sum(len(f.pages) for f in self.fetches.values() if f.pages is not None)
+        if self.cache.host_alloc.count(PageState.OWNED) != owned:
+            bad.append(f"host: OWNED pages != the {owned} pages fetches hold")
+        if self.queued_pages != sum(len(j.pages) for j in self.writes):
+            bad.append("l3: queued_pages does not match the writes in flight")
+        return bad
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "url": self.store.url,
+            "write_policy": str(self.config.write_policy),
+            "prefetch_policy": str(self.config.prefetch_policy),
+            "breaker": self.breaker.state,
+            "breaker_opened": self.breaker.opened,
+            "queued_pages": self.queued_pages,
+            "fetches_in_flight": len(self.fetches),
+            "read_bytes_per_s": round(self.read_bps),
+            "write_bytes_per_s": round(self.write_bps),
+            "exists_rtt_ms": round(self.rtt_s * 1e3, 3),
+            "store_calls": self.io.calls,
+            "store_call_errors": self.io.call_errors,
+            **asdict(self.counters),
+            **{f"store_{k}": v for k, v in self.store.describe().items()},
+        }
+
+    def close(self) -> None:
+        """Stop the IO thread (after its queued jobs) and the store; frees what jobs held."""
+        self.io.close()
+        self.poll()
+        for fetch in list(self.fetches.values()):
+            self._end_fetch(fetch)
+        self.store.close()
+
+
+def _ewma(old: float, new: float) -> float:
+    return new if not old else (1 - EWMA) * old + EWMA * new
+
+
+def _keys_above(node: TreeNode) -> list[bytes]:
+    """The keys of ``node``'s ancestors, root first."""
+    keys = []
+    up = node.parent
+    while up is not None and up.parent is not None:
+        keys.append(up.key)
+        up = up.parent
+    keys.reverse()
+    return keys
+
+
+def _tokens_above(node: TreeNode) -> int:
+    tokens, up = 0, node.parent
+    while up is not None and up.parent is not None:
+        tokens += up.num_tokens
+        up = up.parent
+    return tokens

@@ -1,0 +1,161 @@
+"""IOWorker: the one thread that talks to the store.
+
+It takes jobs from the control thread (fetches before writes: a waiting request matters more
+than a backup), makes the store calls, and puts finished jobs on ``done`` for the control
+thread's ``poll``; ``notify`` (if any) wakes that thread. The worker reads and writes host
+pages only as its job says: pages a job names are held for it by the control thread. It never
+lets an exception out: a failure is recorded in the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from hicache.l3.breaker import Breaker
+from hicache.l3.jobs import Fetch, Write
+from hicache.l3.keys import KeyChain
+from hicache.l3.pages import PageSegments, trailer, verify
+from hicache.l3.store import L3Store, StoreDown
+
+log = logging.getLogger("hicache.l3")
+
+
+class IOWorker:
+    def __init__(
+        self,
+        store: L3Store,
+        chain: KeyChain,
+        pages: PageSegments,
+        breaker: Breaker,
+        batch: int,
+        notify: Callable[[], None] | None = None,
+    ):
+        self.store, self.chain, self.pages, self.breaker = store, chain, pages, breaker
+        self.batch = batch
+        self.notify = notify
+        self.fetches: deque[Fetch] = deque()
+        self.writes: deque[Write] = deque()
+        self.done: deque[Fetch | Write] = deque()  # appended here, popped by the control thread
+        self.cv = threading.Condition()
+        self.stopping = False
+        self.busy = False
+        self.calls = self.call_errors = 0
+        self.thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Fetch | Write) -> None:
+        with self.cv:
+            (self.fetches if isinstance(job, Fetch) else self.writes).append(job)
+            self.cv.notify()
+
+    def pending(self) -> int:
+        return len(self.fetches) + len(self.writes) + self.busy
+
+    def close(self) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify()
+        self.thread.join()
+
+    # ---- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not (self.fetches or self.writes or self.stopping):
+                    self.cv.wait()
+                if self.stopping and not (self.fetches or self.writes):
+                    return
+                job = self.fetches.popleft() if self.fetches else self.writes.popleft()
+                self.busy = True
+            started = time.perf_counter()
+            try:
+                if not self.breaker.allow():
+                    job.error = "breaker open"
+                elif isinstance(job, Write):
+                    self._write(job)
+                elif job.stage == "exists":
+                    self._exists(job)
+                else:
+                    self._get(job)
+            except StoreDown as exc:
+                self.breaker.failure()
+                job.error = f"store down: {exc}"
+            except Exception as exc:  # a store client's bug: the job fails, the thread lives
+                self.breaker.failure()
+                job.error = f"{type(exc).__name__}: {exc}"
+                log.exception("L3 job failed")
+            job.io_s += time.perf_counter() - started
+            with self.cv:
+                self.busy = False
+            self.done.append(job)
+            if self.notify is not None:
+                try:
+                    self.notify()
+                except Exception:  # noqa: BLE001  (waking the loop is best effort)
+                    log.debug("notify failed", exc_info=True)
+
+    def _call(self, fn: Callable, *args: object) -> list:
+        self.calls += 1
+        try:
+            out = fn(*args)
+        except StoreDown:
+            self.call_errors += 1
+            raise
+        self.breaker.success()
+        return out
+
+    def _digests(self, job: Fetch | Write, end: int) -> list[bytes]:
+        """Digests of chain pages [0, end) of the job's key."""
+        return self.chain.extend(
+            self.chain.root(job.namespace), job.key[: end * self.chain.page_bytes]
+        )
+
+    def _write(self, job: Write) -> None:
+        digests = self._digests(job, job.first + len(job.pages))[job.first :]
+        names = [KeyChain.name(d) for d in digests]
+        pages = job.pages.tolist()
+        for at in range(0, len(names), self.batch):
+            keys, part, ds = (
+                names[at : at + self.batch],
+                pages[at : at + self.batch],
+                digests[at : at + self.batch],
+            )
+            have = self._call(self.store.exists, keys)
+            todo = [i for i, h in enumerate(have) if not h]
+            job.present += len(keys) - len(todo)
+            if not todo:
+                continue
+            tails = [trailer(self.pages.views(part[i]), ds[i]) for i in todo]
+            ok = self._call(self.store.put, [keys[i] for i in todo], [part[i] for i in todo], tails)
+            job.stored += sum(ok)
+            job.failed += len(ok) - sum(ok)
+
+    def _exists(self, job: Fetch) -> None:
+        job.digests = self._digests(job, job.first + job.want)
+        names = [KeyChain.name(d) for d in job.digests[job.first :]]
+        for at in range(0, len(names), self.batch):
+            have = self._call(self.store.exists, names[at : at + self.batch])
+            run = next((i for i, h in enumerate(have) if not h), len(have))
+            job.hits += run
+            if run < len(have):
+                return
+
+    def _get(self, job: Fetch) -> None:
+        assert job.pages is not None
+        ds = job.digests[job.first : job.first + len(job.pages)]
+        names = [KeyChain.name(d) for d in ds]
+        pages = job.pages.tolist()
+        for at in range(0, len(names), self.batch):
+            part = pages[at : at + self.batch]
+            tails = self._call(self.store.get, names[at : at + self.batch], part)
+            for i, tail in enumerate(tails):
+                if tail is None:
+                    return
+                if not verify(self.pages.views(part[i]), ds[at + i], tail):
+                    job.corrupt += 1
+                    return
+                job.arrived += 1

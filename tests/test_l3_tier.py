@@ -1,0 +1,261 @@
+"""The third tier inside the cache (hicache/l3/tier.py), on the in-memory store with injected
+faults: pages one "machine" wrote are served to another byte for byte, a value that does not
+verify is never inserted, a failing store is a miss, and the policies do what they say."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from hicache.l3.config import L3Config
+from hicache.l3.memory import drop_space, space
+from hicache.l3.store import open_store
+from hicache.l3.tier import L3Tier
+from tests.conftest import make_cache, settle
+from tests.reference import expected_kv, read_kv, write_kv
+
+PS = 4
+
+
+def machine(name: str, **l3: object):
+    """A cache with a host tier and the memory store ``name`` under it."""
+    cache = make_cache(
+        manual=False, page_size=PS, num_kv_heads=2, head_dim=4, device_tokens=64,
+        host_tokens=128, load_back_threshold=0,
+    )  # fmt: skip
+    config = L3Config(f"memory://{name}", "test-model", **l3)  # type: ignore[arg-type]
+    cache.attach_l3(L3Tier(cache, config, open_store(config.url)))
+    return cache
+
+
+@pytest.fixture
+def pair():
+    drop_space("t")
+    a, b = machine("t"), machine("t")
+    yield a, b
+    for c in (a, b):
+        c.l3.drain()
+        c.check_integrity()
+        c.close()
+    drop_space("t")
+
+
+def tokens_of(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 5000, n).astype(np.int32)
+
+
+def store(cache, tokens: np.ndarray) -> None:
+    """Compute (write known KV), insert, back up and let the store take it."""
+    slots = cache.alloc(len(tokens))
+    write_kv(cache.device_pool, slots, tokens, 0, tokens)
+    cache.insert(tokens, slots)
+    settle(cache)
+    cache.l3.drain()
+    cache.check_integrity()
+
+
+def fetch(cache, tokens: np.ndarray):
+    m = cache.match_prefix(tokens)
+    f = cache.l3.prefetch(tokens.tobytes(), None, m.device_hit_length + m.host_hit_length)
+    if f is not None:
+        assert cache.l3.wait(f, timeout=10)
+    cache.check_integrity()
+    return f
+
+
+def served(cache, tokens: np.ndarray) -> int:
+    """Tokens of ``tokens`` the cache serves now, loaded to the device and checked byte for
+    byte against the KV computed for them."""
+    m = cache.match_prefix(tokens)
+    if m.host_hit_length:
+        assert cache.load_back(m.last_host_node) is not None
+        settle(cache)
+        m = cache.match_prefix(tokens)
+    n = m.device_hit_length
+    kv = read_kv(cache.device_pool, m.device_indices)
+    assert torch_equal(kv, expected_kv(tokens[:n], 2, 2))
+    return n
+
+
+def torch_equal(a, b) -> bool:
+    return bool((a == b).all()) and a.shape == b.shape
+
+
+def test_what_one_machine_wrote_another_serves_exactly(pair):
+    a, b = pair
+    tokens = tokens_of(40, 1)  # 10 pages
+    store(a, tokens)
+    assert a.l3.counters.written_pages == 10
+    assert b.match_prefix(tokens).device_hit_length == 0
+    f = fetch(b, tokens)
+    assert f.hits == 10 and f.arrived == 10 and f.adopted == 10
+    assert served(b, tokens) == 40
+    # a prefix both hold is not fetched again; a longer prompt fetches only its new pages
+    assert fetch(b, tokens) is None
+    longer = np.concatenate([tokens, tokens_of(8, 2)])
+    store(a, longer)
+    assert a.l3.counters.present_pages == 0 and a.l3.counters.written_pages == 12
+    f = fetch(b, longer)
+    assert (f.first, f.hits) == (10, 2)
+    assert served(b, longer) == 48
+
+
+def test_a_value_that_does_not_verify_ends_the_run_and_is_never_inserted(pair):
+    a, b = pair
+    tokens = tokens_of(24, 3)
+    store(a, tokens)
+    keys = list(space("t").values)  # in write order: page 0..5
+    space("t").faults.corrupt.add(keys[3])
+    f = fetch(b, tokens)
+    assert (f.hits, f.arrived, f.corrupt) == (6, 3, 1)
+    assert b.l3.counters.corrupt_pages == 1
+    assert served(b, tokens) == 12  # the three good pages, and nothing after the bad one
+
+
+def test_a_store_that_is_down_is_a_miss_and_the_breaker_stops_asking(pair):
+    a, b = pair
+    tokens = tokens_of(16, 4)
+    store(a, tokens)
+    faults = space("t").faults
+    faults.down = True
+    for i in range(3):  # three failed lookups open the breaker (breaker_failures=3)
+        f = fetch(b, np.concatenate([tokens, tokens_of(4, 100 + i)]))
+        assert f is not None and f.error and f.arrived == 0
+    assert b.l3.breaker.state == "open"
+    assert fetch(b, tokens) is None and b.l3.counters.skipped_breaker == 1
+    assert served(b, tokens) == 0  # the engine recomputes
+    # writes meanwhile fail and are counted, nothing is held
+    store(b, tokens_of(8, 5))
+    assert b.l3.counters.failed_write_pages >= 2
+    faults.down = False
+    b.l3.breaker.open_until = time.monotonic()  # (the cooldown passed)
+    f = fetch(b, tokens)
+    assert f.arrived == 4 and b.l3.breaker.state == "closed"
+    assert served(b, tokens) == 16
+
+
+def test_writes_past_the_queue_are_dropped_and_counted():
+    drop_space("q")
+    a = machine("q", queue_pages=3)
+    space("q").faults.latency_s = 0.05  # the first write still runs when the others come
+    try:
+        for seed in range(3):
+            slots = a.alloc(8)
+            t = tokens_of(8, 10 + seed)
+            write_kv(a.device_pool, slots, t, 0, t)
+            a.insert(t, slots)
+            settle(a)
+        assert a.l3.counters.dropped_pages >= 2
+        a.l3.drain()
+        a.check_integrity()
+    finally:
+        a.close()
+        drop_space("q")
+
+
+def test_a_host_page_evicted_while_its_write_runs_is_freed_only_after_it():
+    drop_space("e")
+    a = machine("e")
+    space("e").faults.latency_s = 0.2
+    try:
+        tokens = tokens_of(16, 6)
+        slots = a.alloc(16)
+        write_kv(a.device_pool, slots, tokens, 0, tokens)
+        a.insert(tokens, slots)
+        settle(a)  # backed up: the write is queued and sleeps in the store
+        assert a.l3.writes
+        a.evict(64)  # device copies go; the node is host-only
+        free_before = a.host_alloc.free_pages
+        assert a.evict_host(16) == 16  # the tree gives the pages up ...
+        assert a.host_alloc.free_pages == free_before  # ... but the write still holds them
+        a.check_integrity()
+        a.l3.drain()
+        assert a.host_alloc.free_pages == free_before + 4
+        assert a.l3.counters.written_pages == 4
+        a.check_integrity()
+    finally:
+        a.close()
+        drop_space("e")
+
+
+def test_write_back_writes_what_the_host_tier_evicts():
+    drop_space("wb")
+    a, b = machine("wb", write_policy="write_back"), machine("wb")
+    try:
+        tokens = tokens_of(20, 7)
+        store(a, tokens)
+        assert a.l3.counters.written_pages == 0  # nothing until the host tier evicts
+        a.evict(64)
+        a.evict_host(1000)
+        a.l3.drain()
+        assert a.l3.counters.written_pages == 5
+        a.check_integrity()
+        fetch(b, tokens)
+        assert served(b, tokens) == 20
+        a.evict_host(1000, to_l3=False)  # a flush writes nothing
+    finally:
+        for c in (a, b):
+            c.l3.drain()
+            c.check_integrity()
+            c.close()
+        drop_space("wb")
+
+
+def test_write_through_selective_waits_for_hits():
+    drop_space("s")
+    a = machine("s", write_policy="write_through_selective", write_threshold=3)
+    try:
+        tokens = tokens_of(8, 8)
+        store(a, tokens)
+        assert a.l3.counters.written_pages == 0
+        for _ in range(3):
+            a.match_prefix(tokens)
+        a.l3.drain()
+        assert a.l3.counters.written_pages == 2
+        a.check_integrity()
+    finally:
+        a.close()
+        drop_space("s")
+
+
+def test_the_cost_model_skips_a_fetch_slower_than_recomputing():
+    drop_space("c")
+    a = machine("c")
+    fast = machine("c", prefill_tokens_per_s=1.0)  # recomputing is slow: always fetch
+    slow = machine("c", prefill_tokens_per_s=1e12)  # recomputing is instant: never fetch
+    try:
+        for seed in (9, 10):
+            store(a, tokens_of(16, seed))
+        for b in (fast, slow):  # the first fetch measures the store's bandwidth
+            fetch(b, tokens_of(16, 9))
+            assert b.l3.read_bps > 0
+        assert fetch(fast, tokens_of(16, 10)).arrived == 4
+        f = fetch(slow, tokens_of(16, 10))
+        assert f.skipped == "cost" and f.arrived == 0 and slow.l3.counters.skipped_cost == 1
+        assert served(slow, tokens_of(16, 10)) == 0
+    finally:
+        for c in (a, fast, slow):
+            c.l3.drain()
+            c.check_integrity()
+            c.close()
+        drop_space("c")
+
+
+def test_pages_the_tree_got_meanwhile_are_not_inserted_twice(pair):
+    a, b = pair
+    tokens = tokens_of(32, 11)
+    store(a, tokens)
+    space("t").faults.latency_s = 0.1
+    m = b.match_prefix(tokens)
+    f = b.l3.prefetch(tokens.tobytes(), None, m.device_hit_length + m.host_hit_length)
+    store_no_l3_wait = tokens[:16]
+    slots = b.alloc(16)
+    write_kv(b.device_pool, slots, store_no_l3_wait, 0, store_no_l3_wait)
+    b.insert(store_no_l3_wait, slots)  # the engine computed the first half meanwhile
+    assert b.l3.wait(f, timeout=10)
+    space("t").faults.latency_s = 0.0
+    assert f.arrived == 8 and f.adopted == 4
+    b.check_integrity()
+    assert served(b, tokens) == 32
