@@ -134,6 +134,12 @@ class HiCacheClient:
         until ``reconnect``."""
         return self._link.lost
 
+    @property
+    def heard(self) -> float:
+        """When the daemon last answered this session (``time.monotonic()``; heartbeats
+        included): a session not heard from for a lease may have lapsed."""
+        return self._link.heard
+
     def _call(self, op: Op, fields: dict | None = None, frames: list | tuple = ()) -> tuple:
         return self._link.call(op, fields, frames)
 

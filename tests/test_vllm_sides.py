@@ -268,6 +268,106 @@ def test_a_daemon_that_stalls_during_a_publication_costs_the_engine_nothing(tmp_
         stop_daemon(proc)
 
 
+def test_an_engine_stalled_past_its_lease_never_stores_into_pages_it_lost(tmp_path):
+    """A stops (no heartbeat) until the daemon reclaimed its session; B publishes into the
+    pages A had in reserve; A resumes and computes blocks: it must not copy into them."""
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(
+        endpoint, *ENGINE[:-2], "--lease-seconds", "1", "--quarantine-seconds", "0.2"
+    )
+    try:
+        a = FakeVllm(endpoint)
+        ra = a.add("a", prompt(8, seed=1))
+        a.admit(ra)
+        a.step({"a": 8})  # stored; the reserve keeps pages for later stores
+        assert len(a.sched.reserve)
+        a.sched.link.client._link._stop_beat.set()  # A's process stalls
+        deadline = time.monotonic() + 30
+        while any(s["client"] == "fake-vllm" for s in _sessions(endpoint)):  # reclaimed
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        b = FakeVllm(endpoint)
+        prompts = [prompt(40, seed=100 + i) for i in range(3)]
+        for i, p in enumerate(prompts):
+            run_to_end(b, f"b{i}", p)
+        for i in range(8):  # A resumes: its decode completes a block
+            a.decode(ra, 500 + i)
+            a.step({"a": 1})
+        c = FakeVllm(endpoint)
+        for i, p in enumerate(prompts):
+            r = c.add(f"c{i}", p)
+            ext = c.admit(r)
+            c.step({f"c{i}": len(p) - ext})
+            assert ext == 36 and c.kv_matches(r, len(p)) and not c.load_errors
+            c.finish(r)
+        a.close(), b.close(), c.close()
+    finally:
+        stop_daemon(proc)
+
+
+def test_a_layout_taken_from_the_daemon_gives_way_to_the_workers_own(tmp_path, monkeypatch):
+    """Engine A starts before the daemon; B, same model but another head size, registers
+    first. A must not take B's layout for its own: it is refused, and serves B's blocks never."""
+    import tests.vllm_fake as fake
+
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    a = FakeVllm(endpoint)  # no daemon yet: A's side knows no layout
+    proc = start_daemon(endpoint, *ENGINE)
+    try:
+        monkeypatch.setattr(fake, "HEAD", 16)
+        b = FakeVllm(endpoint)
+        monkeypatch.setattr(fake, "HEAD", 8)
+        p = prompt(40, seed=3)
+        run_to_end(b, "b", p)
+        a.sched.link.down_until = 0.0
+        for i in range(2):
+            r = a.add(f"a{i}", p)
+            assert a.admit(r) == 0  # never a hit it cannot load
+            a.step({f"a{i}": len(p)})
+            assert not a.load_errors
+            a.finish(r)
+        assert a.sched.link.layout.head_size == 8 and a.sched.link.pool is None
+        a.close(), b.close()
+    finally:
+        stop_daemon(proc)
+
+
+def test_stores_of_a_step_that_do_not_all_fit_store_those_that_do(ep):
+    """One long prefill's backlog must not keep every short request from being stored."""
+    a = FakeVllm(ep, num_blocks=400)
+    long = a.add("long", prompt(1200, seed=20))
+    a.admit(long)
+    stored = []
+    for i in range(10):
+        short = a.add(f"s{i}", prompt(20, seed=30 + i))
+        a.admit(short)
+        todo = {"long": min(64, 1200 - long.computed), f"s{i}": 20}
+        a.step(todo)
+        a.finish(short)
+        stored.append(a.sched.figures.stored_tokens)
+    # every step published something, even once the long request's chain filled the pool
+    assert all(later > earlier for earlier, later in zip(stored, stored[1:], strict=False))
+    a.finish(long)
+    a.close()
+
+
+def test_a_report_that_never_comes_does_not_hold_pages_for_ever(ep):
+    a = FakeVllm(ep)
+    r = a.add("a", prompt(24, seed=21))
+    a.admit(r)
+    plan = a.sched.plan(_out({"a": 24}, r))
+    a._compute(r, 24)
+    for w in a.workers:
+        w.store(plan)  # copied, but the report is lost (a worker died)
+    a.finish(r)
+    assert daemon_state(ep, a)["locks"] == 1
+    for step in a.sched.opened_at:
+        a.sched.opened_at[step] -= 60  # ... a minute ago
+    a.sched.plan(_out({}, r))  # the next step settles it as failed
+    assert daemon_state(ep, a) == {"cached": 0, "locks": 0, "owned": 0}
+    a.close()
+
+
 def test_namespaces_keep_salts_and_unreadable_prompts_apart(ep):
     a = FakeVllm(ep)
     tokens = prompt(20, seed=13)
@@ -294,6 +394,22 @@ def test_settings_refuse_unknown_keys_and_bad_values():
         ConnectorSettings.from_extra({"hicache.timeuot_s": 1})
     with pytest.raises(ValueError, match="hicache.store"):
         ConnectorSettings.from_extra({"hicache.store": "maybe"})
+    for key, value in [
+        ("timeout_s", "inf"),
+        ("timeout_s", True),
+        ("timeout_s", 3e6),
+        ("retry_s", float("nan")),
+        ("retry_s", -1),
+        ("endpoint", ""),
+        ("endpoint", "garbage"),
+    ]:
+        with pytest.raises(ValueError, match=f"hicache.{key}"):
+            ConnectorSettings.from_extra({f"hicache.{key}": value})
+
+
+def _sessions(endpoint: str) -> list[dict]:
+    with HiCacheClient(endpoint, name="probe") as hc:
+        return hc.stats()["session_list"]
 
 
 def _ids(*values: int) -> np.ndarray:

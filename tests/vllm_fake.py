@@ -46,7 +46,8 @@ class FakeVllm:
     def __init__(self, endpoint: str, ranks: int = 1, num_blocks: int = 64, **settings: Any):
         self.ranks, self.num_blocks = ranks, num_blocks
         self.settings = ConnectorSettings(endpoint, timeout_s=1.0, retry_s=0.1, **settings)
-        link = DaemonLink(endpoint, "fake-vllm", 1.0, 0.1, "fake-model")
+        expect = {"head_size": HEAD, "block_size": BS, "num_layers": LAYERS}
+        link = DaemonLink(endpoint, "fake-vllm", 1.0, 0.1, "fake-model", expect)
         self.sched = SchedulerSide(self.settings, link, BS, ranks)
         self.sched.block_ids = lambda rid: self.reqs[rid].blocks
         self.reqs: dict[str, Req] = {}

@@ -55,7 +55,9 @@ class HiCacheConnector(KVConnectorBase_V1):
             if s.store and not store:
                 log.warning("hicache: this vLLM sends no worker reports: loads only")
             name = f"vllm-scheduler:{engine}"
-            link = DaemonLink(s.endpoint, name, s.timeout_s, s.retry_s, self.model)
+            link = DaemonLink(
+                s.endpoint, name, s.timeout_s, s.retry_s, self.model, _known_layout(vllm_config)
+            )
             self.sched = SchedulerSide(
                 s if store else _no_store(s), link, self.block_size, parallel.world_size
             )
@@ -149,3 +151,17 @@ def _no_store(settings: ConnectorSettings) -> ConnectorSettings:
     from dataclasses import replace
 
     return replace(settings, store=False)
+
+
+def _known_layout(vllm_config: Any) -> dict[str, Any]:
+    """Layout facts the scheduler knows from the config (a layout the daemon serves is taken
+    as this engine's before its workers report only when these match)."""
+    out: dict[str, Any] = {"block_size": vllm_config.cache_config.block_size}
+    try:
+        out["head_size"] = int(vllm_config.model_config.get_head_size())
+        out["num_layers"] = int(
+            vllm_config.model_config.get_num_layers(vllm_config.parallel_config)
+        )
+    except Exception:  # noqa: BLE001  (a vLLM without these: wait for the workers' reports)
+        out["unknown"] = True  # matches no layout
+    return out

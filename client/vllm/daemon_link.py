@@ -45,12 +45,23 @@ class Unavailable(Exception):
 
 
 class DaemonLink:
-    def __init__(self, endpoint: str, name: str, timeout_s: float, retry_s: float, model: str):
+    def __init__(
+        self,
+        endpoint: str,
+        name: str,
+        timeout_s: float,
+        retry_s: float,
+        model: str,
+        expect: dict[str, Any] | None = None,
+    ):
         self.endpoint = endpoint
         self.name = name
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.model = model  # this engine's model identity (checked against a served layout)
+        # what this side knows of its layout before the workers report it (model config): a
+        # served layout is taken as this engine's only when all of it matches
+        self.expect = {"model": model, **(expect or {})}
         self.layout: EngineLayout | None = None  # this engine's layout, once known
         self.client: HiCacheClient | None = None
         self.pool: PoolRef | None = None  # what workers map for this session's pages
@@ -80,8 +91,8 @@ class DaemonLink:
                 self.generation += 1
             client = self.client
             served = client.layout
-            if self.layout is None and served is not None and served.model == self.model:
-                self.layout = served  # this engine's workers registered it at start
+            if self.layout is None and served is not None and self._expected(served):
+                self.layout = served  # (this engine's workers registered it at start)
             if self.layout is None:
                 return None  # the workers' reports will bring it (the daemon restarted)
             client.register_layout(self.layout)
@@ -100,18 +111,45 @@ class DaemonLink:
             self._down(f"hicache-daemon at {self.endpoint} unusable, recomputing: {exc}")
         raise Unavailable
 
+    def _expected(self, served: EngineLayout) -> bool:
+        facts = served.as_dict()
+        return all(facts.get(k) == v for k, v in self.expect.items())
+
     def learn_layout(self, raw: dict[str, Any]) -> None:
-        """A worker's layout (from its report): register it when the link has none yet."""
+        """A worker's layout (from its report): the truth. Registered when the link has none
+        yet; a layout taken from the daemon that differs from it is dropped with the session
+        (the next connect registers the workers' own, and a daemon serving another one
+        refuses it: LAYOUT_MISMATCH)."""
+        mine = EngineLayout.from_dict(raw)
         if self.layout is None:
-            self.layout = EngineLayout.from_dict(raw)
+            self.layout = mine
+            self.down_until = 0.0
+        elif self.layout.mismatch(mine) is not None:
+            log.error("hicache: %s", self.layout.mismatch(mine))
+            self.layout = mine
+            self._drop()
             self.down_until = 0.0
 
+    def fresh(self) -> bool:
+        """Whether the session is surely alive: not lost, and heard from within half a lease.
+        Pages it owns may be written only then (a session that lapsed, e.g. while this process
+        was stopped, no longer owns them)."""
+        client = self.client
+        if client is None or self.pool is None:
+            return False
+        if client.lost is not None:
+            self._drop()
+            self.down_until = 0.0
+            return False
+        return time.monotonic() - client.heard < client.lease_s / 2
+
     # ---- calls ----------------------------------------------------------------------------
-    def call(self, fn: Callable[[HiCacheClient], T]) -> T:
-        """``fn(client)``; raises Unavailable (the link goes down or renews its session) or
-        DaemonError for a refused operation."""
+    def call(self, fn: Callable[[HiCacheClient], T], generation: int | None = None) -> T:
+        """``fn(client)``; raises Unavailable (the link goes down or renews its session, or
+        is no longer at ``generation``: slots and locks of another session must never be
+        sent) or DaemonError for a refused operation."""
         client = self.ready()
-        if client is None:
+        if client is None or (generation is not None and generation != self.generation):
             raise Unavailable
         wall, cpu = time.perf_counter(), time.thread_time()
         try:

@@ -113,6 +113,7 @@ class SchedulerSide:
         self.loads: list[tuple[Copy, Tracked]] = []  # planned since the last step's plan
         self.step = 0
         self.open_steps: deque[tuple[int, list[Store]]] = deque()  # planned, not yet reported
+        self.opened_at: dict[int, float] = {}  # when each open step was planned (monotonic)
         self.jobs = itertools.count(1)
         self.figures = Figures()
         self.reserve = _NO_PAGES  # first slots of pages the session owns for later stores
@@ -171,10 +172,11 @@ class SchedulerSide:
         first, count = t.local // bs, num_external // bs
         pages = t.chain.device_pages[first : first + count].numpy()
         blocks = np.asarray(block_ids[first : first + count], dtype=np.int64)
+        epoch = t.pool.epoch
         if len(pages) != count or len(blocks) != count:  # (vLLM allocated otherwise: a bug)
             log.error("hicache: load of %d blocks does not fit its allocation", count)
-            return
-        copy = Copy(next(self.jobs), request.request_id, t.pool.epoch, blocks, pages.copy())
+            epoch, pages = 0, np.zeros(len(blocks), dtype=np.int64)  # withdrawn: recomputed
+        copy = Copy(next(self.jobs), request.request_id, epoch, blocks, pages.copy())
         self.loads.append((copy, t))
         self.figures.loaded_tokens += num_external
 
@@ -185,6 +187,7 @@ class SchedulerSide:
         this step completes. A step with neither gets the shared empty plan (step 0), and the
         workers send no report for it."""
         self.step += 1  # (numbers need not be consecutive: a step without copies skips one)
+        self._expire_steps()
         stores = self._plan_stores(out) if self.settings.store and self.tracked else []
         if not stores and not self.loads:
             return NO_PLAN
@@ -204,11 +207,22 @@ class SchedulerSide:
             plan.pools[pool.epoch] = pool
             plan.stores = [Copy(s.job, rid, pool.epoch, b, p) for s, rid, b, p in stores]
             self.open_steps.append((self.step, [s for s, *_ in stores]))
+            self.opened_at[self.step] = time.monotonic()
         return plan
 
+    def _expire_steps(self) -> None:
+        """Steps whose report never came within half a lease (a worker that failed) count as
+        failed: their pages are freed and the requests' pins released, not held for ever."""
+        if not self.open_steps:
+            return
+        lease = self.link.client.lease_s if self.link.client is not None else 10.0
+        oldest = self.open_steps[0][0]
+        if time.monotonic() - self.opened_at.get(oldest, 0.0) > lease / 2:
+            self.report(StepReport(self.open_steps[-1][0], 0))  # every open step failed
+
     def _plan_stores(self, out: Any) -> list[tuple[Store, str, np.ndarray, np.ndarray]]:
-        if self.link.ready() is None:  # down (a store can wait: its blocks are planned later)
-            return []
+        if self.link.ready() is None or not self.link.fresh():
+            return []  # down, or not surely alive: its pages may be someone else's by now
         generation = self.link.generation
         wanted: list[tuple[Tracked, int, int]] = []
         spec = out.scheduled_spec_decode_tokens or {}
@@ -220,9 +234,9 @@ class SchedulerSide:
                 self._void(t)  # (its computed blocks are planned again below)
             done = computed + out.num_scheduled_tokens[req_id] - len(spec.get(req_id, ()))
             request = t.request
-            limit = len(request.all_token_ids)
+            limit = min(len(request.all_token_ids), self._pin_cap())
             if not self.settings.store_generated:
-                limit = request.num_prompt_tokens
+                limit = min(limit, request.num_prompt_tokens)
             end = min(done, limit) // self.block_size * self.block_size
             if end > t.planned:
                 wanted.append((t, t.planned, end))
@@ -230,6 +244,14 @@ class SchedulerSide:
             return []
         bs = self.block_size
         slots = self._take((sum(end - start for _, start, end in wanted)) // bs)
+        if slots is None and len(wanted) > 1:  # not all fit: as many requests as fit, in order
+            fit, parts = [], []
+            for w in wanted:
+                got = self._take((w[2] - w[1]) // bs)
+                if got is not None:
+                    fit.append(w)
+                    parts.append(got)
+            wanted, slots = fit, (torch.cat(parts) if parts else None)
         if slots is None or self.link.generation != generation or self.link.pool is None:
             return []  # (the link went down or renewed its session in between)
         plans, at = [], 0
@@ -244,6 +266,13 @@ class SchedulerSide:
             blocks = np.asarray(ids, dtype=np.int64)
             plans.append((store, rid, blocks, (mine[::bs] // bs).numpy()))
         return plans
+
+    def _pin_cap(self) -> int:
+        """Tokens one request's chain may pin: a share of the pool, whole blocks (one long
+        request must not pin the whole pool and keep every other store out)."""
+        pool = self.link.pool
+        tokens = pool.config["device_tokens"] if pool is not None else 0
+        return tokens // PIN_SHARE // self.block_size * self.block_size
 
     def _take(self, pages: int) -> torch.Tensor | None:
         """Slots of ``pages`` whole pages the session owns, from the reserve: one ALLOC brings
@@ -288,6 +317,7 @@ class SchedulerSide:
             self.link.learn_layout(rep.layout)
         while self.open_steps and self.open_steps[0][0] <= rep.step:
             step, stores = self.open_steps.popleft()
+            self.opened_at.pop(step, None)
             ok = step == rep.step and rep.ranks >= self.world
             for store in stores:
                 store.ok = ok and store.job not in rep.failed
@@ -327,7 +357,7 @@ class SchedulerSide:
             if head.ok and head.start == t.chain_len:
                 break  # waits to be published with the next ones
             t.pending.popleft()
-            self._free(head.slots)
+            self._free(head.slots, head.generation)
             t.planned = min(t.planned, t.chain_len)
 
     def _due(self, t: Tracked, run: list[Store]) -> bool:
@@ -343,21 +373,24 @@ class SchedulerSide:
         prefix = torch.empty(0, dtype=torch.int64) if t.chain is None else t.chain.device_indices
         mine = torch.cat([s.slots for s in run])
         slots = torch.cat([prefix, mine])
-        last = t.finished and not t.pending  # the request ended: publish and unpin at once
+        # the request ended, or its chain reached the most one request may pin: publish and
+        # unpin at once (a request stores nothing past that cap)
+        last = (t.finished and not t.pending) or end >= self._pin_cap()
         try:  # the new chain replaces the old one in the same round trip
             inserted = self.link.call(
                 lambda c: (
                     c.insert(tokens, slots, t.namespace, replaces=t.chain)
                     if last
                     else c.insert_and_lock(tokens, slots, t.namespace, replaces=t.chain)
-                )
+                ),
+                generation=t.generation,
             )
         except Unavailable:  # the session is gone, and its pages with it
             t.planned = t.chain_len
             return
         except DaemonError as exc:
             log.warning("hicache: publishing %d tokens failed: %s", end - run[0].start, exc)
-            self._free(mine)
+            self._free(mine, t.generation)
             t.planned = t.chain_len
             return
         self.figures.stored_tokens += end - run[0].start
@@ -388,18 +421,15 @@ class SchedulerSide:
 
     def _release(self, t: Tracked) -> None:
         if t.chain is not None and t.generation == self.link.generation:
-            self._release_match(t.chain)
+            try:
+                self.link.call(lambda c: c.release(t.chain), generation=t.generation)
+            except (Unavailable, DaemonError) as exc:
+                log.debug("hicache: release failed: %s", exc)
         t.chain = None
 
-    def _release_match(self, match: Match) -> None:
+    def _free(self, slots: torch.Tensor, generation: int) -> None:
         try:
-            self.link.call(lambda c: c.release(match))
-        except (Unavailable, DaemonError) as exc:
-            log.debug("hicache: release failed: %s", exc)
-
-    def _free(self, slots: torch.Tensor) -> None:
-        try:
-            self.link.call(lambda c: c.free(slots))
+            self.link.call(lambda c: c.free(slots), generation=generation)
         except (Unavailable, DaemonError) as exc:
             log.debug("hicache: free failed: %s", exc)
 
@@ -415,6 +445,7 @@ class SchedulerSide:
 
 
 RESERVE_PAGES = 64  # pages allocated ahead for stores (at most 1/64 of the pool)
+PIN_SHARE = 4  # one request's chain pins at most 1/4 of the pool
 NO_PLAN = StepPlan(0)  # a step without copies (never mutated)
 PUBLISH_BLOCKS = 8  # generated blocks published together (prompt blocks go at once)
 _NO_PAGES = torch.empty(0, dtype=torch.int64)

@@ -4,12 +4,14 @@ and the identity of the KV this engine computes (model, LoRA, cache salt)."""
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 from hicache.endpoints import env_endpoint
 
 PREFIX = "hicache."
+MAX_WAIT_S = 600.0  # a timeout or retry longer than this is a typo, not a setting
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,21 @@ class ConnectorSettings:
                 )
             values[name] = _convert(key, known[name].type, value)
         out = cls(**values)
-        if not out.timeout_s > 0 or not out.retry_s >= 0:
-            raise ValueError("kv_connector_extra_config: hicache.timeout_s > 0, retry_s >= 0")
+        if not 0 < out.timeout_s <= MAX_WAIT_S:
+            raise ValueError(
+                f"kv_connector_extra_config: hicache.timeout_s={out.timeout_s!r} must be in "
+                f"(0, {MAX_WAIT_S:.0f}] seconds"
+            )
+        if not 0 <= out.retry_s <= MAX_WAIT_S:
+            raise ValueError(
+                f"kv_connector_extra_config: hicache.retry_s={out.retry_s!r} must be in "
+                f"[0, {MAX_WAIT_S:.0f}] seconds"
+            )
+        if not out.endpoint.startswith(("ipc://", "tcp://")) or len(out.endpoint) <= 6:
+            raise ValueError(
+                f"kv_connector_extra_config: hicache.endpoint={out.endpoint!r} is not "
+                "ipc://PATH or tcp://HOST:PORT"
+            )
         return out
 
 
@@ -50,13 +65,13 @@ def _convert(key: str, kind: Any, value: Any) -> Any:
             return value
         if str(value).lower() in ("true", "1", "yes", "false", "0", "no"):
             return str(value).lower() in ("true", "1", "yes")
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+    elif kind is float and not isinstance(value, bool):
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
-            pass
+            number = math.nan
+        if math.isfinite(number):
+            return number
     elif isinstance(value, str):
         return value
     raise ValueError(f"kv_connector_extra_config: {key}={value!r} is not a {kind.__name__}")

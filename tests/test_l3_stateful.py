@@ -1,0 +1,160 @@
+"""Random interleavings of writes, fetches, evictions, loads and store faults on two caches
+that share one in-memory store: check_integrity() holds after every step on both, and every
+token either cache serves holds exactly the KV computed for its prefix (a corrupted, lost or
+half-written value is a miss, never wrong bytes)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from hicache.l3.config import L3Config
+from hicache.l3.memory import drop_space, space
+from hicache.l3.store import open_store
+from hicache.l3.tier import L3Tier
+from tests.conftest import make_cache, settle
+from tests.reference import expected_kv, read_kv, write_kv
+
+PS = 2
+SPACE = "stateful"
+
+
+def _sequences() -> list[np.ndarray]:
+    """Prompts sharing prefixes of several lengths (a small tree)."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(1, 50, 24)
+    out = []
+    for cut in (0, 4, 8, 12, 16, 20):
+        out.append(np.concatenate([base[:cut], rng.integers(1, 50, 12)]).astype(np.int32))
+    return out
+
+
+SEQS = _sequences()
+
+
+class TwoMachines(RuleBasedStateMachine):
+    second = "write_through_selective"  # the other machine's write policy
+    seen = {"adopted": 0, "corrupt": 0, "errors": 0, "served": 0}
+
+    def __init__(self) -> None:
+        super().__init__()
+        drop_space(SPACE)
+        self.caches = []
+        for policy in ("write_through", self.second):
+            cache = make_cache(
+                manual=False, page_size=PS, num_kv_heads=2, head_dim=2,
+                device_tokens=16 * PS, host_tokens=24 * PS, load_back_threshold=0,
+            )  # fmt: skip
+            cfg = L3Config(f"memory://{SPACE}", "m", write_policy=policy, write_threshold=2,
+                           breaker_failures=2, breaker_cooldown_s=0.001)  # fmt: skip
+            cache.attach_l3(L3Tier(cache, cfg, open_store(cfg.url)))
+            self.caches.append(cache)
+        self.faults = space(SPACE).faults
+
+    @rule(m=st.integers(0, 1), s=st.integers(0, len(SEQS) - 1), n=st.integers(1, 36))
+    def compute(self, m: int, s: int, n: int) -> None:
+        """An engine computes a prompt's first ``n`` tokens and inserts them."""
+        cache, tokens = self.caches[m], SEQS[s][:n]
+        slots = cache.alloc(len(tokens))
+        if slots is None:
+            return
+        write_kv(cache.device_pool, slots, tokens, 0, tokens)
+        cache.insert(tokens, slots)
+
+    @rule(m=st.integers(0, 1), s=st.integers(0, len(SEQS) - 1), wait=st.booleans())
+    def fetch(self, m: int, s: int, wait: bool) -> None:
+        cache, tokens = self.caches[m], SEQS[s]
+        hit = cache.match_prefix(tokens)
+        f = cache.l3.prefetch(tokens.tobytes(), None, hit.device_hit_length + hit.host_hit_length)
+        if f is not None and wait:
+            assert cache.l3.wait(f, timeout=10)
+
+    @rule(m=st.integers(0, 1), s=st.integers(0, len(SEQS) - 1))
+    def serve(self, m: int, s: int) -> None:
+        """Match, load what is on the host, and check every device token's KV."""
+        cache, tokens = self.caches[m], SEQS[s]
+        hit = cache.match_prefix(tokens)
+        if hit.host_hit_length:
+            cache.load_back(hit.last_host_node)
+            settle(cache)
+            hit = cache.match_prefix(tokens)
+        n = hit.device_hit_length
+        TwoMachines.seen["served"] += n
+        got = read_kv(cache.device_pool, hit.device_indices)
+        assert bool((got == expected_kv(tokens[:n], 2, 2)).all()), "wrong KV served"
+
+    @rule(m=st.integers(0, 1), device=st.integers(0, 32), host=st.integers(0, 48))
+    def evict(self, m: int, device: int, host: int) -> None:
+        cache = self.caches[m]
+        cache.evict(device)
+        cache.evict_host(host)
+
+    @rule(m=st.integers(0, 1))
+    def settle(self, m: int) -> None:
+        settle(self.caches[m])
+
+    @rule(m=st.integers(0, 1))
+    def drain(self, m: int) -> None:
+        self.caches[m].l3.drain()
+
+    @rule(
+        down=st.booleans(),
+        fail=st.sampled_from([0.0, 0.0, 0.3]),
+        lose=st.sampled_from([0.0, 0.0, 0.5]),
+        corrupt=st.integers(0, 3),
+    )
+    def faults_change(self, down: bool, fail: float, lose: float, corrupt: int) -> None:
+        self.faults.down = down and not corrupt
+        self.faults.fail_rate, self.faults.lose_rate = fail, lose
+        keys = list(space(SPACE).values)
+        if corrupt and keys:
+            self.faults.corrupt.add(keys[corrupt * 7 % len(keys)])
+
+    @rule()
+    def store_forgets(self) -> None:
+        """The store evicts (or a node dies with) some values."""
+        values = space(SPACE).values
+        with space(SPACE).lock:
+            for key in list(values)[::3]:
+                del values[key]
+
+    @invariant()
+    def integrity(self) -> None:
+        for cache in self.caches:
+            cache.poll()
+            cache.check_integrity()
+
+    def teardown(self) -> None:
+        for cache in self.caches:
+            c = cache.l3.counters
+            seen = TwoMachines.seen
+            seen["adopted"] += c.adopted_pages
+            seen["corrupt"] += c.corrupt_pages
+            seen["errors"] += c.errors
+            cache.l3.drain()
+            settle(cache)
+            cache.check_integrity()
+            cache.close()
+        drop_space(SPACE)
+
+
+class WithWriteBack(TwoMachines):
+    second = "write_back"
+
+
+SETTINGS = settings(
+    max_examples=40, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)  # fmt: skip
+TwoMachines.TestCase.settings = WithWriteBack.TestCase.settings = SETTINGS
+test_two_machines_on_one_faulty_store = TwoMachines.TestCase
+test_with_write_back = WithWriteBack.TestCase
+
+
+def test_the_runs_above_went_through_every_path():
+    """The random runs fetched, served, refused corrupt values and survived a down store
+    (runs after the two state machines in this module)."""
+    seen = TwoMachines.seen
+    assert seen["adopted"] and seen["served"] and seen["corrupt"] and seen["errors"], seen
