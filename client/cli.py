@@ -99,6 +99,8 @@ def sections(stats: dict) -> dict[str, dict]:
             "backup_failed_tokens",
             "transfer_errors",
         ),
+        # the third tier: the store under the host pool (off unless --l3)
+        "l3": {"enabled": 1, **stats["l3"]} if stats.get("l3") else {"enabled": 0},
         "sessions": _pick(
             stats, "sessions", "sessions_quarantined", "quarantined_tokens", "replies_dropped"
         )

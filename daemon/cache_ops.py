@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from hicache.allocator import OWNED
+from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import out_of_memory
 from hicache.daemon.sessions import Session
 from hicache.protocol import (
@@ -114,6 +115,8 @@ class CacheOpsMixin:
         lock = self._bool(fields, "lock", True)
         if lock:
             self.limits.check_locks(session, len(batch))
+        if self.cache.l3 is not None:
+            self._prefetch(batch, spaces, self._bool(fields, "l3_wait", True))
         match_key = self.cache.match_key
         results, state = [], ([], {})
         try:
@@ -128,6 +131,19 @@ class CacheOpsMixin:
             self._undo_locks(session, results)  # a failed request holds nothing
             raise
         return self._match_reply(results, state[0])
+
+    def _prefetch(self, batch: list, spaces: list, wait: bool) -> None:
+        """Ask the third tier for what the tree lacks of each prompt; under a waiting policy
+        (and when the request and the server allow it) raise Deferred until it arrives."""
+        l3, match_key = self.cache.l3, self.cache.match_key
+        waiting = []
+        for tokens, space in zip(batch, spaces, strict=True):
+            m = match_key(tokens, space, True, count=False)
+            fetch = l3.prefetch(tokens, space, m.device_hit_length + m.host_hit_length)
+            if fetch is not None and not fetch.done:
+                waiting.append(fetch)
+        if waiting and wait and self.may_wait and l3.config.wait_bound(1) > 0:
+            raise Deferred(waiting, max(f.deadline for f in waiting))
 
     def _undo_locks(self, session: Session, results: list) -> None:
         """Release the locks a request took before it failed (their ids never reach the

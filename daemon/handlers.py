@@ -26,6 +26,7 @@ from hicache.allocator import OWNED
 from hicache.cache import HiRadixCache
 from hicache.daemon.cache_ops import CacheOpsMixin
 from hicache.daemon.engine_tier import EngineTier, no_layout
+from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import SessionLimits
 from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
@@ -110,6 +111,7 @@ class Handlers(CacheOpsMixin):
         self.admin_token = admin_token  # what an admin hello must show (None: no admins)
         self.started = self.clock()
         self.housekeep_errors = 0  # exceptions caught in housekeeping (each one is a bug)
+        self.may_wait = False  # the request being handled may wait for the third tier
         self.server_counters: Callable[[], dict[str, int]] = dict  # the transport's counters
         self.table: dict[Op, Callable[[Session | None, dict, Frames], Result]] = {
             Op.HELLO: self.hello,
@@ -133,7 +135,22 @@ class Handlers(CacheOpsMixin):
         }
 
     # ---- transport-facing -------------------------------------------------------------------
-    def handle(self, header: bytes | memoryview, frames: Frames) -> tuple[bytes, Frames]:
+    def handle(
+        self,
+        header: bytes | memoryview,
+        frames: Frames,
+        may_wait: bool = False,
+        resumed: bool = False,
+    ) -> tuple[bytes | None, Frames | Deferred]:
+        """The reply to one request, or ``(None, Deferred)`` for a match that should wait for
+        the third tier (only when ``may_wait``; ``resumed``: it waited, and is answered now)."""
+        self.may_wait = may_wait and not resumed
+        try:
+            return self._handle(header, frames)
+        except Deferred as waiting:
+            return None, waiting
+
+    def _handle(self, header: bytes | memoryview, frames: Frames) -> tuple[bytes, Frames]:
         request_id = 0
         try:
             req = decode_request(header)
@@ -156,6 +173,8 @@ class Handlers(CacheOpsMixin):
                 raise no_layout()
             fields, out = self.table[req.op](session, req.fields, frames)
             return self._reply(ErrorCode.OK, request_id, fields), out
+        except Deferred:
+            raise  # (handle parks the request)
         except ProtocolError as exc:
             return self._reply(exc.code, request_id, {"message": str(exc)}), []
         except InvalidIndicesError as exc:
@@ -303,13 +322,15 @@ class Handlers(CacheOpsMixin):
     def flush(self, session: Session, fields: dict, frames: Frames) -> Result:
         """Evict every unlocked token from both tiers (locked data stays)."""
         freed = self._evict_device(self.cache.config.device_tokens)
-        freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens)
+        freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens, to_l3=False)
         return {"device_freed": freed, "host_freed": freed_host}, []
 
     def stats(self, _: Session | None, fields: dict, frames: Frames) -> Result:
         check = self._bool(fields, "check", False)
         cache = self.cache
         out: dict[str, Any] = {} if cache is None else cache.stats().as_dict()
+        if cache is not None and cache.l3 is not None:
+            out["l3"] = cache.l3.stats()
         listed = [
             {
                 "id": s.id,

@@ -28,11 +28,14 @@ from hicache.config import HiCacheConfig
 from hicache.daemon.endpoint import AdminToken, EndpointClaim, EndpointError, bind_address
 from hicache.daemon.engine_tier import EngineTier
 from hicache.daemon.handlers import Handlers
+from hicache.daemon.l3_waits import WAKE_ID, L3Waits
 from hicache.daemon.limits import SessionLimits
 from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, segment_name
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
 from hicache.endpoints import admin_token_path
+from hicache.l3.store import LazyStore
+from hicache.l3.tier import L3Tier
 from hicache.progress import DEFAULT_CAPACITY as PROGRESS_CAPACITY
 from hicache.progress import LayerProgress
 from hicache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
@@ -69,6 +72,7 @@ class Daemon:
         self._backings: list = []
         self.cache: HiRadixCache | None = None
         self.progress: SharedMemoryBacking | None = None
+        self.waits: L3Waits | None = None  # matches waiting for the third tier
         try:
             self._start(settings)
         except BaseException:
@@ -87,6 +91,10 @@ class Daemon:
         self.sock.setsockopt(zmq.SNDTIMEO, 0)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)  # bounds what a peer that never reads pins
         self._bind(settings.endpoint)
+        if settings.l3 is not None:
+            wake = f"inproc://hicache-l3-wake-{os.getpid()}-{id(self)}"
+            self.sock.bind(wake)
+            self.waits = L3Waits(self.ctx, wake)
         self._admin = AdminToken(admin_token_path(settings.endpoint))
         removed = remove_stale()
         if removed:
@@ -132,6 +140,11 @@ class Daemon:
         try:
             self.cache = HiRadixCache(cfg, device, host)
             self.progress = self._share_progress(token)
+            l3 = self.settings.l3
+            if l3 is not None:
+                store = LazyStore(l3.url, **l3.options)  # opened (and reopened) by its IO thread
+                self.cache.attach_l3(L3Tier(self.cache, l3, store, self.waits.wake))
+                self.waits.counters = self.cache.l3.counters
         except BaseException:
             self.cache = None
             for backing in backings:
@@ -186,22 +199,47 @@ class Daemon:
             except zmq.Again:
                 frames = None
             if frames:
-                self._serve_one(frames)
+                if frames[0] == WAKE_ID:  # the third tier finished something
+                    self._resume()
+                else:
+                    self._serve_one(frames)
             if time.monotonic() >= next_housekeep:
                 self.handlers.housekeep()
+                self._resume()
                 next_housekeep = time.monotonic() + HOUSEKEEP_S
+
+    def _resume(self) -> None:
+        """Answer matches that waited for the third tier and may go on now."""
+        waits = self.waits
+        if waits is None or not waits.parked:
+            return
+        if self.cache is not None:
+            self.cache.poll()
+        waits.resume(self._handle_resumed, self._send_reply)
+
+    def _handle_resumed(self, header: bytes | memoryview, frames: list) -> tuple[bytes, list]:
+        reply, out = self.handlers.handle(header, frames, resumed=True)
+        return reply, out  # type: ignore[return-value]  (a resumed match is never deferred)
+
+    def _send_reply(self, frames: list) -> None:
+        try:
+            self._send_frames(frames)
+        except zmq.Again:  # the peer's pipe is full: it does not read, so it loses this reply
+            self.replies_dropped += 1
+        except zmq.ZMQError as exc:  # the peer went away: nothing to do
+            log.debug("reply dropped: %s", exc)
 
     def _serve_one(self, frames: list[bytes | memoryview]) -> None:
         identity, rest = frames[0], frames[1:]
         if len(rest) > 1 and len(rest[0]) == 0:  # a REQ peer adds an empty delimiter
             rest = rest[1:]
-        reply, out = self.handlers.handle(rest[0] if rest else b"", rest[1:])
-        try:
-            self._send_frames([identity, reply, *out])
-        except zmq.Again:  # the peer's pipe is full: it does not read, so it loses this reply
-            self.replies_dropped += 1
-        except zmq.ZMQError as exc:  # the peer went away: nothing to do
-            log.debug("reply dropped: %s", exc)
+        header = rest[0] if rest else b""
+        waits = self.waits
+        reply, out = self.handlers.handle(header, rest[1:], waits is not None and waits.room())
+        if reply is None:  # a match that waits for the third tier
+            waits.park(identity, header, rest[1:], out)  # type: ignore[union-attr, arg-type]
+            return
+        self._send_reply([identity, reply, *out])
 
     def _recv_frames(self) -> list[bytes | memoryview]:
         """One multipart message; raises zmq.Again after RCVTIMEO."""
@@ -230,8 +268,13 @@ class Daemon:
         Undoes whatever a start made, however far it got; safe to call twice."""
         if self.sock is not None:
             self.sock.close(linger=0)
-            self.ctx.term()
             self.sock = None
+            if self.cache is not None:
+                self.cache.close()  # waits for copies; stops the third tier's IO thread
+                self.cache = None
+            if self.waits is not None:
+                self.waits.close()  # (after the IO thread: its wake socket)
+            self.ctx.term()
         if self.cache is not None:
             self.cache.close()  # waits for copies that may still publish progress
             self.cache = None

@@ -20,7 +20,9 @@ from typing import Any
 
 from hicache.config import DTYPES, HiCacheConfig
 from hicache.copiers import resolve_backend
+from hicache.daemon.l3_settings import L3_FIELDS, l3_config
 from hicache.endpoints import env_endpoint
+from hicache.l3.config import L3Config
 from hicache.protocol import DEFAULT_LEASE_S
 
 # A small model that serves on any machine: 4 layers, 4 KV heads of 64, fp32, page 16.
@@ -82,13 +84,13 @@ DEFAULT_ENGINE_HOST_BYTES = 1 << 30
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-def parse_bytes(raw: object) -> int:
+def parse_bytes(raw: object, name: str = "host_bytes") -> int:
     """A size in bytes from an int or a string such as 512MiB, 4GiB, 2G (powers of 1024)."""
     if isinstance(raw, int) and not isinstance(raw, bool):
         return raw
     m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*", str(raw), re.I)
     if m is None:
-        raise ValueError(f"host_bytes: {raw!r} is not a size (e.g. 4GiB, 512MiB, 1073741824)")
+        raise ValueError(f"{name}: {raw!r} is not a size (e.g. 4GiB, 512MiB, 1073741824)")
     return int(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
@@ -105,6 +107,8 @@ class DaemonSettings:
     device_tier: str = "daemon"  # daemon: the daemon's device pool; engine: engines' own blocks
     host_bytes: int | None = None  # device_tier=engine: the pool's size (None: engine_tokens)
     engine_tokens: int | None = None  # device_tier=engine: host_tokens, the pool's size in tokens
+    l3: L3Config | None = None  # the store under the host tier (None: no third tier)
+    l3_settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # as given (--l3-*)
 
     @property
     def engine_tier(self) -> bool:
@@ -127,6 +131,8 @@ class DaemonSettings:
         config = config or self.config
         out = {f.name: _plain(getattr(config, f.name)) for f in _fields()}
         out.update({name: getattr(self, name) for name in DAEMON_FIELDS})
+        out.update({name: default for name, (_, default, _) in L3_FIELDS.items()})
+        out.update(self.l3_settings)
         out["quarantine_seconds"] = self.quarantine
         # what the defaults resolve to (not settings themselves)
         out["host_capacity_tokens"] = config.host_capacity_tokens
@@ -155,7 +161,7 @@ _TYPES = {
     "write_through_threshold": int,
     "load_back_threshold": int,
     "host_ratio": float,
-} | {name: kind for name, (kind, _, _) in DAEMON_FIELDS.items()}
+} | {name: kind for name, (kind, _, _) in (DAEMON_FIELDS | L3_FIELDS).items()}
 
 
 def _convert(name: str, raw: str) -> Any:
@@ -211,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
         flag = f"--{name.replace('_', '-')}"
         daemon.add_argument(flag, dest=name, metavar=name.upper(), help=help_)
         _shown_default(daemon, name, default)
+    l3 = ap.add_argument_group("third tier (a distributed store under the host tier)")
+    for name, (_, default, help_) in L3_FIELDS.items():
+        flag = f"--{name.replace('_', '-')}"
+        l3.add_argument(flag, dest=name, metavar=name.upper(), help=help_ or " ")
+        _shown_default(l3, name, default)
     return ap
 
 
@@ -227,8 +238,9 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     environ = os.environ if environ is None else environ
     merged: dict[str, Any] = dict(EMBEDDED_DEFAULT)
     merged.update({name: default for name, (_, default, _) in DAEMON_FIELDS.items()})
+    merged.update({name: default for name, (_, default, _) in L3_FIELDS.items()})
     merged["endpoint"] = env_endpoint(environ)
-    names = [f.name for f in _fields()] + list(DAEMON_FIELDS)
+    names = [f.name for f in _fields()] + list(DAEMON_FIELDS) + list(L3_FIELDS)
     if args.config:
         with open(args.config, "rb") as fh:
             table = tomllib.load(fh)
@@ -245,6 +257,10 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         if raw is not None:
             merged[name] = _convert(name, raw)
     daemon = {name: merged.pop(name) for name in DAEMON_FIELDS}
+    l3_settings = {name: merged.pop(name) for name in L3_FIELDS}
+    l3 = l3_config(l3_settings, parse_bytes)
+    if l3 is not None and daemon["device_tier"] == "engine":
+        raise ValueError("l3: a third tier needs device_tier=daemon (its host pool) for now")
     engine_tokens = None
     if daemon["device_tier"] == "engine":  # the pool's shape comes from the engines' layout
         engine_tokens = merged.pop("host_tokens", None)
@@ -289,4 +305,6 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         daemon["device_tier"],
         host_bytes,
         engine_tokens,
+        l3,
+        l3_settings,
     )

@@ -29,9 +29,9 @@ class L3Config:
     url: str  # memory://NAME, redis://HOST:PORT[,...], mooncake://HOST:PORT
     model: str  # model identity (name and revision): part of every key
     shard: str = "0"  # tensor-parallel shard of the KV this daemon holds: part of every key
-    write_policy: L3WritePolicy | str = L3WritePolicy.WRITE_THROUGH
+    write_policy: L3WritePolicy | str = L3WritePolicy.WRITE_THROUGH  # when pages go to it
     write_threshold: int = 2  # write_through_selective: hits before a page is written
-    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.TIMEOUT
+    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.TIMEOUT  # how long matches wait
     timeout_s: float = 0.5  # timeout policy: the base wait
     timeout_per_ki_s: float = 0.1  # timeout policy: more per 1024 tokens fetched
     timeout_max_s: float = 5.0  # no match ever waits longer (wait_complete too)

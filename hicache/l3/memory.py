@@ -56,8 +56,16 @@ def drop_space(name: str) -> None:
 
 class MemoryStore(L3Store):
     def __init__(self, name: str, **_: object):
+        """``name`` may carry faults for a daemon under test: ``NAME?latency_s=0.5&lose_rate=0.1``
+        (float fields of Faults)."""
+        name, _, query = name.partition("?")
         self.url = f"memory://{name}"
         self.space = space(name)
+        for part in filter(None, query.split("&")):
+            key, _, value = part.partition("=")
+            if key not in ("latency_s", "fail_rate", "lose_rate"):
+                raise ValueError(f"l3: memory fault {key!r} (latency_s, fail_rate, lose_rate)")
+            setattr(self.space.faults, key, float(value))
 
     def _enter(self) -> Faults:
         faults = self.space.faults

@@ -12,10 +12,16 @@ returns the bytes read; -704 OBJECT_NOT_FOUND; -800 TRANSFER_FAIL (a dead segmen
 that does not match); -900 RPC_FAIL (the master is unreachable); -200 NO_AVAILABLE_HANDLE
 (the store is full: not stored). Any code other than success is a miss. A call whose every key
 failed with -800/-900 raises StoreDown.
+
+The client's ``setup`` and ``close`` hold the GIL while they wait for the master (90 s and 11 s
+measured with the master dead), which would freeze the daemon's control loop: both run only
+after a TCP connect to the master succeeded (else setup is StoreDown at once, and close leaves
+the client to the process's exit). Data calls release the GIL and fail in about 4 s.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import numpy as np
@@ -25,6 +31,7 @@ from hicache.l3.store import L3Store, StoreDown
 
 DOWN_CODES = (-800, -900)
 MAX_BATCH = 512  # pages per call (the trailer arrays are sized for it)
+CONNECT_S = 0.5  # how long the reachability check waits
 
 
 class MooncakeStore(L3Store):
@@ -40,6 +47,9 @@ class MooncakeStore(L3Store):
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
         self.url = f"mooncake://{master[0]}:{master[1]}"
+        self.master = master
+        if not _reachable(master):
+            raise StoreDown(f"{self.url}: the master does not accept connections")
         self.store = MooncakeDistributedStore()
         code = self.store.setup(
             local_host, metadata, segment_bytes, 16 << 20, protocol, "", f"{master[0]}:{master[1]}"
@@ -48,6 +58,7 @@ class MooncakeStore(L3Store):
             raise StoreDown(f"{self.url}: setup failed ({code})")
         self.replicate = ReplicateConfig()
         self.segment_bytes = segment_bytes
+        self.hostname = self.store.get_hostname()  # (describe() must not call the client)
         # trailers: written before a put, read after a get (one thread calls a store at a time)
         self.tails = np.zeros((2, MAX_BATCH, TRAILER_BYTES), dtype=np.uint8)
         self._register(self.tails.ctypes.data, self.tails.nbytes, "trailer buffer")
@@ -114,9 +125,20 @@ class MooncakeStore(L3Store):
         return out
 
     def describe(self) -> dict[str, object]:
-        return {"segment_bytes": self.segment_bytes, "hostname": self.store.get_hostname()}
+        return {"segment_bytes": self.segment_bytes, "hostname": self.hostname}
 
     def close(self) -> None:
+        """Closes the client; a dead master makes that take many seconds, so it is waited for
+        at most CLOSE_WAIT_S (a daemon that stops must not hang on its store)."""
         if not self.closed:
             self.closed = True
-            self.store.close()
+            if _reachable(self.master):
+                self.store.close()
+
+
+def _reachable(master: tuple[str, int]) -> bool:
+    try:
+        socket.create_connection(master, timeout=CONNECT_S).close()
+        return True
+    except OSError:
+        return False

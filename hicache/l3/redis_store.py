@@ -3,8 +3,8 @@
 Every batch is split by the node that owns each key and sent as pipelines of at most
 ``batch_pages`` commands to that node alone, so a dead node costs only its own keys (a mixed
 cluster pipeline fails whole), and a pipeline's buffers stay small (Redis counts client
-buffers against ``maxmemory``: large pipelines evict other keys). Connections never retry and
-time out fast: a failing node is a miss now, and the tier's breaker decides when to look again.
+buffers against ``maxmemory``: large pipelines evict other keys). Connections retry twice, at once,
+and time out fast: a failing node is a miss now; the tier's breaker decides when to look again.
 Values go through one copy each way (redis-py sends and returns ``bytes``).
 """
 
@@ -30,34 +30,40 @@ class RedisStore(L3Store):
         import redis
         from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
+        from redis.exceptions import RedisClusterException
         from redis.retry import Retry
 
         self.url = "redis://" + ",".join(f"{h}:{p}" for h, p in hosts)
         self.batch_pages = max(1, batch_pages)
-        self.errors = redis.RedisError
+        self.errors = (redis.RedisError, RedisClusterException, OSError)
         kw: dict[str, Any] = dict(
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
+            retry=Retry(NoBackoff(), 2),  # (a few: the client picks another node at start)
             password=password,
         )
         self.cluster: RedisCluster | None = None
         self.single: redis.Redis | None = None
-        try:
-            self.cluster = RedisCluster(
-                startup_nodes=[ClusterNode(h, p) for h, p in hosts],
-                require_full_coverage=False,
-                **kw,
-            )
-        except redis.RedisError as exc:
-            if "cluster" not in str(exc).lower() or len(hosts) != 1:
-                raise StoreDown(f"{self.url}: {exc}") from None
-            self.single = redis.Redis(host=hosts[0][0], port=hosts[0][1], **kw)  # not a cluster
+        last: Exception | None = None
+        for host, port in hosts:  # the first node that answers tells the cluster's layout
             try:
-                self.single.ping()
-            except redis.RedisError as exc2:
-                raise StoreDown(f"{self.url}: {exc2}") from None
+                self.cluster = RedisCluster(
+                    startup_nodes=[ClusterNode(host, port)], require_full_coverage=False, **kw
+                )
+                break
+            except self.errors as exc:
+                last = exc
+                if "not enabled" in str(exc).lower() and len(hosts) == 1:  # one plain server
+                    self.single = redis.Redis(host=host, port=port, **kw)
+                    try:
+                        self.single.ping()
+                    except self.errors as exc2:
+                        raise StoreDown(f"{self.url}: {exc2}") from None
+                    break
+        if self.cluster is None and self.single is None:
+            raise StoreDown(f"{self.url}: {last}")
         self.node_errors = 0
+        self.nodes = 1 if self.single is not None else len(self.cluster.get_primaries())
 
     # ---- routing ----------------------------------------------------------------------------
     def _by_node(self, keys: list[str]) -> dict[Any, list[int]]:
@@ -124,8 +130,7 @@ class RedisStore(L3Store):
         return out
 
     def describe(self) -> dict[str, object]:
-        nodes = 1 if self.single is not None else len(self.cluster.get_primaries())  # type: ignore[union-attr]
-        return {"nodes": nodes, "node_errors": self.node_errors}
+        return {"nodes": self.nodes, "node_errors": self.node_errors}
 
     def close(self) -> None:
         for client in (self.cluster, self.single):

@@ -47,24 +47,84 @@ class L3Store(ABC):
         miss (then the page's bytes are undefined). The caller verifies the trailer."""
 
     def describe(self) -> dict[str, Any]:
-        """Store-specific figures for stats (nodes, segment sizes)."""
+        """Store-specific figures for stats (nodes, segment sizes). Called from another thread
+        than the calls: it reads fields only, never the client."""
         return {}
 
     def close(self) -> None:
         """Release connections and registrations; idempotent."""
 
 
+def check_url(url: str) -> str:
+    """``url`` if its scheme and addresses are well formed (nothing is contacted); else
+    ValueError naming the problem."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not rest:
+        raise ValueError(f"l3: {url!r} is not SCHEME://ADDRESS (memory, redis, mooncake)")
+    if scheme == "redis":
+        parse_hosts(rest)
+    elif scheme == "mooncake":
+        parse_hosts(rest, at_most=1)
+    elif scheme != "memory":
+        raise ValueError(f"l3: unknown store {scheme!r} in {url!r} (memory, redis, mooncake)")
+    return url
+
+
+class LazyStore(L3Store):
+    """A store opened on first use, on the thread that uses it, and opened again after it
+    failed to open: a daemon starts, and keeps serving, while its store is down (every call
+    meanwhile raises StoreDown, a miss)."""
+
+    def __init__(self, url: str, **options: Any):
+        self.url = check_url(url)
+        self.options = options
+        self.inner: L3Store | None = None
+
+    def _store(self) -> L3Store:
+        if self.inner is None:
+            try:
+                store = open_store(self.url, **self.options)
+            except StoreDown:
+                raise
+            except Exception as exc:  # a client library's own error: the store is down
+                raise StoreDown(f"{self.url}: {type(exc).__name__}: {exc}") from None
+            try:
+                store.attach(self.pages)
+            except BaseException:
+                store.close()
+                raise
+            self.inner = store
+        return self.inner
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        return self._store().exists(keys)
+
+    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
+        return self._store().put(keys, pages, trailers)
+
+    def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
+        return self._store().get(keys, pages)
+
+    def describe(self) -> dict[str, Any]:
+        inner = self.inner
+        return {"connected": inner is not None, **(inner.describe() if inner else {})}
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+            self.inner = None
+
+
 def open_store(url: str, **options: Any) -> L3Store:
     """The store at ``url``: ``memory://NAME``, ``redis://HOST:PORT[,HOST:PORT...]`` (a Redis
     Cluster, or one server) or ``mooncake://HOST:PORT`` (a Mooncake master). Raises
     ValueError for an unknown scheme or bad address, StoreDown when it cannot be reached."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or not rest:
-        raise ValueError(f"l3: {url!r} is not SCHEME://ADDRESS (memory, redis, mooncake)")
+    check_url(url)
+    scheme, _, rest = url.partition("://")
     if scheme == "memory":
         from hicache.l3.memory import MemoryStore
 
-        return MemoryStore(rest, **options)
+        return MemoryStore(rest, **options)  # (NAME?latency_s=X: faults for tests)
     if scheme == "redis":
         from hicache.l3.redis_store import RedisStore
 
@@ -74,7 +134,7 @@ def open_store(url: str, **options: Any) -> L3Store:
 
         (master,) = parse_hosts(rest, at_most=1)
         return MooncakeStore(master, **options)
-    raise ValueError(f"l3: unknown store {scheme!r} in {url!r} (memory, redis, mooncake)")
+    raise AssertionError(scheme)  # (check_url knows every scheme)
 
 
 def parse_hosts(text: str, at_most: int = 64) -> list[tuple[str, int]]:

@@ -190,7 +190,7 @@ class L3Tier:
         want = aligned - first
         if want <= 0 or want * self.page_size < self.config.min_tokens:
             return None
-        k = (namespace, key[: aligned * pb])
+        k = (namespace, bytes(key[: aligned * pb]))
         fetch = self.fetches.get(k)
         if fetch is not None:
             return fetch

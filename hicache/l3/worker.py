@@ -56,8 +56,14 @@ class IOWorker:
         return len(self.fetches) + len(self.writes) + self.busy
 
     def close(self) -> None:
+        """Stop after the job running now; queued jobs end unrun (error "closing")."""
         with self.cv:
             self.stopping = True
+            for queue in (self.fetches, self.writes):
+                while queue:
+                    job = queue.popleft()
+                    job.error = "closing"
+                    self.done.append(job)
             self.cv.notify()
         self.thread.join()
 

@@ -1,0 +1,264 @@
+"""The third tier on real stores (Mooncake Store and a 3-node Redis Cluster, on loopback).
+
+1. The doc-QA trace split across two daemons (two "machines", requests alternating), each
+   with host memory for 25% of the working set: prompt tokens recomputed with the store under
+   both daemons against without it, and what an unbounded cache would recompute (the ceiling).
+   The engine is synthetic (match, load back, compute = allocate and write the rest, insert):
+   what is counted is tokens, not model time.
+2. Throughput: pages written through the tier (exists, checksum, put) and read back through it
+   (exists, get, verify, insert as host nodes) against the store's own raw batch put and get of
+   the same pages in the same run (2 MiB pages, 128 per batch).
+3. The time a match waits under the `timeout` policy, against its bound (p99).
+
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hicache.client import HiCacheClient
+from hicache.daemon.launch import start_daemon, stop_daemon
+from hicache.l3.config import L3Config
+from hicache.l3.pages import trailer
+from hicache.l3.store import open_store
+from hicache.l3.tier import L3Tier
+from scripts import traces
+from tests.l3_servers import MooncakeMaster, RedisCluster
+
+SHAPE = [
+    "--num-layers", "4", "--num-kv-heads", "4", "--head-dim", "64", "--dtype", "float32",
+    "--page-size", "16", "--load-back-threshold", "16",
+]  # fmt: skip
+TOKEN_BYTES = 2 * 4 * 4 * 64 * 4
+
+
+# ---- 1. the trace across two daemons ------------------------------------------------------------
+def serve(hc: HiCacheClient, prompt: np.ndarray, waits: list[float]) -> int:
+    """One request; returns the prompt tokens computed."""
+    started = time.perf_counter()
+    m = hc.match_prefix(prompt)
+    waits.append(time.perf_counter() - started)
+    try:
+        loaded = hc.load_back(m)
+        prefix = m.device_indices if loaded is None else torch.cat([m.device_indices, loaded])
+        have = len(prefix)
+        if have == len(prompt):
+            have -= hc.config.page_size  # a full hit computes its last page
+        new = hc.alloc(len(prompt) - have)
+        hc.insert(prompt, torch.cat([prefix[:have], new]))
+    finally:
+        hc.release(m)
+    return len(prompt) - have
+
+
+def run_trace(folder: Path, requests, pool_tokens: int, l3: list[str]) -> dict:
+    eps = [f"ipc://{folder}/m{i}.sock" for i in range(2)]
+    sizes = [
+        "--device-tokens",
+        str(pool_tokens // 2 // 16 * 16),
+        "--host-tokens",
+        str(pool_tokens // 16 * 16),
+    ]
+    procs = [start_daemon(ep, *SHAPE, *sizes, *l3) for ep in eps]
+    try:
+        clients = [HiCacheClient(ep, name=f"engine{i}", timeout_s=60) for i, ep in enumerate(eps)]
+        computed, waits = 0, []
+        for i, (prompt, _) in enumerate(requests):
+            computed += serve(clients[i % 2], prompt, waits)
+            if l3:  # let the writer's store catch up before the other machine asks (as time does)
+                _settle(clients[i % 2])
+        stats = [c.stats(check=True) for c in clients]
+        assert all(s["integrity"] == "ok" for s in stats)
+        for c in clients:
+            c.close()
+        return {"computed": computed, "waits": waits, "l3": [s.get("l3", {}) for s in stats]}
+    finally:
+        for proc in procs:
+            stop_daemon(proc)
+
+
+def _settle(hc: HiCacheClient) -> None:
+    deadline = time.monotonic() + 30
+    while hc.stats()["l3"]["queued_pages"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def ceiling(requests) -> int:
+    """Tokens an unbounded cache shared by both machines computes: each new page once (a full
+    hit still computes its last page)."""
+    seen: set[bytes] = set()
+    total = 0
+    for prompt, _ in requests:
+        pages = len(prompt) // 16
+        have = 0
+        for p in range(pages):
+            if prompt[: (p + 1) * 16].tobytes() in seen:
+                have = (p + 1) * 16
+            else:
+                break
+        if have == len(prompt):
+            have -= 16
+        total += len(prompt) - have
+        for p in range(pages):
+            seen.add(prompt[: (p + 1) * 16].tobytes())
+    return total
+
+
+# ---- 2. throughput against the raw store --------------------------------------------------------
+def throughput(url: str, options: dict, pages: int = 256) -> dict:
+    """Write and read ``pages`` 2 MiB pages through the tier and raw, same store, same run."""
+    from tests.conftest import make_cache
+
+    def cache():
+        c = make_cache(
+            manual=False, num_layers=16, num_kv_heads=8, head_dim=128, dtype="float16",
+            page_size=16, device_tokens=pages * 16, host_tokens=pages * 16 * 2,
+            load_back_threshold=0,
+        )  # fmt: skip
+        cfg = L3Config(url, f"bench-{time.monotonic_ns()}", batch_pages=128, options=options)
+        c.attach_l3(L3Tier(c, cfg, open_store(url, **options)))
+        return c
+
+    writer, reader = cache(), cache()
+    try:
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(1, 30000, pages * 16).astype(np.int32)
+        slots = writer.alloc(len(tokens))
+        writer.device_pool.buffer.numpy()[:] = 7
+        t0 = time.perf_counter()
+        writer.insert(tokens, slots)
+        writer.engine.wait(list(writer.records))
+        writer.poll()  # backed up: the tier's write starts now
+        t1 = time.perf_counter()
+        writer.l3.drain()
+        t2 = time.perf_counter()
+        tier_write = pages * writer.l3.pages.page_bytes / (t2 - t1)
+        m = reader.match_prefix(tokens)
+        t3 = time.perf_counter()
+        fetch = reader.l3.prefetch(tokens.tobytes(), None, 0)
+        reader.l3.wait(fetch)
+        t4 = time.perf_counter()
+        assert fetch.adopted == pages, (fetch.hits, fetch.arrived, fetch.error)
+        tier_read = pages * reader.l3.pages.page_bytes / (t4 - t3)
+        # raw: the store's own batch put and get of the same host pages, fresh keys
+        store = writer.l3.store
+        host = writer.match_prefix(tokens).last_host_node
+        assert m is not None and host is not None
+        segs = writer.l3.pages
+        page_ids = np.concatenate([n.host_pages for n in _path(host)]).tolist()
+        keys = [f"raw-{time.monotonic_ns()}-{i}" for i in range(pages)]
+        tails = [trailer([b"x"], b"01234567")] * pages
+        t5 = time.perf_counter()
+        for at in range(0, pages, 128):
+            assert all(
+                store.put(keys[at : at + 128], page_ids[at : at + 128], tails[at : at + 128])
+            )
+        t6 = time.perf_counter()
+        for at in range(0, pages, 128):
+            got = store.get(keys[at : at + 128], page_ids[at : at + 128])
+            assert all(g is not None for g in got)
+        t7 = time.perf_counter()
+        nbytes = pages * segs.page_bytes
+        return {
+            "page_bytes": segs.page_bytes,
+            "tier_write_gbs": tier_write / 1e9,
+            "raw_write_gbs": nbytes / (t6 - t5) / 1e9,
+            "tier_read_gbs": tier_read / 1e9,
+            "raw_read_gbs": nbytes / (t7 - t6) / 1e9,
+            "insert_s": t1 - t0,
+        }
+    finally:
+        writer.close()
+        reader.close()
+
+
+def _path(node):
+    out = []
+    while node.parent is not None:
+        out.append(node)
+        node = node.parent
+    return out[::-1]
+
+
+# ---- main -------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller trace and fewer pages")
+    args = ap.parse_args()
+    docs = 4 if args.quick else 6
+    requests = [
+        (np.array(r["prompt"], np.int32), None)
+        for r in traces.doc_qa(docs=docs, doc_len=1500 if args.quick else 2500)
+    ]
+    working = sum(len(p) for p, _ in requests) // len(requests) * docs  # ~ every document once
+    pool = working // 4
+    ceil = ceiling(requests)
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        base = run_trace(folder, requests, pool, [])
+        print(f"docqa  2 daemons, no store   computed={base['computed']:7d} (ceiling {ceil})")
+        waits: list[float] = []
+        bound_s = L3Config("memory://x", "m").wait_bound(len(requests[0][0]))
+        for kind in ("mooncake", "redis"):
+            server = (
+                MooncakeMaster(client_ttl=2)
+                if kind == "mooncake"
+                else RedisCluster(folder / "redis", maxmemory="1gb")
+            )
+            try:
+                server.start()
+                flags = [
+                    "--l3",
+                    server.url,
+                    "--l3-model",
+                    f"bench-{kind}",
+                    "--l3-segment-bytes",
+                    "512MiB",
+                ]
+                r = run_trace(folder, requests, pool, flags)
+                waits += r["waits"]
+                red = base["computed"] / max(1, r["computed"])
+                read = sum(s.get("read_pages", 0) for s in r["l3"])
+                print(
+                    f"docqa  2 daemons + {kind:8s}  computed={r['computed']:7d} (ceiling {ceil}, "
+                    f"{ceil / max(1, r['computed']):.2f} of it) {red:.2f}x fewer than without; "
+                    f"pages read from the store {read}"
+                )
+                out[f"l3_recompute_reduction_{kind}"] = round(red, 2)
+                out[f"ceiling_over_l3_{kind}"] = round(ceil / max(1, r["computed"]), 3)
+                opts = {"segment_bytes": 1 << 30} if kind == "mooncake" else {}
+                t = throughput(server.url, opts, pages=64 if args.quick else 256)
+                w, rw = t["tier_write_gbs"], t["raw_write_gbs"]
+                rd, rr = t["tier_read_gbs"], t["raw_read_gbs"]
+                print(
+                    f"{kind:8s} {t['page_bytes'] >> 20} MiB pages: write tier {w:.2f} GB/s raw "
+                    f"{rw:.2f} ({w / rw:.2f}x); read tier {rd:.2f} raw {rr:.2f} ({rd / rr:.2f}x)"
+                )
+                out[f"l3_write_vs_raw_{kind}"] = round(t["tier_write_gbs"] / t["raw_write_gbs"], 3)
+                out[f"l3_read_vs_raw_{kind}"] = round(t["tier_read_gbs"] / t["raw_read_gbs"], 3)
+            finally:
+                server.stop()
+        p99 = float(np.percentile(waits, 99)) * 1e3
+        print(
+            f"match wait under timeout: p50 {statistics.median(waits) * 1e3:.1f} ms, "
+            f"p99 {p99:.1f} ms (bound {bound_s * 1e3:.0f} ms)"
+        )
+        out["l3_wait_p99_ms"] = round(p99, 1)
+        out["l3_wait_bound_ms"] = round(bound_s * 1e3, 1)
+        out["recompute_ceiling"] = ceil
+        out["recompute_without_l3"] = base["computed"]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Daemons on several "machines" (separate processes, separate host pools) sharing KV through
+a real store: what a reference engine computed on one is served on another with the logits of
+a full recompute; a dead store node or master, or a corrupted value, is a miss and never wrong
+KV; and the prefetch policies bound how long a match waits."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+from hicache.client import HiCacheClient  # noqa: E402
+from scripts.ref_engine import ReferenceEngine  # noqa: E402
+from tests.daemon_helpers import start_daemon, stop_daemon  # noqa: E402
+from tests.l3_servers import mooncake_master, redis_cluster  # noqa: E402
+
+SHAPE = [
+    "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8", "--dtype", "float32",
+    "--page-size", "4", "--device-tokens", "256", "--host-tokens", "512",
+    "--load-back-threshold", "1",
+]  # fmt: skip
+TOL = 1e-5
+
+
+def l3_flags(url: str, *extra: str) -> list[str]:
+    return ["--l3", url, "--l3-model", "tiny-llama@test", "--l3-segment-bytes", "32MiB", *extra]
+
+
+def prompts(count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 512, 32, dtype=np.int32)
+    return [np.concatenate([base, rng.integers(0, 512, 40, dtype=np.int32)]) for _ in range(count)]
+
+
+def serve_checked(engine: ReferenceEngine, tokens: np.ndarray):
+    served = engine.serve(tokens)
+    want = engine.recompute(tokens)[served.computed_from :]
+    assert (served.logits - want).abs().max().item() < TOL
+    return served
+
+
+def l3_stats(endpoint: str) -> dict:
+    with HiCacheClient(endpoint, name="probe") as hc:
+        stats = hc.stats(check=True)
+    assert stats["integrity"] == "ok"
+    return stats["l3"]
+
+
+def wait_written(endpoint: str, pages: int) -> None:
+    """Until the daemon wrote (or found present) ``pages`` pages (its IO thread is async)."""
+    deadline = time.monotonic() + 30
+    while True:
+        s = l3_stats(endpoint)
+        if s["written_pages"] + s["present_pages"] >= pages and not s["queued_pages"]:
+            return
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)
+
+
+class Machines:
+    """Two daemons and an engine on each."""
+
+    def __init__(self, tmp_path, url: str, *extra: str):
+        self.eps = [f"ipc://{tmp_path}/{name}.sock" for name in ("a", "b")]
+        self.procs = []
+        for ep in self.eps:
+            self.procs.append(start_daemon(ep, *SHAPE, *l3_flags(url, *extra)))
+
+    def engine(self, i: int) -> tuple[HiCacheClient, ReferenceEngine]:
+        hc = HiCacheClient(self.eps[i], name=f"engine-{i}", admin=True, timeout_s=30)
+        return hc, ReferenceEngine(hc)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            stop_daemon(proc)
+
+
+@pytest.fixture(params=["redis", "mooncake"])
+def store_url(request, tmp_path):
+    if request.param == "redis":
+        with redis_cluster(tmp_path / "redis") as cluster:
+            yield cluster.url
+    else:
+        with mooncake_master() as master:
+            yield master.url
+
+
+def test_kv_computed_on_one_machine_is_served_on_another(tmp_path, store_url):
+    m = Machines(tmp_path, store_url)
+    try:
+        hc_a, a = m.engine(0)
+        hc_b, b = m.engine(1)
+        ps = prompts(3, seed=1)
+        assert [serve_checked(a, p).computed_from for p in ps] == [0, 32, 32]  # shared base
+        wait_written(m.eps[0], 8 + 3 * 10)  # the shared base once, each prompt's own pages
+        for p in ps:  # machine B never computed them: its match waits for the store
+            served = serve_checked(b, p)
+            assert served.computed_from == len(p) - 4  # all but the last page (a full hit)
+            assert served.device_hit + served.host_hit == len(p)
+        s = l3_stats(m.eps[1])
+        assert s["adopted_pages"] == 8 + 3 * 10 and s["corrupt_pages"] == 0
+        hc_a.close(), hc_b.close()
+    finally:
+        m.stop()
+
+
+def test_a_dead_redis_node_costs_its_keys_and_nothing_else(tmp_path):
+    with redis_cluster(tmp_path / "redis") as cluster:
+        m = Machines(tmp_path, cluster.url, "--l3-breaker-failures", "1000")
+        try:
+            hc_a, a = m.engine(0)
+            hc_b, b = m.engine(1)
+            ps = prompts(6, seed=2)
+            for p in ps:
+                serve_checked(a, p)
+            wait_written(m.eps[0], 8 + 6 * 10)
+            cluster.kill(_a_node_without(cluster, ps[0][:4]))  # (the first page must live)
+            hits = [serve_checked(b, p).host_hit for p in ps]  # every request completes, right
+            s = l3_stats(m.eps[1])
+            print("L3STATS", s)
+            assert 0 < s["adopted_pages"] < 8 + 6 * 10  # the live nodes' pages still come
+            assert sum(hits) > 0
+            hc_a.close(), hc_b.close()
+        finally:
+            m.stop()
+
+
+def _a_node_without(cluster, first_page: np.ndarray) -> int:
+    """The port of a node that does not hold the key of the page ``first_page`` (the daemons'
+    identity as SHAPE and l3_flags set it)."""
+    import redis
+
+    from hicache.config import HiCacheConfig
+    from hicache.l3.keys import KeyChain, identity_of
+
+    cfg = HiCacheConfig(
+        num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", page_size=4,
+        device_tokens=256, host_tokens=512,
+    )  # fmt: skip
+    chain = KeyChain(identity_of(cfg, "tiny-llama@test", "0"), 4)
+    key = KeyChain.name(chain.extend(chain.root(None), first_page.tobytes())[0])
+    rc = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
+    holder = rc.get_node_from_key(key).port
+    rc.close()
+    assert rc is not None and holder in cluster.ports
+    return next(p for p in cluster.ports if p != holder)
+
+
+def test_a_dead_mooncake_master_is_a_miss(tmp_path):
+    with mooncake_master() as master:
+        m = Machines(tmp_path, master.url)
+        try:
+            hc_a, a = m.engine(0)
+            hc_b, b = m.engine(1)
+            ps = prompts(2, seed=3)
+            serve_checked(a, ps[0])
+            wait_written(m.eps[0], 18)
+            master.kill()
+            started = time.monotonic()
+            for p in ps:  # every request completes with the right logits, recomputed
+                serve_checked(b, p)
+            assert time.monotonic() - started < 30
+            s = l3_stats(m.eps[1])
+            assert s["adopted_pages"] == 0 and s["errors"] >= 1
+            hc_a.close(), hc_b.close()
+        finally:
+            m.stop()
+
+
+def test_a_value_corrupted_in_the_store_is_never_served(tmp_path):
+    import redis
+
+    with redis_cluster(tmp_path / "redis") as cluster:
+        m = Machines(tmp_path, cluster.url)
+        try:
+            hc_a, a = m.engine(0)
+            hc_b, b = m.engine(1)
+            p = prompts(1, seed=4)[0]
+            serve_checked(a, p)
+            wait_written(m.eps[0], 18)
+            flipped = 0
+            for port in cluster.ports:  # around the daemon: flip a byte of every value
+                node = redis.Redis(port=port)
+                for key in node.scan_iter("hc1:*"):
+                    value = bytearray(node.get(key))
+                    value[len(value) // 2] ^= 0x40
+                    node.set(key, bytes(value))
+                    flipped += 1
+            assert flipped == 18
+            served = serve_checked(b, p)  # recomputed, right
+            assert served.host_hit == 0 and served.computed_from == 0
+            s = l3_stats(m.eps[1])
+            assert s["corrupt_pages"] >= 1 and s["adopted_pages"] == 0
+            hc_a.close(), hc_b.close()
+        finally:
+            m.stop()
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
+def test_a_match_waits_as_long_as_its_policy_says(tmp_path, policy):
+    """One daemon, its own pages written to a slow in-process store and evicted from both of
+    its tiers; the next match's wait shows the policy."""
+    ep = f"ipc://{tmp_path}/p.sock"
+    url = "memory://policy?latency_s=0.6"
+    flags = ["--l3-prefetch-policy", policy, "--l3-timeout-s", "0.1", "--l3-timeout-per-ki-s", "0"]
+    proc = start_daemon(ep, *SHAPE, *l3_flags(url, *flags))
+    try:
+        with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+            p = prompts(1, seed=5)[0]
+            engine = ReferenceEngine(hc)
+            serve_checked(engine, p)
+            wait_written(ep, 18)
+            hc.flush()  # nothing left in the daemon's tiers (a flush writes nothing to the store)
+            timeouts = l3_stats(ep)["wait_timeouts"]
+            started = time.monotonic()
+            m = hc.match_prefix(p, lock=False)
+            waited = time.monotonic() - started
+            hit = m.host_hit_length
+            if policy == "best_effort":  # answered at once; the pages come later
+                assert hit == 0 and waited < 0.5
+                deadline = time.monotonic() + 10
+                while not hc.match_prefix(p, lock=False).host_hit_length:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+            elif policy == "wait_complete":  # answered once the pages arrived
+                assert hit == len(p) // 4 * 4 and waited >= 0.6 * 2  # exists, then get
+            else:  # answered at its bound (0.1 s), before the slow store answered
+                assert hit == 0 and waited < 0.6
+                assert l3_stats(ep)["wait_timeouts"] == timeouts + 1
+            serve_checked(engine, p)
+    finally:
+        stop_daemon(proc)
