@@ -205,6 +205,8 @@ class Handlers(CacheOpsMixin):
         try:
             if self.cache is not None:
                 self.cache.poll()
+                if self.cache.l3 is not None:  # (never inside a cache operation: it may evict)
+                    self.cache.l3.poll()
             ended = self.sessions.expire(self.clock())
         except Exception:
             self.housekeep_errors += 1

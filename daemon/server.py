@@ -215,6 +215,8 @@ class Daemon:
             return
         if self.cache is not None:
             self.cache.poll()
+            if self.cache.l3 is not None:
+                self.cache.l3.poll()
         waits.resume(self._handle_resumed, self._send_reply)
 
     def _handle_resumed(self, header: bytes | memoryview, frames: list) -> tuple[bytes, list]:

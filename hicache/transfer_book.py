@@ -168,8 +168,6 @@ class TransferBookMixin:
         acks = self.engine.poll()
         for ack in acks:
             self._on_ack(ack)
-        if self.l3 is not None:
-            self.l3.poll()
         return len(acks)
 
     def _on_ack(self, ack: Ack) -> None:

@@ -129,7 +129,7 @@ class RedisCluster:
 
 
 class MooncakeMaster:
-    def __init__(self, client_ttl: int = 2):
+    def __init__(self, client_ttl: int = 10):
         self.port, self.metrics = free_port(), free_port()
         self.client_ttl = client_ttl
         self.proc: subprocess.Popen | None = None

@@ -124,6 +124,7 @@ class TwoMachines(RuleBasedStateMachine):
     def integrity(self) -> None:
         for cache in self.caches:
             cache.poll()
+            cache.l3.poll()
             cache.check_integrity()
 
     def teardown(self) -> None:

@@ -226,12 +226,13 @@ class L3Tier:
                 c.skipped_cost += 1
                 self._end_fetch(fetch)
             else:
-                pages = self.cache._alloc_host_pages(fetch.hits, PageState.OWNED)
+                pages = self._room(fetch.hits)
                 if pages is None:
                     fetch.skipped = "no_room"
                     c.skipped_room += 1
                     self._end_fetch(fetch)
                     return
+                fetch.hits = len(pages)  # (fewer when the host could not make room for all)
                 fetch.pages, fetch.stage = pages, "get"
                 self.io.submit(fetch)
             return
@@ -242,6 +243,20 @@ class L3Tier:
             self.read_bps = _ewma(self.read_bps, fetch.arrived * self.pages.page_bytes / fetch.io_s)
         self._adopt(fetch)
         self._end_fetch(fetch)
+
+    def _room(self, want: int) -> np.ndarray | None:
+        """Host pages (OWNED) for up to ``want`` fetched pages: host-only leaves are evicted
+        first, then device copies of nodes the host holds too (they become host-only, and
+        evictable); when even that is short, as many as there are (the leading pages)."""
+        cache = self.cache
+        pages = cache._alloc_host_pages(want, PageState.OWNED)
+        if pages is None:
+            cache.evict(want * self.page_size)  # synced device leaves drop to the host tier
+            pages = cache._alloc_host_pages(want, PageState.OWNED)
+        if pages is None:
+            have = cache.host_alloc.free_pages
+            pages = cache.host_alloc.alloc_pages(have, PageState.OWNED) if have else None
+        return pages
 
     def _too_slow(self, pages: int) -> bool:
         """Whether reading ``pages`` from the store takes longer than recomputing them."""
@@ -296,7 +311,9 @@ class L3Tier:
 
     # ---- the control thread's turn ------------------------------------------------------------
     def poll(self) -> list[Fetch]:
-        """Apply what the IO thread finished; returns the fetches that ended."""
+        """Apply what the IO thread finished; returns the fetches that ended. Call it between
+        cache operations only, never from inside one (a fetch evicts and inserts): the cache's
+        own ``poll`` (which runs inside allocations) does not call it."""
         ended = []
         done = self.io.done
         while done:

@@ -2,7 +2,9 @@
 
 It takes jobs from the control thread (fetches before writes: a waiting request matters more
 than a backup), makes the store calls, and puts finished jobs on ``done`` for the control
-thread's ``poll``; ``notify`` (if any) wakes that thread. The worker reads and writes host
+thread's ``poll``; ``notify`` (if any) wakes that thread. Checksums run on a second thread
+(xxhash releases the GIL), one chunk of about ``CHUNK_BYTES`` ahead of or behind the store
+call, so computing and checking them overlaps the transfer. The worker reads and writes host
 pages only as its job says: pages a job names are held for it by the control thread. It never
 lets an exception out: a failure is recorded in the job.
 """
@@ -14,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from hicache.l3.breaker import Breaker
 from hicache.l3.jobs import Fetch, Write
@@ -22,6 +25,7 @@ from hicache.l3.pages import PageSegments, trailer, verify
 from hicache.l3.store import L3Store, StoreDown
 
 log = logging.getLogger("hicache.l3")
+CHUNK_BYTES = 16 << 20  # pages per store call: about this many bytes (at most ``batch``)
 
 
 class IOWorker:
@@ -44,6 +48,8 @@ class IOWorker:
         self.stopping = False
         self.busy = False
         self.calls = self.call_errors = 0
+        self.chunk = max(1, min(batch, CHUNK_BYTES // max(1, pages.page_bytes)))
+        self.sums = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-sum")
         self.thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
         self.thread.start()
 
@@ -66,6 +72,7 @@ class IOWorker:
                     self.done.append(job)
             self.cv.notify()
         self.thread.join()
+        self.sums.shutdown()
 
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -120,23 +127,33 @@ class IOWorker:
             self.chain.root(job.namespace), job.key[: end * self.chain.page_bytes]
         )
 
+    def _trailers(self, pages: list[int], digests: list[bytes]) -> list[bytes]:
+        return [trailer(self.pages.views(p), d) for p, d in zip(pages, digests, strict=True)]
+
     def _write(self, job: Write) -> None:
+        """Put the pages the store lacks, chunk after chunk; the next chunk's checksums are
+        computed while this one is put."""
         digests = self._digests(job, job.first + len(job.pages))[job.first :]
         names = [KeyChain.name(d) for d in digests]
         pages = job.pages.tolist()
+        todo: list[int] = []  # indices of the pages the store lacks
         for at in range(0, len(names), self.batch):
-            keys, part, ds = (
-                names[at : at + self.batch],
-                pages[at : at + self.batch],
-                digests[at : at + self.batch],
+            have = self._call(self.store.exists, names[at : at + self.batch])
+            todo += [at + i for i, h in enumerate(have) if not h]
+        job.present += len(names) - len(todo)
+        chunks = [todo[at : at + self.chunk] for at in range(0, len(todo), self.chunk)]
+
+        def sums(chunk: list[int]) -> Future:
+            return self.sums.submit(
+                self._trailers, [pages[i] for i in chunk], [digests[i] for i in chunk]
             )
-            have = self._call(self.store.exists, keys)
-            todo = [i for i, h in enumerate(have) if not h]
-            job.present += len(keys) - len(todo)
-            if not todo:
-                continue
-            tails = [trailer(self.pages.views(part[i]), ds[i]) for i in todo]
-            ok = self._call(self.store.put, [keys[i] for i in todo], [part[i] for i in todo], tails)
+
+        ahead = sums(chunks[0]) if chunks else None
+        for n, chunk in enumerate(chunks):
+            tails = ahead.result()  # type: ignore[union-attr]
+            ahead = sums(chunks[n + 1]) if n + 1 < len(chunks) else None
+            keys = [names[i] for i in chunk]
+            ok = self._call(self.store.put, keys, [pages[i] for i in chunk], tails)
             job.stored += sum(ok)
             job.failed += len(ok) - sum(ok)
 
@@ -150,18 +167,37 @@ class IOWorker:
             if run < len(have):
                 return
 
+    def _check(self, pages: list[int], digests: list[bytes], tails: list) -> tuple[int, bool]:
+        """Leading pages that arrived and verify, and whether a value failed to verify."""
+        for n, (page, digest, tail) in enumerate(zip(pages, digests, tails, strict=True)):
+            if tail is None:
+                return n, False
+            if not verify(self.pages.views(page), digest, tail):
+                return n, True
+        return len(pages), False
+
     def _get(self, job: Fetch) -> None:
+        """Chunk after chunk; a chunk's values are verified while the next one is read, and
+        the fetch keeps the leading run of pages that arrived and verified."""
         assert job.pages is not None
         ds = job.digests[job.first : job.first + len(job.pages)]
         names = [KeyChain.name(d) for d in ds]
         pages = job.pages.tolist()
-        for at in range(0, len(names), self.batch):
-            part = pages[at : at + self.batch]
-            tails = self._call(self.store.get, names[at : at + self.batch], part)
-            for i, tail in enumerate(tails):
-                if tail is None:
-                    return
-                if not verify(self.pages.views(part[i]), ds[at + i], tail):
-                    job.corrupt += 1
-                    return
-                job.arrived += 1
+        checks: list[tuple[int, Future]] = []
+        try:
+            for at in range(0, len(names), self.chunk):
+                part = slice(at, at + self.chunk)
+                tails = self._call(self.store.get, names[part], pages[part])
+                check = self.sums.submit(self._check, pages[part], ds[part], tails)
+                checks.append((len(tails), check))
+                if any(t is None for t in tails):
+                    break  # the run ends in this chunk
+        finally:
+            for size, check in checks:  # every check ends before the job does
+                good, corrupt = check.result()
+                job.arrived += good
+                job.corrupt += corrupt
+                if good < size:
+                    break
+            for _, check in checks:
+                check.result()  # (those after the end of the run too)
