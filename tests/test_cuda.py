@@ -181,6 +181,19 @@ def test_vllm_blocks_on_cuda_round_trip_through_a_pinned_pool(path):
         torch.cuda.synchronize()
         assert torch.equal(engine[:, :, 0], engine[:, :, 9])
         assert torch.equal(engine[:, :, 15], engine[:, :, 3])
+        # layer-wise, on a side stream: each layer waited for on the current stream
+        from types import SimpleNamespace
+
+        from hicache.client.vllm.layer_loads import StreamLoads
+
+        failed = []
+        job = SimpleNamespace(block_ids=np.array([1, 14]), pages=np.array([2, 7]))
+        loads = StreamLoads(copier, [(job, views)], failed.append)
+        for layer in range(layers):
+            loads.wait(layer)
+            assert torch.equal(engine[layer][:, 1], engine[layer][:, 3])  # (ordered on the GPU)
+        loads.finish()
+        assert not failed and torch.equal(engine[:, :, 14], engine[:, :, 9])
     finally:
         if pinned is not None:
             torch.cuda.cudart().cudaHostUnregister(pinned)

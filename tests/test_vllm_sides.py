@@ -58,12 +58,13 @@ def run_to_end(v: FakeVllm, rid: str, tokens: list[int], decode: int = 0, chunk:
     v.finish(req)
 
 
-def test_what_one_engine_stored_another_loads_exactly(ep):
+@pytest.mark.parametrize("layerwise", ["off", "on"])
+def test_what_one_engine_stored_another_loads_exactly(ep, layerwise):
     tokens = prompt(42)
     a = FakeVllm(ep)
     run_to_end(a, "a", tokens, decode=5)  # 47 tokens computed: 11 whole blocks
     assert daemon_state(ep, a) == {"cached": 44, "locks": 0, "owned": 0}
-    b = FakeVllm(ep)
+    b = FakeVllm(ep, layerwise=layerwise)
     req = b.add("b", tokens)
     ext = b.admit(req)
     assert ext == (len(tokens) - 1) // BS * BS  # never the whole prompt
@@ -73,6 +74,39 @@ def test_what_one_engine_stored_another_loads_exactly(ep):
     assert not b.kv_matches(req, len(tokens))  # (the check can fail)
     b.finish(req)
     assert daemon_state(ep)["locks"] == 0
+    a.close(), b.close()
+
+
+def test_layer_wise_loads_let_a_layer_be_read_before_the_next_one_landed(ep):
+    """Layer 1's copy is held back: waiting for layer 0 returns, layer 1 has not landed, and
+    once it may go on, waiting for it returns with every block right."""
+    import threading
+
+    tokens = prompt(30, seed=4)
+    a = FakeVllm(ep)
+    run_to_end(a, "a", tokens)
+    b = FakeVllm(ep, layerwise="on")
+    w = b.workers[0]
+    gate, real = threading.Event(), w.copier.load_layer
+
+    def held(layer, *args):  # noqa: ANN001, ANN002
+        if layer == 1:
+            assert gate.wait(30)
+        return real(layer, *args)
+
+    w.copier.load_layer = held
+    req = b.add("b", tokens)
+    assert b.admit(req) == 28
+    plan = b.sched.plan(_out({"b": 2}, req))
+    w.load(plan)
+    first, second = list(w.layer_index)
+    w.wait_layer(first)
+    assert not w.inflight.landed[1].is_set()
+    gate.set()
+    w.wait_layer(second)
+    w.finish_loads()
+    assert not w.take_load_errors() and b.kv_matches(req, 28)
+    b.finish(req)
     a.close(), b.close()
 
 

@@ -43,7 +43,14 @@ def kv_of(tokens: list[int], layer: int, head: int) -> np.ndarray:
 
 
 class FakeVllm:
-    def __init__(self, endpoint: str, ranks: int = 1, num_blocks: int = 64, **settings: Any):
+    def __init__(
+        self,
+        endpoint: str,
+        ranks: int = 1,
+        num_blocks: int = 64,
+        layerwise: str = "off",
+        **settings: Any,
+    ):
         self.ranks, self.num_blocks = ranks, num_blocks
         self.settings = ConnectorSettings(endpoint, timeout_s=1.0, retry_s=0.1, **settings)
         expect = {"head_size": HEAD, "block_size": BS, "num_layers": LAYERS}
@@ -61,7 +68,7 @@ class FakeVllm:
                 for i in range(LAYERS)
             }
             self.caches.append(list(tensors.values()))
-            w = WorkerSide(endpoint, 1.0, r, f"fake-worker{r}")
+            w = WorkerSide(endpoint, 1.0, r, f"fake-worker{r}", layerwise)
             w.register(
                 tensors,
                 model="fake-model",
@@ -77,6 +84,7 @@ class FakeVllm:
         link.ready()
         self.load_errors: set[int] = set()
         self.fail_store_rank: int | None = None  # a rank whose stores raise
+        self.layers_waited: list[str] = []  # wait_for_layer_load calls, in order
 
     # ---- vLLM's calls ------------------------------------------------------------------------
     def add(self, rid: str, tokens: list[int], **kw: Any) -> Req:
@@ -108,6 +116,9 @@ class FakeVllm:
         plan = self.sched.plan(out)
         for w in self.workers:
             w.load(plan)
+            for name in w.layer_index:  # vLLM's attention layers, in order, before each reads
+                w.wait_layer(name)
+                self.layers_waited.append(name)
             self.load_errors |= w.take_load_errors()
         for rid, n in todo.items():
             self._compute(self.reqs[rid], n)

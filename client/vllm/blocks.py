@@ -175,15 +175,21 @@ class BlockCopier:
     def store(self, pool: list[torch.Tensor], block_ids: np.ndarray, pages: np.ndarray) -> None:
         """pool[pages] = vLLM[block_ids], every layer. Raises IndexError, copying nothing, for
         an id out of range."""
-        self._check(block_ids, pages, pool)
+        self.check(block_ids, pages, pool)
         for layer, (src, dst) in enumerate(zip(self.engine_views, pool, strict=True)):
             self._copy(layer, src, dst, block_ids, pages, to_pool=True)
 
     def load(self, pool: list[torch.Tensor], block_ids: np.ndarray, pages: np.ndarray) -> None:
         """vLLM[block_ids] = pool[pages], every layer (see store)."""
-        self._check(block_ids, pages, pool)
-        for layer, (dst, src) in enumerate(zip(self.engine_views, pool, strict=True)):
-            self._copy(layer, src, dst, pages, block_ids, to_pool=False)
+        self.check(block_ids, pages, pool)
+        for layer in range(len(self.tensors)):
+            self.load_layer(layer, pool, block_ids, pages)
+
+    def load_layer(
+        self, layer: int, pool: list[torch.Tensor], block_ids: np.ndarray, pages: np.ndarray
+    ) -> None:
+        """One layer of ``load``; the caller ran ``check`` on these ids first."""
+        self._copy(layer, pool[layer], self.engine_views[layer], pages, block_ids, to_pool=False)
 
     def _copy(self, layer, src, dst, src_ids, dst_ids, to_pool: bool) -> None:  # noqa: ANN001
         if self.path == "c" and copy_pages_c(src, dst, src_ids, dst_ids):
@@ -193,13 +199,14 @@ class BlockCopier:
 
             device = self.tensors[layer].device
             ids = [torch.from_numpy(x).to(device) for x in (src_ids, dst_ids)]
-            copy_pages_triton(src, dst, *ids, check=False)  # (checked: _check)
+            copy_pages_triton(src, dst, *ids, check=False)  # (checked: check)
             return
         engine_ids, pages = (src_ids, dst_ids) if to_pool else (dst_ids, src_ids)
         pool_view = dst if to_pool else src
         self._torch_copy(self.tensors[layer], pool_view, engine_ids, pages, to_pool)
 
-    def _check(self, block_ids: np.ndarray, pages: np.ndarray, pool: list[torch.Tensor]) -> None:
+    def check(self, block_ids: np.ndarray, pages: np.ndarray, pool: list[torch.Tensor]) -> None:
+        """Raise (IndexError, ValueError) unless every id is in range for a copy."""
         if len(block_ids) != len(pages):
             raise ValueError(f"{len(block_ids)} blocks for {len(pages)} pages")
         if len(pool) != len(self.tensors):

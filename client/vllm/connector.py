@@ -64,7 +64,9 @@ class HiCacheConnector(KVConnectorBase_V1):
             link.ready()  # connect now (the workers registered the layout before this)
         else:
             rank = getattr(parallel, "rank", 0) % max(1, parallel.tensor_parallel_size)
-            self.worker = WorkerSide(s.endpoint, s.timeout_s, rank, f"vllm-worker{rank}:{engine}")
+            self.worker = WorkerSide(
+                s.endpoint, s.timeout_s, rank, f"vllm-worker{rank}:{engine}", s.layerwise
+            )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -125,7 +127,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.worker.load(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every layer was loaded in start_load_kv
+        self.worker.wait_layer(layer_name)  # (layer-wise loads; else it landed already)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
         return  # whole blocks are stored in wait_for_save, after the forward pass

@@ -22,6 +22,7 @@ class ConnectorSettings:
     store: bool = True  # publish computed blocks to the daemon (False: load only)
     store_generated: bool = True  # also blocks of generated tokens (the next chat turn's prefix)
     namespace: str = ""  # kept apart from engines with another namespace (tenants)
+    layerwise: str = "auto"  # load one layer ahead of the forward pass: auto (CUDA), on, off
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -49,6 +50,11 @@ class ConnectorSettings:
             raise ValueError(
                 f"kv_connector_extra_config: hicache.retry_s={out.retry_s!r} must be in "
                 f"[0, {MAX_WAIT_S:.0f}] seconds"
+            )
+        if out.layerwise not in ("auto", "on", "off"):
+            raise ValueError(
+                f"kv_connector_extra_config: hicache.layerwise={out.layerwise!r} is not one of "
+                "auto, on, off"
             )
         if not out.endpoint.startswith(("ipc://", "tcp://")) or len(out.endpoint) <= 6:
             raise ValueError(

@@ -7,10 +7,12 @@ scheduler registers the layout later from this side's reports). It needs no sess
 that: every step's plan names the pools (mapped here by their shared-memory paths, one daemon
 life each, kept while plans name them) and the pages to copy.
 
-Loads run before the forward pass (``start_load_kv``), stores after it (``wait_for_save``),
-all layers each. A load that cannot be done (the pool gone, a bad page) is reported to vLLM as
-failed blocks, never left as garbage KV; a store that cannot be done is reported to the
-scheduler, which then never publishes it.
+Loads start before the forward pass (``start_load_kv``): all layers at once, or one layer at a
+time ahead of the layer that reads it (``layerwise``: CUDA caches by default; see
+layer_loads.py and ``wait_layer``); stores run after it (``wait_for_save``), all layers. A
+load that cannot be done (the pool gone, a bad page) is reported to vLLM as failed blocks,
+never left as garbage KV; a store that cannot be done is reported to the scheduler, which then
+never publishes it.
 
 Runs on the worker's model-runner thread only.
 """
@@ -28,6 +30,7 @@ from hicache.client.connection import DaemonError, LayoutMismatch
 from hicache.client.pools import AttachedPools, attach_pools
 from hicache.client.vllm.blocks import BlockCopier, block_format, engine_layout, ordered_layers
 from hicache.client.vllm.daemon_link import DOWN
+from hicache.client.vllm.layer_loads import StreamLoads, ThreadLoads
 from hicache.client.vllm.meta import Copy, PoolRef, StepPlan, StepReport
 from hicache.config import HiCacheConfig
 from hicache.engine_layout import EngineLayout
@@ -37,7 +40,9 @@ KEEP_POOLS = 2  # daemon lives whose pools stay mapped (the current one and the 
 
 
 class WorkerSide:
-    def __init__(self, endpoint: str, timeout_s: float, rank: int, name: str):
+    def __init__(
+        self, endpoint: str, timeout_s: float, rank: int, name: str, layerwise: str = "auto"
+    ):
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         self.rank = rank  # tensor-parallel rank: where this rank's share of a page starts
@@ -50,6 +55,10 @@ class WorkerSide:
         self.failed_loads = 0
         self.layout_acked = False  # a plan named a pool of this layout: no need to report it
         self.seconds = 0.0  # spent copying since the last report
+        self.layerwise_setting = layerwise  # auto (CUDA caches), on, off
+        self.layerwise = False  # decided at register
+        self.layer_index: dict[str, int] = {}  # vLLM's layer names, in the copier's order
+        self.inflight: StreamLoads | ThreadLoads | None = None  # this step's layer-wise loads
 
     # ---- start ------------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor], **facts: Any) -> EngineLayout:
@@ -64,6 +73,11 @@ class WorkerSide:
         self.layout = layout
         offset = self.rank * layout.rank_elems
         self.copier = BlockCopier(tensors, fmt, offset, layout.block_size)
+        self.layer_index = {name: i for i, name in enumerate(names)}
+        cuda = tensors[0].is_cuda
+        self.layerwise = self.layerwise_setting == "on" or (
+            self.layerwise_setting == "auto" and cuda
+        )
         try:
             with HiCacheClient(
                 self.endpoint, self.name, timeout_s=self.timeout_s, heartbeat=False
@@ -92,39 +106,69 @@ class WorkerSide:
 
     # ---- copies -----------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
-        """Every planned load, before the forward pass; failures become load errors."""
+        """Every planned load, before the forward pass (layer-wise: started, and waited for
+        per layer by ``wait_layer``); failures become load errors."""
         started = time.perf_counter()
+        self.finish_loads()
+        jobs = []
         for copy in plan.loads:
             try:
-                self._copy(plan, copy, load=True)
+                views = self._views(plan, copy)
+                self.copier.check(copy.block_ids, copy.pages, views)  # type: ignore[union-attr]
+                if self.layerwise:
+                    jobs.append((copy, views))
+                else:
+                    self.copier.load(views, copy.block_ids, copy.pages)  # type: ignore[union-attr]
+                    self._synchronize()
             except Exception as exc:  # never garbage KV: vLLM recomputes these blocks
                 log.warning("hicache: load of %d blocks failed: %s", len(copy.block_ids), exc)
-                self.load_errors.update(int(b) for b in copy.block_ids)
-                self.failed_loads += len(copy.block_ids)
+                self._failed_load(copy)
+        if jobs:
+            cuda = self.copier.tensors[0].is_cuda  # type: ignore[union-attr]
+            kind = StreamLoads if cuda else ThreadLoads
+            self.inflight = kind(self.copier, jobs, self._failed_load)  # type: ignore[arg-type]
         self.seconds += time.perf_counter() - started
+
+    def wait_layer(self, name: str) -> None:
+        """vLLM is about to read layer ``name``: its loads must have landed."""
+        if self.inflight is not None:
+            started = time.perf_counter()
+            self.inflight.wait(self.layer_index[name])
+            self.seconds += time.perf_counter() - started
+
+    def finish_loads(self) -> None:
+        """Every layer-wise load of the step landed (before stores, errors and the report)."""
+        if self.inflight is not None:
+            inflight, self.inflight = self.inflight, None
+            inflight.finish()
+
+    def _failed_load(self, copy: Copy) -> None:
+        self.load_errors.update(int(b) for b in copy.block_ids)
+        self.failed_loads += len(copy.block_ids)
 
     def store(self, plan: StepPlan) -> None:
         """Every planned store, after the forward pass; failures are reported."""
         started = time.perf_counter()
+        self.finish_loads()
         for copy in plan.stores:
             try:
-                self._copy(plan, copy, load=False)
+                views = self._views(plan, copy)
+                self.copier.store(views, copy.block_ids, copy.pages)  # type: ignore[union-attr]
+                self._synchronize()
             except Exception as exc:  # never published
                 log.warning("hicache: store of %d blocks failed: %s", len(copy.block_ids), exc)
                 self.failed_stores.add(copy.job)
         self.seconds += time.perf_counter() - started
 
-    def _copy(self, plan: StepPlan, copy: Copy, load: bool) -> None:
+    def _views(self, plan: StepPlan, copy: Copy) -> list[torch.Tensor]:
         if self.copier is None:
             raise RuntimeError("no KV caches registered")
         if not copy.epoch:
             raise RuntimeError("the scheduler withdrew this copy (its pin may have lapsed)")
-        views = self._pool(plan.pools[copy.epoch])
-        if load:
-            self.copier.load(views, copy.block_ids, copy.pages)
-        else:
-            self.copier.store(views, copy.block_ids, copy.pages)
-        if any(t.is_cuda for t in self.copier.tensors[:1]):
+        return self._pool(plan.pools[copy.epoch])
+
+    def _synchronize(self) -> None:
+        if self.copier is not None and self.copier.tensors[0].is_cuda:
             torch.cuda.current_stream().synchronize()  # done before the report says so
 
     def _pool(self, ref: PoolRef) -> list[torch.Tensor]:
@@ -155,12 +199,14 @@ class WorkerSide:
 
     # ---- what vLLM asks after the step -----------------------------------------------------
     def take_load_errors(self) -> set[int]:
+        self.finish_loads()
         errors, self.load_errors = self.load_errors, set()
         return errors
 
     def report(self, plan: StepPlan | None) -> StepReport | None:
         """This step's outcome for the scheduler (its layout too, until a plan showed that the
         scheduler registered it)."""
+        self.finish_loads()
         layout = None if self.layout_acked or self.layout is None else self.layout.as_dict()
         idle = plan is None or (plan.step == 0 and not self.failed_loads)  # nothing planned
         if idle and layout is None:
@@ -172,5 +218,6 @@ class WorkerSide:
         return StepReport(step, 1, failed, failed_loads, layout, seconds)
 
     def close(self) -> None:
+        self.finish_loads()
         for epoch in list(self.pools):
             self._unmap(epoch)
