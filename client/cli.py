@@ -222,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     except (DaemonError, DaemonTimeout, PermissionError) as exc:
         print(f"hicache: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `hicache info | head`: the reader left, nothing to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # (no second error when Python flushes stdout)
+        return 0
     finally:
         conn.close()
 

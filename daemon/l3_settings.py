@@ -12,6 +12,7 @@ from hicache.l3.config import L3Config, L3WritePolicy, PrefetchPolicy
 from hicache.l3.store import check_url
 
 _SKIP = {"url", "options"}
+STORE_OPTIONS = ("segment_bytes", "local_host", "redis_pipeline", "store_timeout_s")
 _KINDS = {"str": str, "int": int, "float": float}
 
 
@@ -52,6 +53,12 @@ def _fields() -> dict[str, tuple[type, Any, str]]:
         "mooncake: memory this daemon lends the store (0: a pure client of memory others "
         "lend); values placed in it vanish when the daemon stops",
     )
+    out["l3_local_host"] = (
+        str,
+        "",
+        "mooncake: the address other machines reach this daemon's segment at (default: the "
+        "address of the interface that routes to the master)",
+    )
     out["l3_redis_pipeline"] = (int, 8, "redis: commands per pipeline to one node")
     out["l3_store_timeout_s"] = (float, 1.0, "redis: seconds before a node counts as down")
     return out
@@ -70,10 +77,10 @@ def l3_config(values: dict[str, Any], parse_bytes: Any) -> L3Config | None:
     kw = {
         name[3:]: values[name]
         for name in L3_FIELDS
-        if name.startswith("l3_")
-        and name[3:] not in ("segment_bytes", "redis_pipeline", "store_timeout_s")
+        if name.startswith("l3_") and name[3:] not in STORE_OPTIONS
     }
     options = {
+        "local_host": str(values["l3_local_host"]),
         "segment_bytes": parse_bytes(values["l3_segment_bytes"], "l3_segment_bytes"),
         "batch_pages": int(values["l3_redis_pipeline"]),
         "timeout_s": float(values["l3_store_timeout_s"]),

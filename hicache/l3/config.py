@@ -27,7 +27,7 @@ class PrefetchPolicy(StrEnum):
 @dataclass(frozen=True)
 class L3Config:
     url: str  # memory://NAME, redis://HOST:PORT[,...], mooncake://HOST:PORT
-    model: str  # model identity (name and revision): part of every key
+    model: str  # model identity (name and revision), part of every key: required with --l3
     shard: str = "0"  # tensor-parallel shard of the KV this daemon holds: part of every key
     write_policy: L3WritePolicy | str = L3WritePolicy.WRITE_THROUGH  # when pages go to it
     write_threshold: int = 2  # write_through_selective: hits before a page is written

@@ -39,7 +39,7 @@ class MooncakeStore(L3Store):
         self,
         master: tuple[str, int],
         segment_bytes: int = 0,
-        local_host: str = "127.0.0.1",
+        local_host: str = "",
         protocol: str = "tcp",
         metadata: str = "P2PHANDSHAKE",
         **_: object,
@@ -50,6 +50,7 @@ class MooncakeStore(L3Store):
         self.master = master
         if not _reachable(master):
             raise StoreDown(f"{self.url}: the master does not accept connections")
+        local_host = local_host or local_address(master)  # what other machines reach us by
         self.store = MooncakeDistributedStore()
         code = self.store.setup(
             local_host, metadata, segment_bytes, 16 << 20, protocol, "", f"{master[0]}:{master[1]}"
@@ -142,3 +143,14 @@ def _reachable(master: tuple[str, int]) -> bool:
         return True
     except OSError:
         return False
+
+
+def local_address(master: tuple[str, int]) -> str:
+    """The address of this machine's interface that reaches ``master`` (what the store's
+    other clients connect to for this daemon's segment); 127.0.0.1 for a loopback master."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(master)  # (UDP: no packet is sent; the kernel picks the route)
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
