@@ -79,10 +79,13 @@ def l3_config(values: dict[str, Any], parse_bytes: Any) -> L3Config | None:
         for name in L3_FIELDS
         if name.startswith("l3_") and name[3:] not in STORE_OPTIONS
     }
+    store_timeout = float(values["l3_store_timeout_s"])
+    if not 0 < store_timeout <= 600:
+        raise ValueError(f"l3_store_timeout_s: must be in (0, 600] seconds, got {store_timeout}")
     options = {
         "local_host": str(values["l3_local_host"]),
         "segment_bytes": parse_bytes(values["l3_segment_bytes"], "l3_segment_bytes"),
         "batch_pages": int(values["l3_redis_pipeline"]),
-        "timeout_s": float(values["l3_store_timeout_s"]),
+        "timeout_s": store_timeout,
     }
     return L3Config(url, options=options, **kw)

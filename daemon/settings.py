@@ -261,6 +261,8 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     l3 = l3_config(l3_settings, parse_bytes)
     if l3 is not None and daemon["device_tier"] == "engine":
         raise ValueError("l3: a third tier needs device_tier=daemon (its host pool) for now")
+    if l3 is not None and merged.get("host_tokens") == 0:
+        raise ValueError("l3: a third tier needs a host tier (host_tokens > 0)")
     engine_tokens = None
     if daemon["device_tier"] == "engine":  # the pool's shape comes from the engines' layout
         engine_tokens = merged.pop("host_tokens", None)

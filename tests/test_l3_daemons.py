@@ -5,6 +5,7 @@ KV; and the prefetch policies bound how long a match waits."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -233,3 +234,40 @@ def test_a_match_waits_as_long_as_its_policy_says(tmp_path, policy):
             serve_checked(engine, p)
     finally:
         stop_daemon(proc)
+
+
+def test_a_daemon_stops_at_once_while_its_store_hangs(tmp_path):
+    """SIGTERM while a store call has 30 s to go: the daemon exits within seconds and leaves
+    no shared memory behind."""
+    import glob
+
+    ep = f"ipc://{tmp_path}/s.sock"
+    proc = start_daemon(ep, *SHAPE, *l3_flags("memory://hang?latency_s=30"))
+    with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+        tokens = prompts(1, seed=6)[0]
+        slots = hc.alloc(len(tokens))
+        hc.insert(tokens, slots)  # its backup's store write now sleeps in the store
+        deadline = time.monotonic() + 10
+        while not hc.stats()["l3"]["queued_pages"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    segments = glob.glob(f"/dev/shm/hicache-*-{proc.pid}-*")
+    assert segments
+    started = time.monotonic()
+    stop_daemon(proc, timeout=10)
+    assert time.monotonic() - started < 5
+    assert not [s for s in segments if os.path.exists(s)]
+
+
+def test_settings_that_would_break_the_tier_are_refused_at_start():
+    from hicache.daemon.settings import build_parser, resolve
+
+    for argv, text in [
+        (["--l3", "memory://x", "--l3-model", "m", "--host-tokens", "0"], "host tier"),
+        (["--l3", "memory://x", "--l3-model", "m", "--l3-store-timeout-s", "-1"], "timeout"),
+        (["--l3", "memory://x", "--l3-model", "m", "--l3-breaker-cooldown-s", "inf"], "cooldown"),
+        (["--l3", "memory://x?latency_s=abc", "--l3-model", "m"], "latency_s"),
+        (["--l3", "redis://nohost", "--l3-model", "m"], "HOST:PORT"),
+    ]:
+        with pytest.raises(ValueError, match=text):
+            resolve(build_parser().parse_args(argv), {})

@@ -259,3 +259,44 @@ def test_pages_the_tree_got_meanwhile_are_not_inserted_twice(pair):
     assert f.arrived == 8 and f.adopted == 4
     b.check_integrity()
     assert served(b, tokens) == 32
+
+
+def test_a_value_that_failed_to_verify_is_removed_and_written_again(pair):
+    a, b = pair
+    tokens = tokens_of(16, 12)
+    store(a, tokens)
+    bad = list(space("t").values)[1]
+    space("t").faults.corrupt.add(bad)
+    assert fetch(b, tokens).corrupt == 1
+    assert bad not in space("t").values  # removed by the reader
+    assert fetch(b, tokens) is None  # (not asked for again at once)
+    a.evict(64)
+    a.evict_host(1000, to_l3=False)  # the writer lost it too, computes it again, writes again
+    store(a, tokens)
+    assert bad in space("t").values
+    b.l3.misses.clear()  # (the second passed)
+    assert served(b, tokens) == 4  # the good first page came before; now the rest comes too
+    assert fetch(b, tokens).arrived == 3
+    assert served(b, tokens) == 16
+
+
+def test_settings_that_would_break_the_tier_are_refused():
+    from hicache.l3.store import check_url
+
+    for field, value in [
+        ("breaker_cooldown_s", float("inf")),
+        ("breaker_cooldown_s", 0),
+        ("timeout_s", float("nan")),
+        ("timeout_max_s", -1),
+        ("min_tokens", -5),
+        ("queue_pages", 0),
+        ("write_policy", "sometimes"),
+    ]:
+        with pytest.raises(ValueError, match=f"l3_{field}"):
+            L3Config("memory://x", "m", **{field: value})
+    with pytest.raises(ValueError, match="l3_model"):
+        L3Config("memory://x", "")
+    with pytest.raises(ValueError, match="latency_s"):
+        check_url("memory://x?latency_s=abc")
+    with pytest.raises(ValueError, match="memory fault"):
+        check_url("memory://x?melt=1")

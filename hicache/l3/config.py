@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -65,11 +66,19 @@ class L3Config:
                 raise ValueError(f"l3_{name}: must be an integer >= 1, got {value!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
             raise ValueError(f"l3_min_tokens: must be an integer, got {self.min_tokens!r}")
+        if self.min_tokens < 0:
+            raise ValueError(f"l3_min_tokens: must be >= 0, got {self.min_tokens}")
         for name in ("timeout_s", "timeout_per_ki_s", "timeout_max_s", "prefill_tokens_per_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"l3_{name}: must be >= 0, got {getattr(self, name)!r}")
-        if not self.breaker_cooldown_s > 0:
-            raise ValueError("l3_breaker_cooldown_s: must be > 0")
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ValueError(f"l3_{name}: must be a finite number >= 0, got {value!r}")
+        if not (
+            isinstance(self.breaker_cooldown_s, (int, float))
+            and 0 < self.breaker_cooldown_s <= 3600
+        ):
+            raise ValueError(
+                f"l3_breaker_cooldown_s: must be in (0, 3600], got {self.breaker_cooldown_s!r}"
+            )
 
     def wait_bound(self, tokens: int) -> float:
         """How long a match may wait for ``tokens`` coming from the store."""

@@ -8,6 +8,7 @@ back corrupted, a node that is dead, and a capacity past which the oldest values
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -54,6 +55,23 @@ def drop_space(name: str) -> None:
         _SPACES.pop(name, None)
 
 
+def parse_faults(query: str) -> dict[str, float]:
+    """``latency_s=0.5&lose_rate=0.1`` -> faults; ValueError naming a bad one."""
+    out = {}
+    for part in filter(None, query.split("&")):
+        key, _, value = part.partition("=")
+        if key not in ("latency_s", "fail_rate", "lose_rate"):
+            raise ValueError(f"l3: memory fault {key!r} (latency_s, fail_rate, lose_rate)")
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not 0 <= number < math.inf:
+            raise ValueError(f"l3: memory fault {key}={value!r} is not a number >= 0")
+        out[key] = number
+    return out
+
+
 class MemoryStore(L3Store):
     def __init__(self, name: str, **_: object):
         """``name`` may carry faults for a daemon under test: ``NAME?latency_s=0.5&lose_rate=0.1``
@@ -61,11 +79,8 @@ class MemoryStore(L3Store):
         name, _, query = name.partition("?")
         self.url = f"memory://{name}"
         self.space = space(name)
-        for part in filter(None, query.split("&")):
-            key, _, value = part.partition("=")
-            if key not in ("latency_s", "fail_rate", "lose_rate"):
-                raise ValueError(f"l3: memory fault {key!r} (latency_s, fail_rate, lose_rate)")
-            setattr(self.space.faults, key, float(value))
+        for key, value in parse_faults(query).items():
+            setattr(self.space.faults, key, value)
 
     def _enter(self) -> Faults:
         faults = self.space.faults
@@ -112,6 +127,13 @@ class MemoryStore(L3Store):
             self.pages.write(page, memoryview(value)[: self.pages.page_bytes])
             out.append(value[self.pages.page_bytes :])
         return out
+
+    def remove(self, keys: list[str]) -> None:
+        self._enter()
+        with self.space.lock:
+            for key in keys:
+                self.space.values.pop(key, None)
+                self.space.faults.corrupt.discard(key)
 
     def describe(self) -> dict[str, object]:
         return {"values": len(self.space.values), "calls": self.space.calls}

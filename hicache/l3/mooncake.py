@@ -125,6 +125,9 @@ class MooncakeStore(L3Store):
             )
         return out
 
+    def remove(self, keys: list[str]) -> None:
+        self.store.batch_remove(keys, True)  # (force: a value read a moment ago is leased)
+
     def describe(self) -> dict[str, object]:
         return {"segment_bytes": self.segment_bytes, "hostname": self.hostname}
 

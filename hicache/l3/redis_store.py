@@ -129,6 +129,10 @@ class RedisStore(L3Store):
         self._run(keys, lambda pipe, i: pipe.get(keys[i]), out, take)
         return out
 
+    def remove(self, keys: list[str]) -> None:
+        done = [None] * len(keys)
+        self._run(keys, lambda pipe, i: pipe.delete(keys[i]), done, lambda i, r: r)
+
     def describe(self) -> dict[str, object]:
         return {"nodes": self.nodes, "node_errors": self.node_errors}
 

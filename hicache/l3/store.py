@@ -46,6 +46,10 @@ class L3Store(ABC):
         """Read each key's page bytes into host page ``pages[i]``; its trailer, or None for a
         miss (then the page's bytes are undefined). The caller verifies the trailer."""
 
+    def remove(self, keys: list[str]) -> None:
+        """Drop values that failed to verify, so the next write of those pages puts them again
+        (best effort: a failure here is ignored)."""
+
     def describe(self) -> dict[str, Any]:
         """Store-specific figures for stats (nodes, segment sizes). Called from another thread
         than the calls: it reads fields only, never the client."""
@@ -65,7 +69,11 @@ def check_url(url: str) -> str:
         parse_hosts(rest)
     elif scheme == "mooncake":
         parse_hosts(rest, at_most=1)
-    elif scheme != "memory":
+    elif scheme == "memory":
+        from hicache.l3.memory import parse_faults
+
+        parse_faults(rest.partition("?")[2])
+    else:
         raise ValueError(f"l3: unknown store {scheme!r} in {url!r} (memory, redis, mooncake)")
     return url
 
@@ -104,6 +112,9 @@ class LazyStore(L3Store):
 
     def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
         return self._store().get(keys, pages)
+
+    def remove(self, keys: list[str]) -> None:
+        self._store().remove(keys)
 
     def describe(self) -> dict[str, Any]:
         inner = self.inner

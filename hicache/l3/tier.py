@@ -239,6 +239,8 @@ class L3Tier:
         c.read_pages += fetch.arrived
         c.read_bytes += fetch.arrived * self.pages.page_bytes
         c.corrupt_pages += fetch.corrupt
+        if fetch.corrupt:  # not asked for again at once (the bad value was removed)
+            self.misses[(fetch.namespace, fetch.key)] = self.clock() + MISS_TTL_S
         if fetch.arrived and fetch.io_s > 0:
             self.read_bps = _ewma(self.read_bps, fetch.arrived * self.pages.page_bytes / fetch.io_s)
         self._adopt(fetch)
@@ -387,9 +389,12 @@ class L3Tier:
         }
 
     def close(self) -> None:
-        """Stop the IO thread (after its queued jobs) and the store; frees what jobs held."""
-        self.io.close()
+        """Stop the IO thread (queued jobs end unrun, a running store call gets a second) and
+        the store; frees what jobs held. Never waits longer on a store that hangs."""
+        stopped = self.io.close()
         self.poll()
+        if not stopped:
+            return  # (its job's pages and the store stay with the thread until the exit)
         for fetch in list(self.fetches.values()):
             self._end_fetch(fetch)
         self.store.close()

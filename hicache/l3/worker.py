@@ -25,6 +25,7 @@ from hicache.l3.pages import PageSegments, trailer, verify
 from hicache.l3.store import L3Store, StoreDown
 
 log = logging.getLogger("hicache.l3")
+CLOSE_WAIT_S = 1.0  # how long close() waits for a store call that runs
 CHUNK_BYTES = 16 << 20  # pages per store call: about this many bytes (at most ``batch``)
 
 
@@ -61,8 +62,11 @@ class IOWorker:
     def pending(self) -> int:
         return len(self.fetches) + len(self.writes) + self.busy
 
-    def close(self) -> None:
-        """Stop after the job running now; queued jobs end unrun (error "closing")."""
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> bool:
+        """Stop after the job running now; queued jobs end unrun (error "closing"). Returns
+        False when a store call still runs after ``wait_s`` (a store that hangs): the thread
+        is left to the process's exit, holding its views of the host pool (which keeps the
+        pool mapped), and the store must not be closed under it."""
         with self.cv:
             self.stopping = True
             for queue in (self.fetches, self.writes):
@@ -71,8 +75,13 @@ class IOWorker:
                     job.error = "closing"
                     self.done.append(job)
             self.cv.notify()
-        self.thread.join()
+        self.thread.join(wait_s)
+        if self.thread.is_alive():
+            log.warning("L3: a store call still runs at shutdown; left to the process's exit")
+            self.sums.shutdown(wait=False)
+            return False
         self.sums.shutdown()
+        return True
 
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -201,3 +210,5 @@ class IOWorker:
                     break
             for _, check in checks:
                 check.result()  # (those after the end of the run too)
+        if job.corrupt:  # the bad value goes, so that the next write of the page puts it again
+            self.store.remove([names[job.arrived]])
