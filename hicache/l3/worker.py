@@ -26,7 +26,7 @@ from hicache.l3.store import L3Store, StoreDown
 
 log = logging.getLogger("hicache.l3")
 CLOSE_WAIT_S = 1.0  # how long close() waits for a store call that runs
-CHUNK_BYTES = 16 << 20  # pages per store call: about this many bytes (at most ``batch``)
+CHUNK_BYTES = 128 << 20  # pages per store call: about this many bytes (at most ``batch``)
 
 
 class IOWorker:
