@@ -10,7 +10,7 @@ trap 'rm -rf "$out"' EXIT
 # the installed layout (hicache/ with daemon/, client/, kernels/ inside it) and the tests, run
 # from there: the working directory comes first on sys.path, so this copy is what imports
 mkdir -p "$out/hicache"
-cp -r hicache/*.py "$out/hicache/"
+cp -r hicache/*.py hicache/l3 "$out/hicache/"
 for sub in daemon client kernels; do cp -r "$sub" "$out/hicache/$sub"; done
 cp -r tests pyproject.toml "$out/"
 inc=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
