@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,6 +28,7 @@ import numpy as np
 from hicache.allocator import PageState
 from hicache.l3.breaker import Breaker
 from hicache.l3.config import L3Config, L3WritePolicy
+from hicache.l3.counters import L3Counters, ewma, keys_above, tokens_above
 from hicache.l3.jobs import Fetch, Write
 from hicache.l3.keys import KeyChain, identity_of
 from hicache.l3.pages import PageSegments
@@ -40,30 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hicache.l3")
 MISS_TTL_S = 1.0  # a prefix the store did not have is not asked for again this soon
-EWMA = 0.2
-
-
-@dataclass
-class L3Counters:
-    """What the tier did (pages unless named otherwise)."""
-
-    lookups: int = 0  # fetches started
-    lookup_pages: int = 0  # pages asked about
-    hit_pages: int = 0  # pages the store had
-    read_pages: int = 0  # pages read and verified
-    adopted_pages: int = 0  # pages that became host nodes
-    read_bytes: int = 0
-    written_pages: int = 0  # pages put
-    present_pages: int = 0  # pages the store had already (not put again)
-    written_bytes: int = 0
-    dropped_pages: int = 0  # writes dropped: queue full
-    failed_write_pages: int = 0  # writes the store refused or could not take
-    corrupt_pages: int = 0  # values that did not verify (never served)
-    skipped_cost: int = 0  # fetches skipped: slower than recomputing
-    skipped_breaker: int = 0  # fetches not started: the breaker is open
-    skipped_room: int = 0  # fetches dropped: no host pages for them
-    errors: int = 0  # jobs that failed as a whole (store down, breaker open)
-    wait_timeouts: int = 0  # matches answered at their bound before the fetch ended
 
 
 class L3Tier:
@@ -129,8 +106,8 @@ class L3Tier:
         if self.queued_pages + len(pages) > self.config.queue_pages:
             self.counters.dropped_pages += len(pages)
             return
-        before = _tokens_above(run[0])
-        key = b"".join([*_keys_above(run[0]), *(n.key for n in run)])
+        before = tokens_above(run[0])
+        key = b"".join([*keys_above(run[0]), *(n.key for n in run)])
         job = Write(key, node.namespace, before // self.page_size, pages, run)
         for n in run:
             n.l3 = job
@@ -149,8 +126,8 @@ class L3Tier:
         if self.queued_pages + len(pages) > self.config.queue_pages:
             self.counters.dropped_pages += len(pages)
             return False
-        key = b"".join([*_keys_above(node), node.key])
-        before = _tokens_above(node)
+        key = b"".join([*keys_above(node), node.key])
+        before = tokens_above(node)
         write = Write(key, node.namespace, before // self.page_size, pages, [], [pages], True)
         self._submit_write(write)
         return True
@@ -171,7 +148,7 @@ class L3Tier:
         c.written_bytes += job.stored * self.pages.page_bytes
         c.failed_write_pages += job.failed + (len(job.pages) if job.error else 0)
         if job.stored and job.io_s > 0:
-            self.write_bps = _ewma(self.write_bps, job.stored * self.pages.page_bytes / job.io_s)
+            self.write_bps = ewma(self.write_bps, job.stored * self.pages.page_bytes / job.io_s)
         ok = not job.error and not job.failed
         for node in job.nodes:
             if node.l3 is job:
@@ -216,7 +193,7 @@ class L3Tier:
             self._end_fetch(fetch)
             return
         if fetch.stage == "exists":
-            self.rtt_s = _ewma(self.rtt_s, fetch.io_s)
+            self.rtt_s = ewma(self.rtt_s, fetch.io_s)
             c.hit_pages += fetch.hits
             if not fetch.hits:
                 self.misses[(fetch.namespace, fetch.key)] = self.clock() + MISS_TTL_S
@@ -242,7 +219,7 @@ class L3Tier:
         if fetch.corrupt:  # not asked for again at once (the bad value was removed)
             self.misses[(fetch.namespace, fetch.key)] = self.clock() + MISS_TTL_S
         if fetch.arrived and fetch.io_s > 0:
-            self.read_bps = _ewma(self.read_bps, fetch.arrived * self.pages.page_bytes / fetch.io_s)
+            self.read_bps = ewma(self.read_bps, fetch.arrived * self.pages.page_bytes / fetch.io_s)
         self._adopt(fetch)
         self._end_fetch(fetch)
 
@@ -398,26 +375,3 @@ class L3Tier:
         for fetch in list(self.fetches.values()):
             self._end_fetch(fetch)
         self.store.close()
-
-
-def _ewma(old: float, new: float) -> float:
-    return new if not old else (1 - EWMA) * old + EWMA * new
-
-
-def _keys_above(node: TreeNode) -> list[bytes]:
-    """The keys of ``node``'s ancestors, root first."""
-    keys = []
-    up = node.parent
-    while up is not None and up.parent is not None:
-        keys.append(up.key)
-        up = up.parent
-    keys.reverse()
-    return keys
-
-
-def _tokens_above(node: TreeNode) -> int:
-    tokens, up = 0, node.parent
-    while up is not None and up.parent is not None:
-        tokens += up.num_tokens
-        up = up.parent
-    return tokens
