@@ -6,6 +6,7 @@ KV; and the prefetch policies bound how long a match waits."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
@@ -271,3 +272,69 @@ def test_settings_that_would_break_the_tier_are_refused_at_start():
     ]:
         with pytest.raises(ValueError, match=text):
             resolve(build_parser().parse_args(argv), {})
+
+
+def test_many_clients_parked_on_one_prefix_share_one_fetch(tmp_path):
+    """Eight engines ask for the same prompt while its pages come slowly from the store: one
+    fetch, every match answered with the hit once it landed, nothing left held."""
+    import threading
+
+    ep = f"ipc://{tmp_path}/c.sock"
+    flags = ["--l3-prefetch-policy", "wait_complete"]
+    proc = start_daemon(ep, *SHAPE, *l3_flags("memory://many?latency_s=0.3", *flags))
+    try:
+        p = prompts(1, seed=7)[0]
+        with HiCacheClient(ep, name="writer", admin=True, timeout_s=30) as hc:
+            serve_checked(ReferenceEngine(hc), p)
+            wait_written(ep, 18)
+            hc.flush()
+            lookups = l3_stats(ep)["lookups"]
+        hits: list[int] = []
+
+        def engine(i: int) -> None:
+            with HiCacheClient(ep, name=f"engine-{i}", timeout_s=30) as c:
+                m = c.match_prefix(p)
+                hits.append(m.device_hit_length + m.host_hit_length)
+                c.release(m)
+
+        threads = [threading.Thread(target=engine, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert hits == [len(p)] * 8
+        s = l3_stats(ep)
+        assert s["lookups"] == lookups + 1 and s["fetches_in_flight"] == 0
+        with HiCacheClient(ep, name="probe") as hc:
+            stats = hc.stats(check=True)
+        assert stats["integrity"] == "ok" and stats["device_owned_tokens"] == 0
+    finally:
+        stop_daemon(proc)
+
+
+def test_a_redis_node_stopped_in_the_middle_of_a_fetch_is_a_miss(tmp_path):
+    """The node holding the prompt's first page stops answering while a fetch runs, then is
+    killed: the request completes with the right logits, and the daemon serves on."""
+    with redis_cluster(tmp_path / "redis") as cluster:
+        m = Machines(tmp_path, cluster.url)
+        try:
+            hc_a, a = m.engine(0)
+            hc_b, b = m.engine(1)
+            p = prompts(1, seed=8)[0]
+            serve_checked(a, p)
+            wait_written(m.eps[0], 18)
+            holder = next(port for port in cluster.ports if port != _a_node_without(cluster, p[:4]))
+            cluster.procs[holder].send_signal(signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                served = serve_checked(b, p)  # the fetch times out on the stopped node
+                assert time.monotonic() - started < 15
+                assert served.host_hit == 0
+            finally:
+                cluster.procs[holder].send_signal(signal.SIGCONT)
+                cluster.kill(holder)
+            assert serve_checked(b, prompts(1, seed=9)[0]).computed_from == 0  # serves on
+            assert l3_stats(m.eps[1])["adopted_pages"] == 0
+            hc_a.close(), hc_b.close()
+        finally:
+            m.stop()

@@ -150,6 +150,8 @@ class L3Tier:
         if job.stored and job.io_s > 0:
             self.write_bps = ewma(self.write_bps, job.stored * self.pages.page_bytes / job.io_s)
         ok = not job.error and not job.failed
+        if job.stored and self.misses:  # what this daemon lacked a moment ago may be there now
+            self.misses = {k: t for k, t in self.misses.items() if k[0] != job.namespace}
         for node in job.nodes:
             if node.l3 is job:
                 node.l3 = True if ok else None
