@@ -30,6 +30,7 @@ from hicache.daemon.engine_tier import EngineTier
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.l3_waits import WAKE_ID, L3Waits
 from hicache.daemon.limits import SessionLimits
+from hicache.daemon.metrics import MetricsServer
 from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, segment_name
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
@@ -54,6 +55,7 @@ KEEP_FROM = 1 << 16
 SNDHWM = 64  # replies queued per peer before they are dropped (a client has a few in flight)
 HOUSEKEEP_S = 0.05  # acks and leases are looked at least this often
 POLL_MS = int(HOUSEKEEP_S * 1000)
+METRICS_EVERY_S = 1.0  # how often the metrics snapshot is refreshed
 
 __all__ = ["Daemon", "EndpointError", "bind_address", "run"]
 
@@ -73,6 +75,7 @@ class Daemon:
         self.cache: HiRadixCache | None = None
         self.progress: SharedMemoryBacking | None = None
         self.waits: L3Waits | None = None  # matches waiting for the third tier
+        self.metrics: MetricsServer | None = None  # /metrics over a snapshot (--metrics-port)
         try:
             self._start(settings)
         except BaseException:
@@ -124,6 +127,15 @@ class Daemon:
             engine_tier=tier,
         )
         self.handlers.server_counters = self._counters
+        if settings.metrics_port:
+            try:
+                self.metrics = MetricsServer(settings.metrics_host, settings.metrics_port)
+            except OSError as exc:
+                raise EndpointError(
+                    f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
+                    f"{exc}"
+                ) from None
+            self.metrics.publish(self._snapshot())
 
     def _make_cache(self, cfg: HiCacheConfig) -> tuple[HiRadixCache, dict]:
         """Create the pools and the cache for ``cfg`` (at start, or when the first engine
@@ -190,9 +202,13 @@ class Daemon:
         finally:
             os.umask(old)
 
+    def _snapshot(self) -> dict:
+        """The stats a scrape shows (made on the control thread: the cache is not shared)."""
+        return self.handlers.stats(None, {}, [])[0]
+
     def serve(self) -> None:
         """Serve until stop() (or a signal) sets ``stopping``."""
-        next_housekeep = time.monotonic()
+        next_housekeep = next_metrics = time.monotonic()
         while not self.stopping:
             try:  # blocks up to POLL_MS (RCVTIMEO): one call per message, no separate poll
                 frames = self._recv_frames()
@@ -207,6 +223,9 @@ class Daemon:
                 self.handlers.housekeep()
                 self._resume()
                 next_housekeep = time.monotonic() + HOUSEKEEP_S
+                if self.metrics is not None and next_housekeep >= next_metrics:
+                    self.metrics.publish(self._snapshot())
+                    next_metrics = next_housekeep + METRICS_EVERY_S
 
     def _resume(self) -> None:
         """Answer matches that waited for the third tier and may go on now."""
@@ -268,6 +287,9 @@ class Daemon:
     def close(self) -> None:
         """Refuse new work, finish in-flight copies, free the pools, remove the socket.
         Undoes whatever a start made, however far it got; safe to call twice."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
@@ -300,6 +322,9 @@ def run(settings: DaemonSettings) -> None:
     signal.signal(signal.SIGTERM, daemon.stop)
     signal.signal(signal.SIGINT, daemon.stop)
     print(f"hicache-daemon ready on {settings.endpoint} (pid {os.getpid()})", flush=True)
+    if daemon.metrics is not None:
+        host = settings.metrics_host
+        print(f"metrics on http://{host}:{daemon.metrics.port}/metrics", flush=True)
     try:
         daemon.serve()
     finally:

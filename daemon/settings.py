@@ -78,6 +78,12 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
         "device_tier=engine: host pool size in bytes (suffixes KiB, MiB, GiB; "
         "default: host_tokens if set, else 1GiB)",
     ),
+    "metrics_port": (
+        int,
+        0,
+        "serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: off)",
+    ),
+    "metrics_host": (str, "127.0.0.1", "the address the metrics endpoint listens on"),
 }
 DEVICE_TIERS = ("daemon", "engine")
 DEFAULT_ENGINE_HOST_BYTES = 1 << 30
@@ -109,6 +115,8 @@ class DaemonSettings:
     engine_tokens: int | None = None  # device_tier=engine: host_tokens, the pool's size in tokens
     l3: L3Config | None = None  # the store under the host tier (None: no third tier)
     l3_settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # as given (--l3-*)
+    metrics_port: int = 0  # Prometheus /metrics (0: off)
+    metrics_host: str = "127.0.0.1"
 
     @property
     def engine_tier(self) -> bool:
@@ -288,6 +296,9 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         raise ValueError(
             f"device_tier: {daemon['device_tier']!r} is not one of {', '.join(DEVICE_TIERS)}"
         )
+    port = daemon["metrics_port"]
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+        raise ValueError(f"metrics_port: must be a port number (0: off), got {port!r}")
     host_bytes = daemon["host_bytes"]
     if host_bytes is not None:
         host_bytes = parse_bytes(host_bytes)
@@ -309,4 +320,6 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         engine_tokens,
         l3,
         l3_settings,
+        metrics_port=port,
+        metrics_host=str(daemon["metrics_host"]),
     )
