@@ -15,6 +15,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ from hicache.daemon.cache_ops import CacheOpsMixin
 from hicache.daemon.engine_tier import EngineTier, no_layout
 from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import SessionLimits
+from hicache.daemon.request_stats import RequestStats
 from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
 from hicache.node import TreeNode
@@ -112,6 +114,8 @@ class Handlers(CacheOpsMixin):
         self.started = self.clock()
         self.housekeep_errors = 0  # exceptions caught in housekeeping (each one is a bug)
         self.may_wait = False  # the request being handled may wait for the third tier
+        self.requests = RequestStats()  # latency per op, errors by code (metrics)
+        self.op = "unknown"  # the op of the request being handled
         self.server_counters: Callable[[], dict[str, int]] = dict  # the transport's counters
         self.table: dict[Op, Callable[[Session | None, dict, Frames], Result]] = {
             Op.HELLO: self.hello,
@@ -145,16 +149,19 @@ class Handlers(CacheOpsMixin):
         """The reply to one request, or ``(None, Deferred)`` for a match that should wait for
         the third tier (only when ``may_wait``; ``resumed``: it waited, and is answered now)."""
         self.may_wait = may_wait and not resumed
+        started, self.op = time.perf_counter(), "unknown"
         try:
             return self._handle(header, frames)
         except Deferred as waiting:
             return None, waiting
+        finally:
+            self.requests.record(self.op, time.perf_counter() - started)
 
     def _handle(self, header: bytes | memoryview, frames: Frames) -> tuple[bytes, Frames]:
         request_id = 0
         try:
             req = decode_request(header)
-            request_id = req.request_id
+            request_id, self.op = req.request_id, req.op.name.lower()
             session = None
             if req.op is Op.GOODBYE:  # also ends a session in quarantine
                 return self._goodbye(req), []
@@ -197,6 +204,8 @@ class Handlers(CacheOpsMixin):
         )
 
     def _reply(self, status: ErrorCode, request_id: int, fields: dict) -> bytes:
+        if status is not ErrorCode.OK:
+            self.requests.error(status.name)
         return encode_reply(Reply(status, request_id, self.boot_epoch, fields))
 
     def housekeep(self) -> list[Ended]:
@@ -333,6 +342,7 @@ class Handlers(CacheOpsMixin):
         out: dict[str, Any] = {} if cache is None else cache.stats().as_dict()
         if cache is not None and cache.l3 is not None:
             out["l3"] = cache.l3.stats()
+        out.update(self.requests.as_dict())
         listed = [
             {
                 "id": s.id,

@@ -10,8 +10,11 @@ tiers as a label; ratios are left to PromQL (``rate(hit) / rate(query)``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
+
+from hicache.daemon.request_stats import BUCKETS
 
 # (name, help, stats key) of plain counters
 COUNTERS = [
@@ -41,7 +44,11 @@ L3_COUNTERS = [
 
 def families(stats: dict[str, Any]) -> Iterator[Any]:
     """The metric families of one stats snapshot (``{}``: nothing yet)."""
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
 
     if not stats:
         return
@@ -82,6 +89,20 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
         "copies between tiers running",
         value=stats.get("inflight_transfers", 0),
     )
+    errors = CounterMetricFamily(
+        "hicache_request_errors", "error replies, by error code", labels=["code"]
+    )
+    for code, n in sorted(stats.get("errors_by_code", {}).items()):
+        errors.add_metric([code], n)
+    yield errors
+    latency = HistogramMetricFamily(
+        "hicache_request_duration_seconds", "time to handle a request, by op", labels=["op"]
+    )
+    for op, h in sorted(stats.get("op_latency", {}).items()):
+        bounds = [*(str(b) for b in BUCKETS), "+Inf"]
+        cumulative = list(itertools.accumulate(h["buckets"]))
+        latency.add_metric([op], list(zip(bounds, cumulative, strict=True)), h["sum"])
+    yield latency
     l3 = stats.get("l3")
     if l3:
         for name, help_, key in L3_COUNTERS:

@@ -39,18 +39,23 @@ def test_a_scrape_shows_hits_capacity_and_the_third_tier_under_prometheus_names(
             tokens = np.arange(1, 41, dtype=np.int32)
             hc.insert(tokens, hc.alloc(40))
             hc.release(hc.match_prefix(tokens))
+            with pytest.raises(Exception, match="NOT_OWNED|not owned"):
+                hc.free(hc.match_prefix(tokens, lock=False).device_indices)  # the tree's pages
             deadline = time.monotonic() + 10
             while True:  # the snapshot is refreshed about once a second
                 m = scrape(port)
-                if m.get("hicache_query_tokens_total", {}).get((), 0) >= 40:
+                if m.get("hicache_query_tokens_total", {}).get((), 0) >= 80:  # two matches
                     break
                 assert time.monotonic() < deadline, m
                 time.sleep(0.1)
-        assert m["hicache_hit_tokens_total"][(("tier", "device"),)] == 40
+        assert m["hicache_hit_tokens_total"][(("tier", "device"),)] == 80
         assert m["hicache_capacity_tokens"][(("tier", "device"),)] == 256
         assert m["hicache_capacity_tokens"][(("tier", "host"),)] == 512
         assert m["hicache_sessions"][()] >= 1
         assert "hicache_l3_written_bytes_total" in m and "hicache_l3_breaker_open" in m
+        assert m["hicache_request_duration_seconds_count"][(("op", "match"),)] >= 1
+        assert m["hicache_request_duration_seconds_bucket"][(("le", "+Inf"), ("op", "insert"))] >= 1
+        assert m["hicache_request_errors_total"][(("code", "NOT_OWNED"),)] == 1
         for name in m:  # prefix, and _total exactly on counters (the parser adds it back)
             assert name.startswith("hicache_"), name
             assert not name.endswith("_total_total")
