@@ -38,6 +38,7 @@ from hicache.transfer_cpu import ThreadTransferEngine
 from hicache.types import MatchResult
 
 if TYPE_CHECKING:
+    from hicache.kv_events import TierEvents
     from hicache.l3.tier import L3Tier
 
 EngineFactory = Callable[[DevicePool, HostPool, Copier], TransferEngine]
@@ -86,6 +87,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         self.user_locks: Counter[TreeNode] = Counter()  # inc_lock_ref calls not yet undone
         self.moved_locks = MovedLocks()  # user locks moved off nodes a failed load dropped
         self.l3: L3Tier | None = None  # the store under the host tier (attach_l3)
+        self.events: TierEvents | None = None  # KV events of tier changes (attach_events)
         self._init_transfers()
 
     # ---- allocation (device pool) ---------------------------------------------------------
@@ -307,6 +309,16 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         if tier.cache is not self:
             raise ValueError("attach_l3: the tier was made for another cache")
         self.l3 = tier
+
+    def attach_events(self, events: TierEvents) -> None:
+        """Report tier changes from now on (take them with ``events.take()``). Pages already
+        cached are announced at the next take()."""
+        if events.page_size != self.page_size:
+            raise ValueError("attach_events: made for another page size")
+        self.events = events
+        self.tree.on_change = events.touch
+        for node in self.tree.iter_nodes():
+            events.touch(node)
 
     def check_integrity(self) -> None:
         """Raise IntegrityError if any invariant is broken (see integrity.py). Mutates nothing."""

@@ -13,6 +13,7 @@ import numpy as np
 
 from hicache.allocator import PagedAllocator, PageState
 from hicache.errors import IntegrityError
+from hicache.kv_events import wanted
 from hicache.node import IOState, TreeNode
 from hicache.transfer import Direction
 
@@ -168,3 +169,25 @@ def check_cache_integrity(cache: HiRadixCache) -> None:
             _fail(message)
     elif any(n.l3 is not None and n.l3 is not True for n in nodes):
         _fail("a node names an L3 write, but there is no third tier")
+    if cache.events is not None:
+        _check_events(cache, nodes)
+
+
+def _check_events(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
+    """What was announced is true of every node not touched since, and the announced page
+    counts are what the nodes say (a consumer of every event holds exactly that)."""
+    events = cache.events
+    counts = {bit: 0 for bit in events.announced}
+    for node in nodes:
+        if node not in events.dirty and node.ev != wanted(node):
+            _fail(f"{node}: announced tiers {node.ev} but holds {wanted(node)}, untouched")
+        for bit in counts:
+            if node.ev & bit:
+                if (
+                    node.ev_hashes is None
+                    or len(node.ev_hashes) * cache.page_size != node.num_tokens
+                ):
+                    _fail(f"{node}: announced without a block hash per page")
+                counts[bit] += len(node.ev_hashes)
+    if not events.dirty and counts != events.announced:
+        _fail(f"announced pages {events.announced} != {counts} announced in the tree")

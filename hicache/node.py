@@ -55,6 +55,8 @@ class TreeNode:
         "io",
         "transfer",
         "l3",
+        "ev",
+        "ev_hashes",
     )
 
     def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: object):
@@ -80,6 +82,10 @@ class TreeNode:
         # the third tier (l3/tier.py): None (not known to be in the store), True (stored),
         # or the write putting it now (it keeps the host pages readable until it ends)
         self.l3: object | None = None
+        # KV events (kv_events.py): the tiers this node's pages were last announced on (bits),
+        # and its pages' block hashes once computed
+        self.ev = 0
+        self.ev_hashes: np.ndarray | None = None
 
     # ---- derived state ------------------------------------------------------------------
     @property

@@ -12,7 +12,7 @@ nodes, ``protected_tokens`` device tokens in locked nodes; the lock walks keep t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -33,6 +33,8 @@ class RadixTree:
         self.evictable_tokens = 0  # device tokens in nodes with lock_ref == 0
         self.protected_tokens = 0  # device tokens in nodes with lock_ref > 0
         self.num_nodes = 0  # nodes in the tree, roots excluded
+        # called with each node whose residency may have changed (KV events), or None
+        self.on_change: Callable[[TreeNode], None] | None = None
         # the root of namespace None, the one most matches start from (no lookup)
         self.default_root = self._roots[None] = self._new_node(b"", None, None)
 
@@ -106,8 +108,19 @@ class RadixTree:
         assert 0 < nbytes < len(node.key) and nbytes % self.page_bytes == 0
         pages = nbytes // self.page_bytes
         upper = self._new_node(node.key[:nbytes], node.parent, node.namespace)
-        for field in ("lock_ref", "host_ref", "hit_count", "last_access", "created", "io", "l3"):
+        for field in (
+            "lock_ref",
+            "host_ref",
+            "hit_count",
+            "last_access",
+            "created",
+            "io",
+            "l3",
+            "ev",
+        ):
             setattr(upper, field, getattr(node, field))
+        if node.ev_hashes is not None:
+            upper.ev_hashes, node.ev_hashes = node.ev_hashes[:pages], node.ev_hashes[pages:]
         if node.device_pages is not None:
             upper.device_pages, node.device_pages = (
                 node.device_pages[: 8 * pages],
@@ -125,6 +138,8 @@ class RadixTree:
         node.parent = upper
         upper.children[node.key[: self.page_bytes]] = node
         self.num_nodes += 1
+        if self.on_change is not None:
+            self.on_change(upper)  # as dirty as the node it was cut from
         return upper
 
     # ---- adding and removing ----------------------------------------------------------------
@@ -137,6 +152,8 @@ class RadixTree:
         parent.children[key[: self.page_bytes]] = leaf
         self.evictable_tokens += leaf.num_tokens
         self.num_nodes += 1
+        if self.on_change is not None:
+            self.on_change(leaf)
         return leaf
 
     def add_host_leaf(self, parent: TreeNode, key: bytes, host_pages: np.ndarray) -> TreeNode:
@@ -146,6 +163,8 @@ class RadixTree:
         leaf.hit_count = 1
         parent.children[key[: self.page_bytes]] = leaf
         self.num_nodes += 1
+        if self.on_change is not None:
+            self.on_change(leaf)
         return leaf
 
     def remove_leaf(self, node: TreeNode) -> None:
@@ -156,6 +175,8 @@ class RadixTree:
         del parent.children[node.key[: self.page_bytes]]
         node.parent = None
         self.num_nodes -= 1
+        if self.on_change is not None:
+            self.on_change(node)
         if parent.parent is None and not parent.children and parent.namespace is not None:
             del self._roots[parent.namespace]
 
@@ -164,6 +185,8 @@ class RadixTree:
         """Attach or drop a node's device pages (int64 bytes), keeping the size counters exact."""
         had = node.device_pages is not None
         node.device_pages = pages
+        if self.on_change is not None:
+            self.on_change(node)
         delta = node.num_tokens * ((pages is not None) - had)
         if node.lock_ref:
             self.protected_tokens += delta

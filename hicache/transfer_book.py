@@ -172,8 +172,11 @@ class TransferBookMixin:
 
     def _on_ack(self, ack: Ack) -> None:
         record = self.records.pop(ack.ticket)
+        touch = self.tree.on_change
         for node in record.nodes:
             node.io, node.transfer = IOState.NONE, None
+            if touch is not None:  # its copy became readable, or failed
+                touch(node)
         if not ack.ok:
             self.counters.transfer_errors += 1
         if record.direction is Direction.BACKUP:

@@ -10,11 +10,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from hicache.kv_events import TierEvents
 from hicache.l3.config import L3Config
 from hicache.l3.memory import drop_space, space
 from hicache.l3.store import open_store
 from hicache.l3.tier import L3Tier
 from tests.conftest import make_cache, settle
+from tests.event_model import TierModel, tree_blocks
 from tests.reference import expected_kv, read_kv, write_kv
 
 PS = 2
@@ -50,7 +52,9 @@ class TwoMachines(RuleBasedStateMachine):
             cfg = L3Config(f"memory://{SPACE}", "m", write_policy=policy, write_threshold=2,
                            breaker_failures=2, breaker_cooldown_s=0.001)  # fmt: skip
             cache.attach_l3(L3Tier(cache, cfg, open_store(cfg.url)))
+            cache.attach_events(TierEvents(PS))
             self.caches.append(cache)
+        self.routers = [TierModel(), TierModel()]  # each machine's KV events, replayed
         self.faults = space(SPACE).faults
 
     @rule(m=st.integers(0, 1), s=st.integers(0, len(SEQS) - 1), n=st.integers(1, 36))
@@ -122,10 +126,13 @@ class TwoMachines(RuleBasedStateMachine):
 
     @invariant()
     def integrity(self) -> None:
-        for cache in self.caches:
+        for cache, router in zip(self.caches, self.routers, strict=True):
             cache.poll()
             cache.l3.poll()
             cache.check_integrity()
+            for event in cache.events.take():  # pages fetched from the store included
+                router.apply(event)
+            assert router.normalized() == tree_blocks(cache)
 
     def teardown(self) -> None:
         for cache in self.caches:

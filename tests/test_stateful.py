@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hicache import HiCacheConfig, HiRadixCache, InvalidIndicesError
+from hicache.kv_events import TierEvents
 from hicache.transfer import Direction
 from hicache.transfer_manual import ManualTransferEngine
+from tests.event_model import TierModel, tree_blocks
 from tests.reference import ReferenceCache, expected_kv, read_kv, write_kv
 
 NAMESPACES = (None, "tenant-b")
@@ -46,6 +48,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.engine: ManualTransferEngine = self.cache.engine  # type: ignore[assignment]
         self.pool = self.cache.device_pool
         self.ref = ReferenceCache(ps)
+        self.cache.attach_events(TierEvents(ps))
+        self.router = TierModel()  # what a router that saw every KV event holds
         self.seqs: list[tuple[np.ndarray, object]] = []
         self.locks: list = []
         self.owned: list[torch.Tensor] = []
@@ -235,6 +239,10 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def integrity(self) -> None:
         self.cache.check_integrity()
+        for event in self.cache.events.take():
+            self.router.apply(event)
+        self.cache.check_integrity()  # now with nothing left to announce
+        assert self.router.normalized() == tree_blocks(self.cache)
 
     def teardown(self) -> None:
         for node in self.locks:
