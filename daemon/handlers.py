@@ -334,6 +334,8 @@ class Handlers(CacheOpsMixin):
         """Evict every unlocked token from both tiers (locked data stays)."""
         freed = self._evict_device(self.cache.config.device_tokens)
         freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens, to_l3=False)
+        if self.cache.events is not None:
+            self.cache.events.flushed()
         return {"device_freed": freed, "host_freed": freed_host}, []
 
     def stats(self, _: Session | None, fields: dict, frames: Frames) -> Result:

@@ -27,6 +27,7 @@ from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
 from hicache.daemon.endpoint import AdminToken, EndpointClaim, EndpointError, bind_address
 from hicache.daemon.engine_tier import EngineTier
+from hicache.daemon.events import EventPublisher
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.l3_waits import WAKE_ID, L3Waits
 from hicache.daemon.limits import SessionLimits
@@ -35,6 +36,7 @@ from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, 
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
 from hicache.endpoints import admin_token_path
+from hicache.kv_events import TierEvents
 from hicache.l3.store import LazyStore
 from hicache.l3.tier import L3Tier
 from hicache.progress import DEFAULT_CAPACITY as PROGRESS_CAPACITY
@@ -76,6 +78,7 @@ class Daemon:
         self.progress: SharedMemoryBacking | None = None
         self.waits: L3Waits | None = None  # matches waiting for the third tier
         self.metrics: MetricsServer | None = None  # /metrics over a snapshot (--metrics-port)
+        self.events: EventPublisher | None = None  # KV events for routers (--events-endpoint)
         try:
             self._start(settings)
         except BaseException:
@@ -99,6 +102,18 @@ class Daemon:
             self.sock.bind(wake)
             self.waits = L3Waits(self.ctx, wake)
         self._admin = AdminToken(admin_token_path(settings.endpoint))
+        if settings.events_endpoint:
+            try:
+                self.events = EventPublisher(
+                    self.ctx,
+                    bind_address(settings.events_endpoint),
+                    settings.events_replay_endpoint
+                    and bind_address(settings.events_replay_endpoint),
+                    settings.events_topic,
+                    settings.events_buffer,
+                )
+            except zmq.ZMQError as exc:
+                raise EndpointError(f"cannot publish KV events: {exc}") from None
         removed = remove_stale()
         if removed:
             log.info("removed %d stale shared-memory segments", len(removed))
@@ -157,6 +172,9 @@ class Daemon:
                 store = LazyStore(l3.url, **l3.options)  # opened (and reopened) by its IO thread
                 self.cache.attach_l3(L3Tier(self.cache, l3, store, self.waits.wake))
                 self.waits.counters = self.cache.l3.counters
+            if self.events is not None:  # an engine-owned device tier is this host pool
+                device_medium = "CPU" if self.settings.engine_tier else "GPU"
+                self.cache.attach_events(TierEvents(cfg.page_size, device_medium))
         except BaseException:
             self.cache = None
             for backing in backings:
@@ -181,7 +199,23 @@ class Daemon:
         )
 
     def _counters(self) -> dict[str, int]:
-        return {"replies_dropped": self.replies_dropped}
+        out = {"replies_dropped": self.replies_dropped}
+        if self.events is not None:
+            out["event_batches_published"] = self.events.published_batches
+            out["event_batches_dropped"] = self.events.dropped_batches
+        return out
+
+    def _publish_events(self) -> None:
+        """Announce the tier changes since the last call; answer waiting dump requests."""
+        tier = None if self.cache is None else self.cache.events
+        if tier is None:
+            return
+        events = tier.take()
+        if events:
+            self.events.publish(events)
+        wanted = self.events.dumps_wanted
+        while wanted:
+            self.events.send_dump(wanted.popleft(), tier.dump(self.cache.tree.iter_nodes()))
 
     def _share_progress(self, token: str) -> SharedMemoryBacking | None:
         """The layer-progress table engines read to wait for single layers of a load."""
@@ -219,9 +253,13 @@ class Daemon:
                     self._resume()
                 else:
                     self._serve_one(frames)
+                if self.events is not None:
+                    self._publish_events()
             if time.monotonic() >= next_housekeep:
                 self.handlers.housekeep()
                 self._resume()
+                if self.events is not None:
+                    self._publish_events()
                 next_housekeep = time.monotonic() + HOUSEKEEP_S
                 if self.metrics is not None and next_housekeep >= next_metrics:
                     self.metrics.publish(self._snapshot())
@@ -290,6 +328,9 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
@@ -325,6 +366,9 @@ def run(settings: DaemonSettings) -> None:
     if daemon.metrics is not None:
         host = settings.metrics_host
         print(f"metrics on http://{host}:{daemon.metrics.port}/metrics", flush=True)
+    if daemon.events is not None:
+        replay = daemon.events.replay_endpoint
+        print(f"KV events on {daemon.events.endpoint}, replay on {replay}", flush=True)
     try:
         daemon.serve()
     finally:

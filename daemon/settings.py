@@ -84,6 +84,19 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
         "serve Prometheus metrics at http://METRICS_HOST:PORT/metrics (0: off)",
     ),
     "metrics_host": (str, "127.0.0.1", "the address the metrics endpoint listens on"),
+    "events_endpoint": (
+        str,
+        None,
+        "publish KV events in vLLM's format on this ZMQ PUB endpoint (tcp://HOST:PORT or "
+        "ipc://PATH; default: off)",
+    ),
+    "events_replay_endpoint": (
+        str,
+        None,
+        "serve replays of buffered event batches and full dumps on this ROUTER endpoint",
+    ),
+    "events_topic": (str, "", "the topic frame of every event message"),
+    "events_buffer": (int, 10000, "event batches kept for replay"),
 }
 DEVICE_TIERS = ("daemon", "engine")
 DEFAULT_ENGINE_HOST_BYTES = 1 << 30
@@ -117,6 +130,10 @@ class DaemonSettings:
     l3_settings: dict[str, Any] = dataclasses.field(default_factory=dict)  # as given (--l3-*)
     metrics_port: int = 0  # Prometheus /metrics (0: off)
     metrics_host: str = "127.0.0.1"
+    events_endpoint: str | None = None  # KV events PUB (None: off)
+    events_replay_endpoint: str | None = None  # their replay and dump ROUTER (None: off)
+    events_topic: str = ""
+    events_buffer: int = 10000  # batches kept for replay
 
     @property
     def engine_tier(self) -> bool:
@@ -299,6 +316,15 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     port = daemon["metrics_port"]
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
         raise ValueError(f"metrics_port: must be a port number (0: off), got {port!r}")
+    events = {k: daemon[k] for k in ("events_endpoint", "events_replay_endpoint")}
+    for name, value in events.items():
+        if value is not None and not str(value).startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{name}: expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
+    if events["events_replay_endpoint"] is not None and events["events_endpoint"] is None:
+        raise ValueError("events_replay_endpoint: needs events_endpoint")
+    buffer = daemon["events_buffer"]
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
+        raise ValueError(f"events_buffer: must be an integer >= 1, got {buffer!r}")
     host_bytes = daemon["host_bytes"]
     if host_bytes is not None:
         host_bytes = parse_bytes(host_bytes)
@@ -322,4 +348,7 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         l3_settings,
         metrics_port=port,
         metrics_host=str(daemon["metrics_host"]),
+        events_topic=str(daemon["events_topic"]),
+        events_buffer=buffer,
+        **events,
     )

@@ -104,6 +104,7 @@ class TierEvents:
         # pages announced per tier bit (what a consumer that saw every event holds)
         self.announced = {DEVICE: 0, HOST: 0}
         self._seeds: dict[object, int] = {}  # namespace -> seed
+        self._flushed = False  # a flush happened since the last take()
 
     def touch(self, node: TreeNode) -> None:
         """``node``'s residency may have changed (called by the tree and the cache)."""
@@ -132,7 +133,14 @@ class TierEvents:
 
     # ---- events -----------------------------------------------------------------------------
     def take(self) -> list[Event]:
-        """The events that bring a consumer from the last take() to the cache's state now."""
+        """The events that bring a consumer from the last take() to the cache's state now.
+        After a flush that left nothing announced, they end with AllBlocksCleared."""
+        if self._flushed:
+            self._flushed = False
+            events = self.take()
+            if not any(self.announced.values()):
+                events.append(AllBlocksCleared())
+            return events
         if not self.dirty:
             return []
         changes = []
@@ -167,12 +175,9 @@ class TierEvents:
             medium,
         )
 
-    def flushed(self) -> list[Event]:
-        """take(), ended by AllBlocksCleared when no page is announced any more (a flush)."""
-        events = self.take()
-        if not any(self.announced.values()):
-            events.append(AllBlocksCleared())
-        return events
+    def flushed(self) -> None:
+        """A flush was asked for (the next take() says AllBlocksCleared if nothing is left)."""
+        self._flushed = True
 
     def dump(self, nodes: Iterable[TreeNode]) -> list[Event]:
         """BlockStored for every announced page of ``nodes`` (the tree's, parents first): what
