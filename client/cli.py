@@ -1,6 +1,8 @@
 """hicache: command-line client of hicache-daemon.
 
     hicache ping                     is it there (and which life: pid, epoch)
+    hicache health [--live]          readiness probe: exit 0 when ready (--live: when it
+                                     answers at all, draining included), 1 otherwise
     hicache info [SECTION]           Redis-INFO style sections (`# Section`, `key:value` lines,
                                      `_human` twins for sizes); `hicache stats --json` is the
                                      same facts as one JSON object
@@ -134,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("ping", help="check that the daemon answers")
+    health = sub.add_parser(
+        "health", help="readiness (exit 0 when ready, 1 when draining or not answering)"
+    )
+    health.add_argument("--live", action="store_true", help="liveness: exit 0 if it answers")
+    health.add_argument("--json", action="store_true", help="as one JSON object")
     info = sub.add_parser("info", help="human-readable stats by section")
     info.add_argument("section", nargs="?", help="one section only (e.g. hits, DevicePool)")
     stats = sub.add_parser("stats", help="all stats")
@@ -164,6 +171,20 @@ def _run(args: argparse.Namespace, conn: Connection) -> int:
         reply, _ = conn.call(Op.PING)
         print(f"PONG pid={reply.fields['pid']} epoch={reply.boot_epoch}")
         return 0
+    if args.command == "health":
+        reply, _ = conn.call(Op.PING)
+        state = reply.fields.get("state", "ready")
+        out = {
+            "status": state,
+            "live": 1,
+            "ready": int(state == "ready"),
+            "pid": reply.fields["pid"],
+        }
+        if args.json:
+            print(json.dumps(out, sort_keys=True))
+        else:
+            print("\n".join(f"{k}:{v}" for k, v in out.items()))
+        return 0 if args.live or state == "ready" else 1
     if args.command in ("evict", "flush"):
         fields = (
             {"device_tokens": args.device_tokens, "host_tokens": args.host_tokens}

@@ -135,6 +135,12 @@ class HiCacheClient:
         return self._link.lost
 
     @property
+    def draining(self) -> bool:
+        """The daemon said (in a heartbeat reply) that it is shutting down: its sessions are
+        served until it exits, new ones are refused (DRAINING)."""
+        return self._link.draining
+
+    @property
     def heard(self) -> float:
         """When the daemon last answered this session (``time.monotonic()``; heartbeats
         included): a session not heard from for a lease may have lapsed."""

@@ -20,6 +20,7 @@ assignments read without it (``lost``, ``heard``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -40,6 +41,8 @@ from hicache.protocol import HEARTBEAT_INTERVAL_S, ErrorCode, Op, Reply
 
 GIVE_BACK_OPS = (Op.MATCH, Op.INSERT, Op.LOCK, Op.ALLOC, Op.ALLOC_EXTEND, Op.ALLOC_DECODE)
 
+log = logging.getLogger("hicache.client")
+
 
 class SessionLink:
     def __init__(self, endpoint: str, name: str, timeout_s: float, admin: bool, beat: bool):
@@ -53,6 +56,7 @@ class SessionLink:
         self._owed: list[tuple[Op, dict, list]] = []  # give-backs for late replies
         self._pid = os.getpid()
         self.generation = 0  # +1 per (re)connect: Matches of an older one are void
+        self.draining = False  # the daemon said it is shutting down (heartbeat replies)
         self._beat_wanted = beat
         self._beat: threading.Thread | None = None
         self._stop_beat = threading.Event()
@@ -266,8 +270,11 @@ def _heartbeat(link: SessionLink, stop: threading.Event, generation: int) -> Non
     try:
         while not stop.wait(interval) and link.lost is None:
             try:
-                conn.call(Op.HEARTBEAT)
+                reply, _ = conn.call(Op.HEARTBEAT)
                 link.heard = time.monotonic()
+                if reply.fields.get("draining") and not link.draining:
+                    link.draining = True
+                    log.warning("hicache-daemon at %s is shutting down", link.endpoint)
             except (EpochChanged, LeaseLost) as exc:
                 link._lose(exc, generation)
             except DaemonError as exc:

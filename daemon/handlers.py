@@ -113,6 +113,7 @@ class Handlers(CacheOpsMixin):
         self.admin_token = admin_token  # what an admin hello must show (None: no admins)
         self.started = self.clock()
         self.housekeep_errors = 0  # exceptions caught in housekeeping (each one is a bug)
+        self.draining = False  # shutting down: hello is refused, heartbeats say so
         self.may_wait = False  # the request being handled may wait for the third tier
         self.requests = RequestStats()  # latency per op, errors by code (metrics)
         self.op = "unknown"  # the op of the request being handled
@@ -266,6 +267,12 @@ class Handlers(CacheOpsMixin):
                     "an admin session must show the daemon's admin token (the file "
                     "hicache.endpoints.admin_token_path(endpoint) names, readable by its user)",
                 )
+        if self.draining:
+            raise ProtocolError(
+                ErrorCode.DRAINING,
+                "the daemon is shutting down (draining): no new sessions; connect to the one "
+                "that replaces it",
+            )
         session = self.sessions.open(client, pid, self.clock(), admin)
         return {
             "session": session.key,  # what requests name the session by (secret)
@@ -277,7 +284,7 @@ class Handlers(CacheOpsMixin):
         }, []
 
     def heartbeat(self, session: Session, fields: dict, frames: Frames) -> Result:
-        return {}, []
+        return ({"draining": True} if self.draining else {}), []
 
     def _goodbye(self, req: Any) -> bytes:
         """End the session now (live or in quarantine); a stale epoch is refused first."""
@@ -289,7 +296,8 @@ class Handlers(CacheOpsMixin):
         return self._reply(ErrorCode.OK, req.request_id, {})
 
     def ping(self, _: Session | None, fields: dict, frames: Frames) -> Result:
-        return {"pong": True, "pid": os.getpid()}, []
+        state = "draining" if self.draining else "ready"
+        return {"pong": True, "pid": os.getpid(), "state": state}, []
 
     def register(self, session: Session, fields: dict, frames: Frames) -> Result:
         """An engine that owns its device tier names its KV layout (engine_tier.py): the first

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 
+from hicache.daemon.logs import setup_logging
 from hicache.daemon.settings import build_parser, resolve
 
 
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(json.dumps(settings.as_dict(), indent=2))
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup_logging(args.log_json, args.log_level)
     from hicache.daemon.server import EndpointError, run  # zmq and the pools only when serving
     from hicache.errors import InsufficientMemoryError
 

@@ -11,10 +11,15 @@ tiers as a label; ratios are left to PromQL (``rate(hit) / rate(query)``).
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from hicache.daemon.request_stats import BUCKETS
+
+LIVE_S = 10.0  # /healthz fails when the control loop has not gone round for this long
 
 # (name, help, stats key) of plain counters
 COUNTERS = [
@@ -119,24 +124,83 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
 
 
 class MetricsServer:
-    """The /metrics endpoint over the latest published snapshot."""
+    """The HTTP endpoint of ``--metrics-port``: ``/metrics`` over the latest published snapshot,
+    ``/healthz`` (liveness: the control loop went round within LIVE_S) and ``/readyz``
+    (readiness: live, and not draining). Its thread reads only what the loop published."""
 
     def __init__(self, host: str, port: int):
-        from prometheus_client import CollectorRegistry, start_http_server
-
         self.latest: dict[str, Any] = {}  # replaced whole by publish (atomic for readers)
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(self)
-        self.server, self.thread = start_http_server(port, addr=host, registry=registry)
+        self.beat_at = time.monotonic()  # the control loop's last round (set by beat())
+        self.draining = False
+        self._registry = None
+        try:
+            from prometheus_client import CollectorRegistry
+        except ImportError:  # health still works; /metrics says what is missing
+            pass
+        else:
+            self._registry = CollectorRegistry(auto_describe=False)
+            self._registry.register(self)
+        self.server = ThreadingHTTPServer((host, port), _handler(self))
+        self.server.daemon_threads = True
         self.port = self.server.server_port
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, name="hicache-metrics", daemon=True
+        )
+        self.thread.start()
 
     def publish(self, stats: dict[str, Any]) -> None:
         self.latest = stats
 
+    def beat(self, draining: bool = False) -> None:
+        """The control loop is alive (called every housekeeping pass)."""
+        self.beat_at, self.draining = time.monotonic(), draining
+
+    def health(self, path: str) -> tuple[int, str]:
+        age = time.monotonic() - self.beat_at
+        if age > LIVE_S:
+            return 503, f"not live: the control loop last went round {age:.1f} s ago\n"
+        if path == "/readyz" and self.draining:
+            return 503, "not ready: draining (shutting down)\n"
+        return 200, "ok\n"
+
     def collect(self) -> Iterator[Any]:
         yield from families(self.latest)
+
+    def render(self) -> tuple[int, bytes, str]:
+        if self._registry is None:
+            return (
+                501,
+                b"pip install prometheus-client (hicache[metrics]) for /metrics\n",
+                "text/plain",
+            )
+        from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+        return 200, generate_latest(self._registry), CONTENT_TYPE_LATEST
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
         self.thread.join(5)
+
+
+def _handler(owner: MetricsServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                code, body, kind = owner.render()
+            elif path in ("/healthz", "/livez", "/readyz"):
+                code, text = owner.health(path)
+                body, kind = text.encode(), "text/plain; charset=utf-8"
+            else:
+                code, body, kind = 404, b"/metrics, /healthz, /readyz\n", "text/plain"
+            self.send_response(code)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:  # scrapes are not events worth a line
+            pass
+
+    return Handler

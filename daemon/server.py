@@ -66,6 +66,8 @@ class Daemon:
     def __init__(self, settings: DaemonSettings):
         self.settings = settings
         self.stopping = False
+        self.draining = False  # SIGTERM: finishing up before stopping (see stop())
+        self.drain_deadline = 0.0
         self.replies_dropped = 0  # replies a peer's full pipe refused (it does not read)
         # what close() undoes, in its order; set as each is made, so a failed start undoes
         # exactly what it made
@@ -261,9 +263,13 @@ class Daemon:
                 if self.events is not None:
                     self._publish_events()
                 next_housekeep = time.monotonic() + HOUSEKEEP_S
-                if self.metrics is not None and next_housekeep >= next_metrics:
-                    self.metrics.publish(self._snapshot())
-                    next_metrics = next_housekeep + METRICS_EVERY_S
+                if self.metrics is not None:
+                    self.metrics.beat(self.draining)
+                    if next_housekeep >= next_metrics:
+                        self.metrics.publish(self._snapshot())
+                        next_metrics = next_housekeep + METRICS_EVERY_S
+                if self.draining and self._drained():
+                    return
 
     def _resume(self) -> None:
         """Answer matches that waited for the third tier and may go on now."""
@@ -320,7 +326,37 @@ class Daemon:
             _send(sock, frame, flags, len(frame) < COPY_BELOW)
 
     def stop(self, *_: object) -> None:
+        """Stop at once (a signal handler's target when there is no drain)."""
         self.stopping = True
+
+    def drain(self, *_: object) -> None:
+        """SIGTERM: go not-ready, refuse new sessions (DRAINING), tell sessions in heartbeat
+        replies, serve on until no live session holds pages or locks and no copy is in flight,
+        or ``shutdown_timeout`` passes; then serve() returns and close() finishes copies. A
+        second SIGTERM stops at once."""
+        if self.draining or self.settings.shutdown_timeout <= 0:
+            self.stopping = True
+            return
+        self.draining = self.handlers.draining = True
+        self.drain_deadline = time.monotonic() + self.settings.shutdown_timeout
+        log.info(
+            "draining: new sessions refused, exit within %.1f s", self.settings.shutdown_timeout
+        )
+
+    def _drained(self) -> bool:
+        busy = [s for s in self.handlers.sessions if s.owned or s.locks]
+        copies = 0 if self.cache is None else len(self.cache.records)
+        if not busy and not copies:
+            log.info("drained: no session holds pages or locks, no copy in flight")
+            return True
+        if time.monotonic() >= self.drain_deadline:
+            log.warning(
+                "shutdown timeout: %d sessions still hold pages or locks, %d copies in flight",
+                len(busy),
+                copies,
+            )
+            return True
+        return False
 
     def close(self) -> None:
         """Refuse new work, finish in-flight copies, free the pools, remove the socket.
@@ -360,7 +396,7 @@ class Daemon:
 
 def run(settings: DaemonSettings) -> None:
     daemon = Daemon(settings)
-    signal.signal(signal.SIGTERM, daemon.stop)
+    signal.signal(signal.SIGTERM, daemon.drain)
     signal.signal(signal.SIGINT, daemon.stop)
     print(f"hicache-daemon ready on {settings.endpoint} (pid {os.getpid()})", flush=True)
     if daemon.metrics is not None:

@@ -97,6 +97,13 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
     ),
     "events_topic": (str, "", "the topic frame of every event message"),
     "events_buffer": (int, 10000, "event batches kept for replay"),
+    "shutdown_timeout": (
+        float,
+        10.0,
+        "SIGTERM drains: not ready, no new sessions, in-flight copies finish, and the daemon "
+        "exits once no session holds pages or locks, or after this many seconds (a second "
+        "SIGTERM: at once)",
+    ),
 }
 DEVICE_TIERS = ("daemon", "engine")
 DEFAULT_ENGINE_HOST_BYTES = 1 << 30
@@ -134,6 +141,7 @@ class DaemonSettings:
     events_replay_endpoint: str | None = None  # their replay and dump ROUTER (None: off)
     events_topic: str = ""
     events_buffer: int = 10000  # batches kept for replay
+    shutdown_timeout: float = 10.0  # the longest a SIGTERM drain lasts
 
     @property
     def engine_tier(self) -> bool:
@@ -226,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--config", help="TOML file with any of the settings below")
     ap.add_argument("--print-config", action="store_true", help="print the settings and exit")
+    ap.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    ap.add_argument(
+        "--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="the least severe events logged [default: INFO]",
+    )  # fmt: skip
     comments = config_help()
     model = ap.add_argument_group("cache (HiCacheConfig; defaults are the embedded default)")
     for f in _fields():
@@ -322,6 +335,9 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             raise ValueError(f"{name}: expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
     if events["events_replay_endpoint"] is not None and events["events_endpoint"] is None:
         raise ValueError("events_replay_endpoint: needs events_endpoint")
+    shutdown_timeout = float(daemon["shutdown_timeout"])
+    if not 0 <= shutdown_timeout <= 3600:
+        raise ValueError(f"shutdown_timeout: seconds in [0, 3600], got {shutdown_timeout}")
     buffer = daemon["events_buffer"]
     if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
         raise ValueError(f"events_buffer: must be an integer >= 1, got {buffer!r}")
@@ -350,5 +366,6 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         metrics_host=str(daemon["metrics_host"]),
         events_topic=str(daemon["events_topic"]),
         events_buffer=buffer,
+        shutdown_timeout=shutdown_timeout,
         **events,
     )

@@ -86,6 +86,7 @@ class ErrorCode(IntEnum):
     QUOTA_EXCEEDED = 12  # the session would hold more pages, locks or loads than allowed
     LAYOUT_MISMATCH = 13  # the engine's KV layout differs from the one the daemon serves
     NO_LAYOUT = 14  # a daemon for engine-owned device tiers has no KV layout yet (REGISTER)
+    DRAINING = 15  # the daemon is shutting down: no new sessions (connect to its successor)
 
 
 _OPS = {int(op): op for op in Op}  # a dict lookup: calling an enum class is slow
