@@ -1,62 +1,325 @@
-"""Demo: start hicache-daemon on its embedded default and serve a multi-turn chat trace with a
-real (tiny, random) transformer whose KV lives in the daemon's pools; print hit ratios by tier.
-Then the same trace against a device-only daemon (host tier off) for comparison. Each daemon
-runs on a private socket and is stopped at the end.
+"""Demo: serve one multi-turn chat trace with a real (tiny, random) transformer whose KV lives
+in hicache-daemon's pools, twice: against a device-only daemon (``--host-tokens 0``), then
+against the embedded default with its host tier. Each daemon runs on a private socket and is
+stopped at the end.
+
+While it works, a progress bar per phase goes to stderr. At the end, stdout has a side-by-side
+table (what does not depend on machine load first, wall-clock last), a line about the plot,
+and one JSON object on its last line::
+
+    .venv/bin/python -m scripts.demo | tail -1 | python -m json.tool
+
+With matplotlib installed (optional), hit ratios by tier over the run go to a PNG
+(``--plot PATH``, default ``hicache-demo.png``; ``--no-plot`` skips it).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
 
-from hicache.client import HiCacheClient
-from hicache.daemon.launch import start_daemon, stop_daemon
-from hicache.workload import chat_trace
-from scripts.ref_engine import ReferenceEngine
+DEFAULT_PLOT = "hicache-demo.png"
+WINDOW = 20  # requests in the plot's moving window
 
 
-def serve(endpoint: str, trace) -> dict:  # noqa: ANN001
-    """A real model (a tiny random Llama) computes only what the cache does not hold."""
-    prompt_tokens = device_hits = host_hits = recomputed = 0
-    t_model = 0.0
-    with HiCacheClient(endpoint, name="demo-engine") as hc:
-        engine = ReferenceEngine(hc)
-        for req in trace:
-            served = engine.serve(req.finished)  # prompt + answer, as if just generated
-            n = len(req.prompt)
-            reused = min(served.computed_from, n)
-            prompt_tokens += n
-            device_hits += min(served.device_hit, n)
-            host_hits += min(served.host_hit, n - min(served.device_hit, n))
-            recomputed += n - reused
-            t_model += served.model_s
-        stats = hc.stats(check=True)
+# ---- per-request counts (pure) ----
+@dataclass(frozen=True)
+class RequestCount:
+    """Prompt tokens of one request, and where they came from."""
+
+    prompt: int
+    device: int  # found on the device
+    host: int  # loaded back from the host
+    recomputed: int  # prefilled by the model
+
+
+def count_request(prompt: int, computed_from: int, device_hit: int, host_hit: int) -> RequestCount:
+    """Counts over the prompt only: the engine also serves the answer's tokens (as if just
+    generated), whose hits are not prompt hits."""
+    device = min(device_hit, prompt)
+    return RequestCount(
+        prompt=prompt,
+        device=device,
+        host=min(host_hit, prompt - device),
+        recomputed=prompt - min(computed_from, prompt),
+    )
+
+
+@dataclass
+class RunResult:
+    """One phase of the demo: every request's counts and the daemon's final stats."""
+
+    label: str
+    counts: list[RequestCount] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    model_s: float = 0.0  # seconds in the model's forward passes
+    seconds: float = 0.0  # the whole phase, engine start included
+
+    @property
+    def prompt(self) -> int:
+        return sum(c.prompt for c in self.counts)
+
+    @property
+    def device(self) -> int:
+        return sum(c.device for c in self.counts)
+
+    @property
+    def host(self) -> int:
+        return sum(c.host for c in self.counts)
+
+    @property
+    def recomputed(self) -> int:
+        return sum(c.recomputed for c in self.counts)
+
+    def ratio(self, tokens: int) -> float:
+        return tokens / self.prompt if self.prompt else 0.0
+
+
+def hit_ratio_series(
+    counts: Sequence[RequestCount], window: int | None = None
+) -> dict[str, list[float]]:
+    """Hit ratios after each request, token-weighted: over all requests so far (``window``
+    None) or over the last ``window`` requests. Keys: device, host, total."""
+    out: dict[str, list[float]] = {"device": [], "host": [], "total": []}
+    prompt = device = host = 0
+    for i, c in enumerate(counts):
+        prompt, device, host = prompt + c.prompt, device + c.device, host + c.host
+        if window is not None and i >= window:
+            old = counts[i - window]
+            prompt, device, host = prompt - old.prompt, device - old.device, host - old.host
+        p = max(prompt, 1)
+        out["device"].append(device / p)
+        out["host"].append(host / p)
+        out["total"].append((device + host) / p)
+    return out
+
+
+# ---- progress (pure: a stream and a clock are passed in) ----
+class Progress:
+    """A progress bar: on a terminal one line redrawn with ``\\r``; elsewhere (CI logs, pipes)
+    a plain line each time another tenth of the requests is done, so at most ten lines."""
+
+    WIDTH = 24
+
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.label, self.total = label, max(total, 1)
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = self.stream.isatty() if tty is None else tty
+        self.clock = clock
+        self.start = clock()
+        self._tenths = 0  # tenths of the run already printed (when not a terminal)
+        self._drawn = False
+
+    def line(self, done: int, hit_ratio: float) -> str:
+        filled = self.WIDTH * done // self.total
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        return (
+            f"{self.label:<12} [{bar}] {done:>{len(str(self.total))}}/{self.total} requests  "
+            f"{self.clock() - self.start:6.1f}s  hit ratio {hit_ratio:.3f}"
+        )
+
+    def update(self, done: int, hit_ratio: float) -> None:
+        if self.tty:
+            self.stream.write("\r" + self.line(done, hit_ratio))
+            self._drawn = True
+        else:
+            tenths = 10 * done // self.total
+            if tenths <= self._tenths:
+                return
+            self._tenths = tenths
+            self.stream.write(self.line(done, hit_ratio) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# ---- the report (pure) ----
+def reduction(device_only: RunResult, hicache: RunResult) -> float:
+    """How many times fewer prompt tokens hicache computed."""
+    return device_only.recomputed / max(hicache.recomputed, 1)
+
+
+def render_table(device_only: RunResult, hicache: RunResult) -> str:
+    """The headline, then a plain aligned table: work first (the same on any machine), then
+    wall-clock, which depends on how busy the machine is."""
+    d, h = device_only, hicache
+    red = reduction(d, h)
+
+    def ratio(r: RunResult, tokens: int) -> str:
+        return f"{r.ratio(tokens):.3f}"
+
+    def stat(key: str) -> tuple[str, str]:
+        return f"{d.stats.get(key, 0):,}", f"{h.stats.get(key, 0):,}"
+
+    rows: list[tuple[str, str, str] | str] = [
+        "# work (the same on any machine)",
+        ("prompt tokens", f"{d.prompt:,}", f"{h.prompt:,}"),
+        ("prompt tokens computed", f"{d.recomputed:,}", f"{h.recomputed:,}"),
+        ("hit ratio: device", ratio(d, d.device), ratio(h, h.device)),
+        ("hit ratio: host", ratio(d, d.host), ratio(h, h.host)),
+        ("hit ratio: total", ratio(d, d.device + d.host), ratio(h, h.device + h.host)),
+        ("backups to host (tokens)", *stat("backup_tokens")),
+        ("loads from host (tokens)", *stat("load_tokens")),
+        ("device evictions (tokens)", *stat("evicted_device_tokens")),
+        ("integrity check", str(d.stats.get("integrity", "?")), str(h.stats.get("integrity", "?"))),
+        "# wall-clock (depends on machine load, not only on the cache)",
+        ("model seconds", f"{d.model_s:.1f}", f"{h.model_s:.1f}"),
+        ("phase seconds", f"{d.seconds:.1f}", f"{h.seconds:.1f}"),
+    ]
+    cells = [r for r in rows if isinstance(r, tuple)]
+    head = ("", "device only", "hicache")
+    w0 = max(len(r[0]) for r in [*cells, head])
+    w1 = max(len(r[1]) for r in [*cells, head])
+    w2 = max(len(r[2]) for r in [*cells, head])
+    lines = [
+        f"prompt tokens computed: {d.recomputed:,} vs {h.recomputed:,} ({red:.2f}x fewer)",
+        f"  device only vs hicache, the same {len(h.counts)} requests on the same model",
+        "",
+        f"{head[0]:<{w0}}  {head[1]:>{w1}}  {head[2]:>{w2}}",
+    ]
+    for r in rows:
+        if isinstance(r, str):
+            lines.append(r)
+        else:
+            lines.append(f"{r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]:>{w2}}")
+    return "\n".join(lines)
+
+
+def summary(device_only: RunResult, hicache: RunResult, plot: str | None) -> dict:
+    """The last line of stdout, for scripts."""
+    d, h = device_only, hicache
     return {
-        "prompt": prompt_tokens,
-        "device": device_hits,
-        "host": host_hits,
-        "recomputed": recomputed,
-        "stats": stats,
-        "model_s": t_model,
+        "requests": len(h.counts),
+        "prompt_tokens": h.prompt,
+        "recomputed_device_only": d.recomputed,
+        "recomputed_hicache": h.recomputed,
+        "recompute_reduction": round(reduction(d, h), 2),
+        "hit_ratio_device": round(h.ratio(h.device), 3),
+        "hit_ratio_host": round(h.ratio(h.host), 3),
+        "hit_ratio_device_only": round(d.ratio(d.device), 3),
+        "model_seconds_device_only": round(d.model_s, 1),
+        "model_seconds_hicache": round(h.model_s, 1),
+        "integrity": {"device_only": d.stats.get("integrity"), "hicache": h.stats.get("integrity")},
+        "plot": plot,
     }
 
 
-def report(label: str, r: dict, seconds: float) -> None:
-    s = r["stats"]
-    print(f"# {label}")
-    print(f"prompt_tokens:{r['prompt']}")
-    print(f"hit_ratio_device:{r['device'] / r['prompt']:.3f}")
-    print(f"hit_ratio_host:{r['host'] / r['prompt']:.3f}")
-    print(f"recomputed_tokens:{r['recomputed']}")
-    print(
-        f"backup_tokens:{s['backup_tokens']} load_tokens:{s['load_tokens']} "
-        f"evicted_device_tokens:{s['evicted_device_tokens']}"
+def plot_hit_ratios(
+    device_only: RunResult, hicache: RunResult, path: str, window: int = WINDOW
+) -> None:
+    """A PNG of hit ratios over the run, over a moving window of requests (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = hit_ratio_series(hicache.counts, window)
+    d = hit_ratio_series(device_only.counts, window)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    try:
+        x = range(1, len(hicache.counts) + 1)
+        ax.plot(x, h["total"], label="hicache: device + host", color="C0", linewidth=2)
+        ax.plot(x, h["device"], label="hicache: device", color="C1")
+        ax.plot(x, h["host"], label="hicache: host", color="C2")
+        xd = range(1, len(device_only.counts) + 1)
+        ax.plot(xd, d["device"], label="device only: device", color="C3", linestyle="--")
+        ax.set_xlabel("request")
+        ax.set_ylabel(f"hit ratio (prompt tokens, last {window} requests)")
+        ax.set_ylim(0, 1)
+        ax.set_title("hicache demo: hit ratio by tier")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2, frameon=False)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---- running it ----
+def serve(endpoint: str, trace: Sequence, result: RunResult, progress: Progress) -> None:
+    """A real model (a tiny random Llama) computes only what the cache does not hold."""
+    from hicache.client import HiCacheClient
+    from scripts.ref_engine import ReferenceEngine
+
+    prompt = hits = 0
+    try:
+        with HiCacheClient(endpoint, name="demo-engine") as hc:
+            engine = ReferenceEngine(hc)
+            progress.update(0, 0.0)
+            for i, req in enumerate(trace):
+                served = engine.serve(req.finished)  # prompt + answer, as if just generated
+                c = count_request(
+                    len(req.prompt), served.computed_from, served.device_hit, served.host_hit
+                )
+                result.counts.append(c)
+                result.model_s += served.model_s
+                prompt, hits = prompt + c.prompt, hits + c.device + c.host
+                progress.update(i + 1, hits / max(prompt, 1))
+            result.stats = hc.stats(check=True)
+    finally:
+        progress.close()  # an error then starts on a line of its own
+
+
+def run_phase(tmp: str, label: str, flags: Sequence[str], trace: Sequence) -> RunResult:
+    from hicache.daemon.launch import start_daemon, stop_daemon
+
+    print(f"{label}: starting hicache-daemon {' '.join(flags)}".rstrip(), file=sys.stderr)
+    result = RunResult(label)
+    t0 = time.perf_counter()
+    endpoint = f"ipc://{os.path.join(tmp, 'demo.sock')}"
+    proc = start_daemon(endpoint, *flags)
+    try:
+        serve(endpoint, trace, result, Progress(label, len(trace)))
+    finally:
+        stop_daemon(proc)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.demo",
+        description="Serve a chat trace with a tiny model whose KV lives in hicache-daemon, "
+        "device-only and then with the host tier; compare.",
     )
-    print(f"model_seconds:{r['model_s']:.1f} integrity:{s['integrity']} seconds:{seconds:.1f}\n")
+    p.add_argument(
+        "--plot",
+        default=DEFAULT_PLOT,
+        metavar="PATH",
+        help=f"PNG of hit ratios by tier (needs matplotlib; default {DEFAULT_PLOT})",
+    )
+    p.add_argument("--no-plot", action="store_true", help="do not write the PNG")
+    return p.parse_args(argv)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    from hicache.workload import chat_trace
+
     # 24 conversations of 4 turns over 2 system prompts: a working set (~30k tokens) larger
     # than the embedded default's device pool (16k tokens), so the host tier matters.
     trace = chat_trace(
@@ -70,24 +333,22 @@ def main() -> None:
         vocab=512,
     )
     with tempfile.TemporaryDirectory(prefix="hicache-demo-") as tmp:
-        results = {}
-        for label, flags in (
-            ("hicache (embedded default: write_through, host 4x device)", ()),
-            ("device only (--host-tokens 0)", ("--host-tokens", "0")),
-        ):
-            endpoint = f"ipc://{os.path.join(tmp, 'demo.sock')}"
-            proc = start_daemon(endpoint, *flags)
-            try:
-                t0 = time.perf_counter()
-                results[label] = serve(endpoint, trace)
-                report(label, results[label], time.perf_counter() - t0)
-            finally:
-                stop_daemon(proc)
-        on, off = (r["recomputed"] for r in results.values())
-        print(
-            f"recompute_reduction:{off / max(on, 1):.2f}x fewer prompt tokens prefilled "
-            "with the host tier"
-        )
+        device_only = run_phase(tmp, "device only", ("--host-tokens", "0"), trace)
+        hicache = run_phase(tmp, "hicache", (), trace)  # embedded default: host 4x device
+
+    print()
+    print(render_table(device_only, hicache))
+    print()
+    plot = None
+    if args.no_plot:
+        print("plot: skipped (--no-plot)")
+    elif not have_matplotlib():
+        print("plot: skipped, matplotlib is not installed (pip install matplotlib)")
+    else:
+        plot_hit_ratios(device_only, hicache, args.plot)
+        plot = os.path.abspath(args.plot)
+        print(f"plot: {plot} (hit ratios by tier over the last {WINDOW} requests)")
+    print(json.dumps(summary(device_only, hicache, plot)), flush=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "setup: install ${need[*]} for the L3 tests (they are skipped without them)" >&2
   fi
 fi
-pip install -e '.[test,l3,metrics]' 2>&1 | grep -v "^WARNING: Location" || true
+pip install -e '.[test,l3,metrics,plot]' 2>&1 | grep -v "^WARNING: Location" || true
 # vLLM for the connector's tests (the CPU build without a GPU). Its torchvision, torchaudio and
 # torchcodec do not load with this torch and vLLM does not need them: removed.
 if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
