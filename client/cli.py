@@ -6,7 +6,11 @@
     hicache info [SECTION]           Redis-INFO style sections (`# Section`, `key:value` lines,
                                      `_human` twins for sizes); `hicache stats --json` is the
                                      same facts as one JSON object
-    hicache tree [--max-nodes N]     a bounded dump of the tree
+    hicache top [-n COUNT]           a live view, refreshed every second (--json: one object
+                                     per sample, with the interval's rates)
+    hicache stats [--watch S]        every stat (--watch: again every S seconds)
+    hicache tree [--top N]           per namespace: size, tiers and the heaviest shared
+                                     prefixes (--nodes: the first --max-nodes nodes instead)
     hicache evict --device-tokens N  admin: evict unlocked tokens (also --host-tokens)
     hicache flush                    admin: evict every unlocked token from both tiers
 
@@ -16,12 +20,14 @@ Imports no torch: a call costs a round trip, not seconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 
 from hicache import __version__
 from hicache.client.connection import Connection, DaemonError, DaemonTimeout, hello_fields
+from hicache.client.top import render_shape, watch
 from hicache.endpoints import env_endpoint
 from hicache.protocol import Op
 
@@ -145,7 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("section", nargs="?", help="one section only (e.g. hits, DevicePool)")
     stats = sub.add_parser("stats", help="all stats")
     stats.add_argument("--json", action="store_true", help="as one JSON object")
-    tree = sub.add_parser("tree", help="a bounded dump of the tree's nodes")
+    stats.add_argument("--watch", type=float, metavar="S", help="print again every S seconds")
+    stats.add_argument("-n", "--count", type=int, help="with --watch: this many times")
+    top = sub.add_parser("top", help="live view: hit ratios, tiers, transfers, sessions")
+    top.add_argument("-i", "--interval", type=float, default=1.0, help="seconds between samples")
+    top.add_argument("-n", "--count", type=int, help="samples to show (default: until ^C)")
+    top.add_argument("--json", action="store_true", help="one JSON object per sample")
+    tree = sub.add_parser("tree", help="the tree's shape: heaviest shared prefixes per namespace")
+    tree.add_argument("--top", type=int, default=10, help="prefixes per namespace")
+    tree.add_argument("--nodes", action="store_true", help="list nodes instead (--max-nodes)")
     tree.add_argument("--max-nodes", type=int, default=100)
     tree.add_argument("--json", action="store_true", help="as one JSON object")
     evict = sub.add_parser("evict", help="admin: evict unlocked tokens")
@@ -194,6 +208,10 @@ def _run(args: argparse.Namespace, conn: Connection) -> int:
         out = _in_session(conn, Op.EVICT if args.command == "evict" else Op.FLUSH, fields)
         print("\n".join(f"{k}:{v}" for k, v in out.items()))
         return 0
+    if args.command == "tree" and not args.nodes:
+        out = _in_session(conn, Op.TREE, {"shape": True, "top": args.top})
+        print(json.dumps(out, sort_keys=True) if args.json else render_shape(out))
+        return 0
     if args.command == "tree":
         out = _in_session(conn, Op.TREE, {"max_nodes": args.max_nodes})
         if args.json:
@@ -205,6 +223,18 @@ def _run(args: argparse.Namespace, conn: Connection) -> int:
             print(
                 f"node_{n['id']}:parent={n['parent']},tokens={n['tokens']},at={where},"
                 f"lock_ref={n['lock_ref']},hits={n['hits']},io={n['io']}"
+            )
+        return 0
+    if args.command == "top" or (args.command == "stats" and args.watch):
+        interval = args.interval if args.command == "top" else args.watch
+        with contextlib.suppress(KeyboardInterrupt):
+            watch(
+                lambda: conn.call(Op.STATS)[0].fields,
+                interval,
+                args.count,
+                as_json=args.json,
+                screen=sys.stdout.isatty(),
+                stats_only=args.command == "stats",
             )
         return 0
     data = conn.call(Op.STATS)[0].fields

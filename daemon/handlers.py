@@ -43,6 +43,7 @@ from hicache.protocol import (
     decode_request,
     encode_reply,
 )
+from hicache.tree_view import tree_shape
 
 log = logging.getLogger("hicache.daemon")
 Frames = list[Any]
@@ -424,6 +425,11 @@ class Handlers(CacheOpsMixin):
                 raise IntegrityError(f"{node}: sessions hold {count} locks the cache does not")
 
     def tree(self, session: Session, fields: dict, frames: Frames) -> Result:
+        """The tree's shape (``shape``: per namespace, the ``top`` heaviest shared prefixes),
+        or its first ``max_nodes`` nodes."""
+        if self._bool(fields, "shape", False):
+            top = self._int(fields, "top", 1, 1000) if "top" in fields else 10
+            return tree_shape(self.cache, top), []
         limit = self._int(fields, "max_nodes", 1, 100_000) if "max_nodes" in fields else 1000
         nodes = []
         for node in self.cache.tree.iter_nodes():

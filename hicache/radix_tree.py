@@ -63,6 +63,10 @@ class RadixTree:
     def roots(self) -> list[TreeNode]:
         return list(self._roots.values())
 
+    def roots(self) -> list[tuple[Namespace, TreeNode]]:
+        """(namespace, root) of every namespace that holds nodes (and the default one)."""
+        return list(self._roots.items())
+
     def in_tree(self, node: TreeNode) -> bool:
         """Whether ``node`` is a live non-root node of this tree."""
         return node.parent is not None and self._roots.get(node.namespace) is not None

@@ -1,0 +1,193 @@
+"""`hicache top` and `hicache stats --watch`: the daemon's stats, once per interval.
+
+``Rates.between(before, after, seconds)`` turns two stats snapshots into what moved in between
+(hit ratios per tier over the interval, tokens per second); ``render_top`` lays out one
+screen of plain text (no curses: readable in any terminal, a pipe or a log). Pure functions
+over stats dicts, so a test renders a screen without a daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TextIO
+
+CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen (only on a terminal)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What moved between two snapshots (ratios over the interval; None: nothing asked)."""
+
+    seconds: float  # length of the interval
+    queried_tokens_per_s: float
+    hit_ratio_device: float | None  # device hits / tokens queried in the interval
+    hit_ratio_host: float | None
+    hit_ratio: float | None  # either tier
+    backup_tokens_per_s: float
+    load_tokens_per_s: float
+    evicted_device_tokens_per_s: float
+    evicted_host_tokens_per_s: float
+    l3_read_bytes_per_s: float
+    l3_written_bytes_per_s: float
+
+    @staticmethod
+    def between(before: dict, after: dict, seconds: float) -> Rates:
+        def delta(key: str, section: str | None = None) -> float:
+            a = after.get(section, {}) if section else after
+            b = before.get(section, {}) if section else before
+            return max(0, (a or {}).get(key, 0) - (b or {}).get(key, 0))
+
+        dt = max(seconds, 1e-9)
+        dev, host = delta("hit_device_tokens"), delta("hit_host_tokens")
+        asked = dev + host + delta("miss_tokens")
+        return Rates(
+            seconds=seconds,
+            queried_tokens_per_s=asked / dt,
+            hit_ratio_device=dev / asked if asked else None,
+            hit_ratio_host=host / asked if asked else None,
+            hit_ratio=(dev + host) / asked if asked else None,
+            backup_tokens_per_s=delta("backup_tokens") / dt,
+            load_tokens_per_s=delta("load_tokens") / dt,
+            evicted_device_tokens_per_s=delta("evicted_device_tokens") / dt,
+            evicted_host_tokens_per_s=delta("evicted_host_tokens") / dt,
+            l3_read_bytes_per_s=delta("read_bytes", "l3") / dt,
+            l3_written_bytes_per_s=delta("written_bytes", "l3") / dt,
+        )
+
+
+def _ratio(value: float | None) -> str:
+    return "    -" if value is None else f"{value:5.3f}"
+
+
+def _overall(stats: dict, key: str) -> float | None:
+    asked = sum(stats.get(k, 0) for k in ("hit_device_tokens", "hit_host_tokens", "miss_tokens"))
+    if not asked:
+        return None
+    if key == "all":
+        return (stats.get("hit_device_tokens", 0) + stats.get("hit_host_tokens", 0)) / asked
+    return stats.get(key, 0) / asked
+
+
+def _tokens(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}B"
+
+
+def render_top(stats: dict, rates: Rates | None) -> str:
+    """One screen: hit ratios (last interval and overall), tiers, transfers, sessions."""
+    r = rates
+    lines = [
+        f"hicache top - pid {stats.get('pid', '?')}, up {stats.get('uptime_s', 0):.0f} s, "
+        f"{stats.get('sessions', 0)} sessions ({stats.get('sessions_quarantined', 0)} "
+        f"quarantined), "
+        + (f"interval {r.seconds:.1f} s" if r else "first sample: rates next time"),
+        "",
+        "hit ratio        interval  overall",
+        f"  device           {_ratio(r and r.hit_ratio_device)}    "
+        f"{_ratio(_overall(stats, 'hit_device_tokens'))}",
+        f"  host             {_ratio(r and r.hit_ratio_host)}    "
+        f"{_ratio(_overall(stats, 'hit_host_tokens'))}",
+        f"  either           {_ratio(r and r.hit_ratio)}    {_ratio(_overall(stats, 'all'))}",
+        f"  queried tokens/s {_tokens(r.queried_tokens_per_s) if r else '-':>8}",
+        "",
+        "tier       cached  capacity  used  protected  evicted/s",
+    ]
+    for tier in ("device", "host"):
+        cap = stats.get(f"{tier}_capacity_tokens", 0)
+        cached = stats.get(f"{tier}_cached_tokens", 0)
+        used = (cap - stats.get(f"{tier}_free_tokens", cap)) / cap if cap else 0.0
+        protected = stats.get("device_protected_tokens", 0) if tier == "device" else 0
+        evicted = getattr(r, f"evicted_{tier}_tokens_per_s") if r else 0.0
+        lines.append(
+            f"  {tier:<7}{_tokens(cached):>8}{_tokens(cap):>10}{used:6.0%}"
+            f"{_tokens(protected):>11}{_tokens(evicted):>11}"
+        )
+    lines += [
+        "",
+        f"transfers in flight {stats.get('inflight_transfers', 0)}   "
+        f"backup {_tokens(r.backup_tokens_per_s) if r else '-'} tok/s   "
+        f"load {_tokens(r.load_tokens_per_s) if r else '-'} tok/s",
+    ]
+    l3 = stats.get("l3")
+    if l3:
+        lines.append(
+            f"l3 {l3.get('breaker', '?')}   read {_bytes(r.l3_read_bytes_per_s) if r else '-'}/s   "
+            f"written {_bytes(r.l3_written_bytes_per_s) if r else '-'}/s   "
+            f"queued {l3.get('queued_pages', 0)} pages"
+        )
+    sessions = stats.get("session_list", [])
+    if sessions:
+        lines += ["", "session  client                 owned  locks  hit ratio"]
+        for s in sessions[:10]:
+            lines.append(
+                f"  {s['id']:<6} {str(s['client'])[:20]:<20} {s['owned_pages']:>7} "
+                f"{s['locks']:>6}  {_ratio(_share(s))}"
+            )
+    return "\n".join(lines)
+
+
+def _share(session: dict) -> float | None:
+    asked = session.get("queried_tokens", 0)
+    return session.get("hit_tokens", 0) / asked if asked else None
+
+
+def watch(
+    fetch: Callable[[], dict],
+    interval: float,
+    count: int | None,
+    out: TextIO = sys.stdout,
+    as_json: bool = False,
+    screen: bool = True,
+    stats_only: bool = False,
+) -> None:
+    """Print a sample every ``interval`` seconds, ``count`` times (None: until interrupted).
+    ``stats_only``: the raw stats (`stats --watch`); else the top screen (its rates from the
+    previous sample). ``screen``: clear the terminal before each (top on a terminal)."""
+    before, t_before, n = None, 0.0, 0
+    while count is None or n < count:
+        if n:
+            time.sleep(interval)
+        stats, now = fetch(), time.monotonic()
+        rates = None if before is None else Rates.between(before, stats, now - t_before)
+        if stats_only:
+            text = json.dumps(stats, sort_keys=True, indent=None if as_json else 2)
+        elif as_json:
+            text = json.dumps({"stats": stats, "rates": rates and asdict(rates)}, sort_keys=True)
+        else:
+            text = (CLEAR if screen else "") + render_top(stats, rates)
+        print(text, file=out, flush=True)
+        before, t_before, n = stats, now, n + 1
+
+
+def render_shape(shape: dict) -> str:
+    """`hicache tree`: per namespace its size, then its heaviest shared prefixes."""
+    lines = [f"# Tree\nnodes:{shape['nodes']}\ntokens:{shape['tokens']}"]
+    for ns in shape["namespaces"]:
+        lines.append(
+            f"\n# Namespace {ns['namespace']}\nnodes:{ns['nodes']}\ntokens:{ns['tokens']}\n"
+            f"device_tokens:{ns['device_tokens']}\nhost_tokens:{ns['host_tokens']}\n"
+            f"hits:{ns['hits']}"
+        )
+        lines.append("prefix_len  below_tokens  branches  hits  tiers  first tokens")
+        for p in ns["prefixes"]:
+            head = " ".join(str(t) for t in p["head"])
+            lines.append(
+                f"{p['prefix_tokens']:>10}  {p['subtree_tokens']:>12}  {p['branches']:>8}  "
+                f"{p['hits']:>4}  {p['tiers']:<5}  {head} ..."
+            )
+    if shape.get("truncated"):
+        lines.append(f"\n(top {shape['top']} prefixes per namespace; --top for more)")
+    return "\n".join(lines)
