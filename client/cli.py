@@ -9,6 +9,8 @@
     hicache top [-n COUNT]           a live view, refreshed every second (--json: one object
                                      per sample, with the interval's rates)
     hicache stats [--watch S]        every stat (--watch: again every S seconds)
+    hicache capacity [--plot F.png]  estimated hit ratios at 0.25x-8x of today's tier sizes
+                                     and what to buy (SHARDS sampling of the daemon's traffic)
     hicache tree [--top N]           per namespace: size, tiers and the heaviest shared
                                      prefixes (--nodes: the first --max-nodes nodes instead)
     hicache evict --device-tokens N  admin: evict unlocked tokens (also --host-tokens)
@@ -26,6 +28,7 @@ import os
 import sys
 
 from hicache import __version__
+from hicache.client.capacity_view import plot_capacity, render_capacity
 from hicache.client.connection import Connection, DaemonError, DaemonTimeout, hello_fields
 from hicache.client.top import render_shape, watch
 from hicache.endpoints import env_endpoint
@@ -157,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("-i", "--interval", type=float, default=1.0, help="seconds between samples")
     top.add_argument("-n", "--count", type=int, help="samples to show (default: until ^C)")
     top.add_argument("--json", action="store_true", help="one JSON object per sample")
+    cap = sub.add_parser("capacity", help="hit ratio against tier size, and a recommendation")
+    cap.add_argument("--json", action="store_true", help="as one JSON object")
+    cap.add_argument("--plot", metavar="FILE", help="draw the curve to a PNG (matplotlib)")
     tree = sub.add_parser("tree", help="the tree's shape: heaviest shared prefixes per namespace")
     tree.add_argument("--top", type=int, default=10, help="prefixes per namespace")
     tree.add_argument("--nodes", action="store_true", help="list nodes instead (--max-nodes)")
@@ -207,6 +213,13 @@ def _run(args: argparse.Namespace, conn: Connection) -> int:
         )
         out = _in_session(conn, Op.EVICT if args.command == "evict" else Op.FLUSH, fields)
         print("\n".join(f"{k}:{v}" for k, v in out.items()))
+        return 0
+    if args.command == "capacity":
+        out = _in_session(conn, Op.CAPACITY, {})
+        print(json.dumps(out, sort_keys=True) if args.json else render_capacity(out))
+        if args.plot:
+            plot_capacity(out, args.plot)
+            print(f"plot: {args.plot}", file=sys.stderr)
         return 0
     if args.command == "tree" and not args.nodes:
         out = _in_session(conn, Op.TREE, {"shape": True, "top": args.top})

@@ -117,7 +117,7 @@ class CacheOpsMixin:
             self.limits.check_locks(session, len(batch))
         if self.cache.l3 is not None:
             self._prefetch(batch, spaces, self._bool(fields, "l3_wait", True))
-        match_key = self.cache.match_key
+        match_key, feed = self.cache.match_key, self.capacity
         results, state = [], ([], {})
         try:
             for tokens, space in zip(batch, spaces, strict=True):
@@ -126,6 +126,8 @@ class CacheOpsMixin:
                     m = self._landed(tokens, space, m)
                 results.append(self._result(session, m, lock, state))
                 session.hit_tokens += m.device_hit_length + m.host_hit_length
+                if feed is not None:
+                    feed.saw(True, tokens, space)
             session.queried_tokens += sum(map(len, batch)) >> 2  # keys are int32 bytes
         except BaseException:
             self._undo_locks(session, results)  # a failed request holds nothing
@@ -266,6 +268,8 @@ class CacheOpsMixin:
         mine = pages[state[pages] == OWNED] if len(pages) else pages
         session.check_owned(mine.tolist())  # never another session's pages
         prefix_len = self.cache.insert(seq, slots, namespace=space)
+        if self.capacity is not None:
+            self.capacity.saw(False, seq, space)
         # what is no longer OWNED joined the tree or was freed as a duplicate
         session.owned.difference_update(mine[state[mine] != OWNED].tolist())
         return prefix_len

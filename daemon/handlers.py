@@ -26,6 +26,7 @@ from hicache import __version__
 from hicache.allocator import OWNED
 from hicache.cache import HiRadixCache
 from hicache.daemon.cache_ops import CacheOpsMixin
+from hicache.daemon.capacity_feed import CapacityFeed
 from hicache.daemon.engine_tier import EngineTier, no_layout
 from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import SessionLimits
@@ -102,6 +103,8 @@ class Handlers(CacheOpsMixin):
         engine_tier: EngineTier | None = None,
     ):
         self.cache = cache  # None until an engine registers its layout (device_tier=engine)
+        # the hit-ratio-against-capacity estimate (fed by matches and inserts)
+        self.capacity = None if cache is None else CapacityFeed.for_cache(cache)
         self.engine_tier = engine_tier  # device_tier=engine: the layout engines register
         self.sessions = sessions
         self.boot_epoch = boot_epoch
@@ -123,6 +126,7 @@ class Handlers(CacheOpsMixin):
             Op.HELLO: self.hello,
             Op.HEARTBEAT: self.heartbeat,
             Op.MATCH: self.match,
+            Op.CAPACITY: self.capacity_report,
             Op.LOAD_BACK: self.load_back,
             Op.ALLOC: self.alloc,
             Op.ALLOC_EXTEND: self.alloc_extend,
@@ -219,6 +223,8 @@ class Handlers(CacheOpsMixin):
                 if self.cache.l3 is not None:  # (never inside a cache operation: it may evict)
                     self.cache.l3.poll()
             ended = self.sessions.expire(self.clock())
+            if self.capacity is not None:
+                self.capacity.run()
         except Exception:
             self.housekeep_errors += 1
             log.exception("housekeeping failed")
@@ -308,6 +314,7 @@ class Handlers(CacheOpsMixin):
         layout, made = self.engine_tier.register(fields.get("layout"))
         if made is not None:
             self.cache, self.limits = made.cache, made.limits
+            self.capacity = CapacityFeed.for_cache(made.cache)
             self.info.update(made.info)
         info = self.info
         return {"layout": layout.as_dict(), "config": info["config"], "pools": info["pools"]}, []
@@ -423,6 +430,10 @@ class Handlers(CacheOpsMixin):
         for node, count in locks.items():  # (a lock on a root, a miss, holds nothing)
             if not node.is_root and self.cache.lock_count(node) < count:
                 raise IntegrityError(f"{node}: sessions hold {count} locks the cache does not")
+
+    def capacity_report(self, session: Session, fields: dict, frames: Frames) -> Result:
+        """Estimated hit ratios at other tier sizes, and what to buy (`hicache capacity`)."""
+        return self.capacity.report(), []
 
     def tree(self, session: Session, fields: dict, frames: Frames) -> Result:
         """The tree's shape (``shape``: per namespace, the ``top`` heaviest shared prefixes),

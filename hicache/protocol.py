@@ -68,6 +68,7 @@ class Op(IntEnum):
     HOLDINGS = 18  # -> fields: lock_ids, owned_pages; frame: the owned page ids (int64)
     REGISTER = 19  # fields: layout (an EngineLayout's fields) -> layout, config, pools: an
     # engine that owns its device tier names its KV layout; the first one sizes the pool
+    CAPACITY = 20  # -> the estimated hit ratios at 0.25x-8x of today's tier sizes (SHARDS)
 
 
 class ErrorCode(IntEnum):

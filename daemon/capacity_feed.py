@@ -1,0 +1,85 @@
+"""CapacityFeed: the daemon's hit-ratio-against-capacity estimate, fed off the request path.
+
+The handlers note each match's and insert's tokens (``saw``: one deque append); housekeeping
+runs the SHARDS estimator (hicache/capacity.py) over what piled up, for at most ``budget_s``
+per pass, so a request never waits for it. Under a flood the deque keeps the newest
+``MAX_PENDING`` and counts what it dropped. ``report`` answers `hicache capacity`.
+
+Runs on the control thread only (it owns the estimator).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from hicache.capacity import FACTORS, ShardsEstimator, page_hashes
+
+MAX_PENDING = 8192  # requests noted and not yet counted
+BUDGET_S = 0.005  # estimator time per housekeeping pass (every 50 ms: at most 10% of a core)
+
+
+class CapacityFeed:
+    @classmethod
+    def for_cache(cls, cache: Any) -> CapacityFeed:
+        """Today's sizes from ``cache``'s pools (a daemon's device pool, host pool if any)."""
+        host = 0 if cache.host_alloc is None else cache.host_alloc.capacity_pages
+        return cls(cache.page_size, cache.device_alloc.capacity_pages, host)
+
+    def __init__(self, page_size: int, device_pages: int, host_pages: int):
+        self.page_size = page_size
+        self.device_pages = device_pages  # today's sizes, the curve's factor 1
+        self.host_pages = host_pages
+        self.estimator = ShardsEstimator()
+        # (True: a lookup, False: an insert; int32 token bytes or array; namespace)
+        self.pending: collections.deque[tuple[bool, Any, Any]] = collections.deque()
+        self.dropped = 0  # requests noted but never counted (the deque overflowed)
+        self._seeds: dict[Any, bytes] = {}
+
+    def saw(self, lookup: bool, tokens: Any, namespace: Any) -> None:
+        """Note a match (``lookup``) or an insert of ``tokens`` (int32 bytes or array)."""
+        if len(self.pending) >= MAX_PENDING:
+            self.pending.popleft()
+            self.dropped += 1
+        if isinstance(tokens, memoryview):  # (a view into a frame zmq will reuse)
+            tokens = bytes(tokens)
+        self.pending.append((lookup, tokens, namespace))
+
+    def run(self, budget_s: float = BUDGET_S) -> int:
+        """Count noted requests until none is left or ``budget_s`` passed; returns how many."""
+        pending, est, done = self.pending, self.estimator, 0
+        deadline = time.perf_counter() + budget_s
+        while pending and time.perf_counter() < deadline:
+            lookup, tokens, ns = pending.popleft()
+            if not isinstance(tokens, np.ndarray):
+                tokens = np.frombuffer(tokens, dtype=np.int32)
+            seed = self._seeds.get(ns)
+            if seed is None:
+                seed = self._seeds[ns] = repr(ns).encode()
+            hashes = page_hashes(tokens, self.page_size, seed)
+            if lookup:
+                est.access(hashes)
+            else:
+                est.insert(hashes)
+            done += 1
+        return done
+
+    def report(self) -> dict[str, Any]:
+        """The curve at 0.25x-8x of today's sizes, a recommendation and the sample's state."""
+        self.run(budget_s=1.0)
+        est = self.estimator
+        host = max(self.host_pages, self.device_pages)
+        points = est.device_host_curve(self.device_pages, host, FACTORS)
+        return {
+            "page_size": self.page_size,
+            "device_pages": self.device_pages,
+            "host_pages": self.host_pages,
+            "points": [dataclasses.asdict(p) for p in points],
+            "recommendation": est.recommend(self.device_pages, host) if est.accesses else "",
+            "dropped_requests": self.dropped,
+            "estimator": {k: v for k, v in est.to_dict().items() if k != "curve"},
+        }

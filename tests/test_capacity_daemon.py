@@ -1,0 +1,72 @@
+"""`hicache capacity` on a live daemon: the estimate is fed by real traffic off the request path,
+agrees with the hit ratio the daemon measured at today's size, and plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hicache.client import HiCacheClient
+from hicache.protocol import Op
+from tests.daemon_helpers import start_daemon, stop_daemon
+
+CLI = [sys.executable, "-m", "hicache.client.cli"]
+
+
+def test_the_estimate_follows_the_traffic_and_agrees_at_todays_size(tmp_path):
+    ep = f"ipc://{tmp_path}/cap.sock"
+    proc = start_daemon(ep)  # device 256 tokens, host 1024, page 4
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(1, 500, 96).tolist() for _ in range(12)]  # 1152 tokens: > host
+    try:
+        with HiCacheClient(ep, name="docqa") as hc:
+            for i in range(240):
+                prompt = docs[rng.integers(len(docs)) if i % 3 else i % 4] + [900 + i % 7] * 8
+                m = hc.match_prefix(prompt)
+                loaded = hc.load_back(m)
+                have = (
+                    m.device_indices
+                    if loaded is None
+                    else np.concatenate([m.device_indices, loaded])
+                )
+                hc.insert(prompt, np.concatenate([have, hc.alloc(len(prompt) - len(have))]))
+                hc.release(m)
+            stats = hc.stats()
+            report = hc._call(Op.CAPACITY)[0].fields
+        est = report["estimator"]
+        assert est["requests"] == 240 and report["dropped_requests"] == 0
+        assert (report["device_pages"], report["host_pages"]) == (64, 256)
+        points = {p["factor"]: p for p in report["points"]}
+        assert sorted(points) == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+        totals = [points[f]["total_hit"] for f in sorted(points)]
+        assert totals == sorted(totals) and totals[-1] > totals[0]
+        asked = stats["hit_device_tokens"] + stats["hit_host_tokens"] + stats["miss_tokens"]
+        measured = (stats["hit_device_tokens"] + stats["hit_host_tokens"]) / asked
+        assert abs(points[1.0]["total_hit"] - measured) < 0.1, (points[1.0], measured)
+        assert "tier" in report["recommendation"]
+        text = subprocess.run([*CLI, "--endpoint", ep, "capacity"], capture_output=True,
+                              text=True, timeout=60, check=True).stdout  # fmt: skip
+        assert "<- today" in text and "recommendation:" in text
+        pytest.importorskip("matplotlib")
+        png = tmp_path / "curve.png"
+        subprocess.run([*CLI, "--endpoint", ep, "capacity", "--plot", str(png)],
+                       capture_output=True, timeout=120, check=True)  # fmt: skip
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        stop_daemon(proc)
+
+
+def test_a_fresh_daemon_reports_no_traffic(tmp_path):
+    ep = f"ipc://{tmp_path}/cap0.sock"
+    proc = start_daemon(ep)
+    try:
+        out = json.loads(subprocess.run([*CLI, "--endpoint", ep, "capacity", "--json"],
+                                        capture_output=True, text=True, timeout=60,
+                                        check=True).stdout)  # fmt: skip
+        assert out["estimator"]["requests"] == 0 and out["recommendation"] == ""
+    finally:
+        stop_daemon(proc)
