@@ -68,6 +68,16 @@ class CapacityFeed:
             done += 1
         return done
 
+    def points(self) -> list[dict[str, float]]:
+        """The curve as it stands (no counting): ``{factor, device_hit, total_hit}`` each."""
+        if not self.estimator.accesses:
+            return []
+        host = max(self.host_pages, self.device_pages)
+        return [
+            {"factor": p.factor, "device_hit": p.device_hit, "total_hit": p.total_hit}
+            for p in self.estimator.device_host_curve(self.device_pages, host, FACTORS)
+        ]
+
     def report(self) -> dict[str, Any]:
         """The curve at 0.25x-8x of today's sizes, a recommendation and the sample's state."""
         self.run(budget_s=1.0)

@@ -360,6 +360,10 @@ class Handlers(CacheOpsMixin):
         out: dict[str, Any] = {} if cache is None else cache.stats().as_dict()
         if cache is not None and cache.l3 is not None:
             out["l3"] = cache.l3.stats()
+        if cache is not None:
+            out["transfer_seconds"] = {d: h.as_dict() for d, h in cache.transfer_seconds.items()}
+            out["transfer_bytes"] = {d: h.as_dict() for d, h in cache.transfer_bytes.items()}
+            out["capacity_points"] = self.capacity.points()
         out.update(self.requests.as_dict())
         listed = [
             {
@@ -379,6 +383,7 @@ class Handlers(CacheOpsMixin):
         out.update(
             sessions=len(self.sessions),
             sessions_quarantined=len(quarantined),
+            leases_expired=self.sessions.leases_expired,
             quarantined_tokens=sum(len(s.owned) for s in quarantined)
             * (0 if cache is None else cache.page_size),
             boot_epoch=self.boot_epoch,

@@ -17,8 +17,6 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hicache.daemon.request_stats import BUCKETS
-
 LIVE_S = 10.0  # /healthz fails when the control loop has not gone round for this long
 
 # (name, help, stats key) of plain counters
@@ -30,6 +28,13 @@ COUNTERS = [
     ("backup_failed_tokens", "tokens whose backup failed or found no room", "backup_failed_tokens"),
     ("transfer_errors", "copies between the tiers that failed", "transfer_errors"),
     ("replies_dropped", "replies dropped because a peer did not read", "replies_dropped"),
+    ("leases_expired", "engine sessions whose lease ran out", "leases_expired"),
+    ("event_batches_published", "KV event batches published", "event_batches_published"),
+    (
+        "event_batches_dropped",
+        "KV event batches dropped: publisher behind",
+        "event_batches_dropped",
+    ),
 ]
 L3_COUNTERS = [
     ("l3_read_bytes", "bytes read from the third tier and verified", "read_bytes"),
@@ -104,10 +109,27 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
         "hicache_request_duration_seconds", "time to handle a request, by op", labels=["op"]
     )
     for op, h in sorted(stats.get("op_latency", {}).items()):
-        bounds = [*(str(b) for b in BUCKETS), "+Inf"]
-        cumulative = list(itertools.accumulate(h["buckets"]))
-        latency.add_metric([op], list(zip(bounds, cumulative, strict=True)), h["sum"])
+        latency.add_metric([op], _buckets(h), h["sum"])
     yield latency
+    for key, name, help_ in (
+        ("transfer_seconds", "hicache_transfer_duration_seconds", "submit to ack of a copy"),
+        ("transfer_bytes", "hicache_transfer_size_bytes", "bytes of a copy"),
+    ):
+        family = HistogramMetricFamily(name, f"{help_}, by direction", labels=["direction"])
+        for direction, h in sorted(stats.get(key, {}).items()):
+            family.add_metric([direction], _buckets(h), h["sum"])
+        yield family
+    points = stats.get("capacity_points")
+    if points:
+        est = GaugeMetricFamily(
+            "hicache_estimated_hit_ratio",
+            "hit ratio the tiers would have at factor times today's size (SHARDS estimate)",
+            labels=["tier", "factor"],
+        )
+        for p in points:
+            est.add_metric(["device", f"{p['factor']:g}"], p["device_hit"])
+            est.add_metric(["total", f"{p['factor']:g}"], p["total_hit"])
+        yield est
     l3 = stats.get("l3")
     if l3:
         for name, help_, key in L3_COUNTERS:
@@ -121,6 +143,12 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
             "pages waiting to be written",
             value=l3.get("queued_pages", 0),
         )
+
+
+def _buckets(h: dict[str, Any]) -> list[tuple[str, int]]:
+    """A Histogram.as_dict as prometheus-client's cumulative (le, count) pairs."""
+    bounds = [*(f"{b:g}" for b in h["bounds"]), "+Inf"]
+    return list(zip(bounds, itertools.accumulate(h["buckets"]), strict=True))
 
 
 class MetricsServer:

@@ -125,6 +125,7 @@ class SessionTable:
         self._quarantine: dict[int, Session] = {}  # lapsed, still holding what they held
         self._lapsed: OrderedDict[int, None] = OrderedDict()  # keys whose lease ran out
         self._ids = itertools.count(1)
+        self.leases_expired = 0  # live sessions whose lease ran out (not goodbyes)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -179,6 +180,7 @@ class SessionTable:
         for key in [s.key for s in self._sessions.values() if s.expires < now]:
             session = self._sessions.pop(key)
             session.release_at = session.expires + self.quarantine_s
+            self.leases_expired += 1
             self._quarantine[key] = session
             self._lapsed[key] = None
             if len(self._lapsed) > FORGET_AFTER:

@@ -63,7 +63,7 @@ class RadixTree:
     def roots(self) -> list[TreeNode]:
         return list(self._roots.values())
 
-    def roots(self) -> list[tuple[Namespace, TreeNode]]:
+    def namespace_roots(self) -> list[tuple[Namespace, TreeNode]]:
         """(namespace, root) of every namespace that holds nodes (and the default one)."""
         return list(self._roots.items())
 

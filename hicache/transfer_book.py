@@ -13,12 +13,14 @@ Nothing is freed or unlocked until ``poll`` has seen the ack.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from hicache.allocator import PageState
+from hicache.histogram import BYTES, SECONDS, Histogram
 from hicache.node import IOState, TreeNode
 from hicache.transfer import Ack, Direction
 from hicache.types import Ticket
@@ -34,6 +36,7 @@ class TransferRecord:
     tokens: int  # tokens copied
     evict_on_ack: bool = False  # backup for eviction: drop the device pages once acked
     layers: int = 0  # layers acknowledged (loads), for wait_layer
+    started: float = field(default_factory=time.perf_counter)  # when it was submitted
     extra: dict = field(default_factory=dict)
 
 
@@ -46,6 +49,9 @@ class TransferBookMixin:
     def _init_transfers(self) -> None:
         self.write_policy = make_write_policy(self.config)
         self.records: dict[Ticket, TransferRecord] = {}
+        # per direction ("backup", "load"): seconds from submit to ack, and bytes per copy
+        self.transfer_seconds = {d: Histogram(SECONDS) for d in ("backup", "load")}
+        self.transfer_bytes = {d: Histogram(BYTES) for d in ("backup", "load")}
 
     # ---- backup ---------------------------------------------------------------------------
     def _backup_hot(self, nodes: list[TreeNode]) -> None:
@@ -179,6 +185,9 @@ class TransferBookMixin:
                 touch(node)
         if not ack.ok:
             self.counters.transfer_errors += 1
+        way = "backup" if record.direction is Direction.BACKUP else "load"
+        self.transfer_seconds[way].observe(time.perf_counter() - record.started)
+        self.transfer_bytes[way].observe(record.tokens * self.config.token_bytes)
         if record.direction is Direction.BACKUP:
             self._backup_done(record, ack.ok)
         else:

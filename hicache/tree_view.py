@@ -23,7 +23,7 @@ def tree_shape(cache: HiRadixCache, top: int = 10) -> dict[str, Any]:
     namespaces = []
     truncated = False
     for ns, root in sorted(
-        cache.tree.roots(), key=lambda kv: (kv[0] is not None, repr(kv[0]))
+        cache.tree.namespace_roots(), key=lambda kv: (kv[0] is not None, repr(kv[0]))
     ):
         below: dict[int, int] = {}  # node id -> tokens in its subtree (itself included)
         order = _post_order(root)

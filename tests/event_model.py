@@ -50,7 +50,7 @@ def tree_blocks(cache, device_medium: str = "GPU", host_medium: str = "CPU") -> 
     the tokens (not from what the cache cached)."""
     ps = cache.page_size
     out: Blocks = {}
-    for ns, root in cache.tree.roots():
+    for ns, root in cache.tree.namespace_roots():
         seed = xxhash.xxh3_64_intdigest(b"hicache-block-v1" + repr(ns).encode())
         stack = [(child, seed, None) for child in root.children.values()]
         while stack:

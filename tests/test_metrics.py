@@ -76,3 +76,49 @@ def test_metrics_settings_are_checked_and_a_busy_port_is_one_clear_line(tmp_path
         port = busy.getsockname()[1]
         with pytest.raises(RuntimeError, match="cannot serve metrics"):
             start_daemon(f"ipc://{tmp_path}/b.sock", *SHAPE, "--metrics-port", str(port))
+
+
+def test_copies_leases_events_and_the_capacity_estimate_are_scraped(tmp_path):
+    """A workload with backups, loads and a session whose lease runs out: the histograms of
+    copies by direction, lapsed leases, published event batches and the estimate show it,
+    equal to the daemon's own stats."""
+    from tests.daemon_helpers import start_daemon as small_daemon
+    from tests.daemon_helpers import wait_until
+    from tests.test_kv_events import serve_chats
+
+    ep, port = f"ipc://{tmp_path}/c.sock", free_port()
+    events = f"tcp://127.0.0.1:{free_port()}"
+    proc = small_daemon(ep, "--metrics-port", str(port), "--events-endpoint", events, lease=0.5)
+    try:
+        serve_chats(ep, 7, 60)
+        lapsed = HiCacheClient(ep, name="lapsed", heartbeat=False)
+        lapsed.alloc(8)
+        with HiCacheClient(ep, name="check") as hc:
+            wait_until(lambda: hc.stats()["leases_expired"] == 1, what="a lease ran out")
+            wait_until(lambda: hc.stats()["inflight_transfers"] == 0, what="copies landed")
+            stats = hc.stats()
+
+            def scraped() -> dict:
+                m = scrape(port)
+                if m.get("hicache_leases_expired_total", {}).get((), 0) == 1:
+                    return m
+                return {}
+
+            wait_until(lambda: scraped(), what="a snapshot with the lapsed lease")
+            m = scraped()
+        for way, tokens in (("backup", "backup_tokens"), ("load", "load_tokens")):
+            label = (("direction", way),)
+            assert m["hicache_transfer_duration_seconds_count"][label] >= 1
+            size = m["hicache_transfer_size_bytes_sum"][label]
+            assert size == stats[tokens] * stats["token_bytes"] > 0
+        assert m["hicache_event_batches_published_total"][()] >= 1
+        assert m["hicache_event_batches_dropped_total"][()] == 0
+        est = m["hicache_estimated_hit_ratio"]
+        assert set(est) >= {
+            (("factor", "1"), ("tier", "total")),
+            (("factor", "8"), ("tier", "device")),
+        }
+        assert all(0 <= v <= 1 for v in est.values())
+        lapsed.close()
+    finally:
+        stop_daemon(proc)
