@@ -20,7 +20,7 @@ import numpy as np
 from hicache.capacity import FACTORS, ShardsEstimator, page_hashes
 
 MAX_PENDING = 8192  # requests noted and not yet counted
-BUDGET_S = 0.005  # estimator time per housekeeping pass (every 50 ms: at most 10% of a core)
+BUDGET_S = 0.002  # estimator time per housekeeping pass (every 50 ms: at most 4% of the loop)
 
 
 class CapacityFeed:

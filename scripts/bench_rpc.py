@@ -7,6 +7,8 @@
 3. The client's match against the bare connection path under it (one Connection.call and the
    reply's Match objects: what the client did before it could be shared by threads).
 4. 4 threads sharing one client against 4 threads with a client each: matches per second.
+5. The same match round trip against a second daemon with Prometheus metrics and KV events on
+   (a scraper every second, a subscriber reading the stream), interleaved with the first.
 The last line is one JSON object.
 """
 
@@ -15,9 +17,11 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import socket
 import tempfile
 import threading
 import time
+import urllib.request
 
 import msgpack
 import numpy as np
@@ -42,6 +46,47 @@ def echo_server(endpoint: str) -> None:
         if len(frames) == 2 and bytes(frames[1].buffer) == b"stop":
             return
         sock.send_multipart(frames, copy=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Watchers:
+    """What an operator runs beside the daemon: a Prometheus scrape every second and a router
+    reading the KV event stream."""
+
+    def __init__(self, port: int, events_ep: str):
+        self.scrapes = self.batches = 0
+        self._stop = threading.Event()
+        self._sub = zmq.Context.instance().socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(events_ep)
+        self._threads = [
+            threading.Thread(target=self._scrape, args=(port,), daemon=True),
+            threading.Thread(target=self._read, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _scrape(self, port: int) -> None:
+        while not self._stop.wait(1.0):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+            self.scrapes += 1
+
+    def _read(self) -> None:
+        while not self._stop.is_set():
+            if self._sub.poll(100):
+                self._sub.recv_multipart()
+                self.batches += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join()
+        self._sub.close()
 
 
 def percentiles(samples: list[int]) -> tuple[float, float]:
@@ -162,6 +207,12 @@ def main() -> None:
             "2",
         ]
         proc = start_daemon(daemon_ep, *flags)
+        observed_ep = f"ipc://{tmp}/observed.sock"
+        port, events_ep = free_port(), f"ipc://{tmp}/events.sock"
+        observed = start_daemon(
+            observed_ep, *flags, "--metrics-port", str(port), "--events-endpoint", events_ep
+        )
+        watchers = Watchers(port, events_ep)
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(echo_ep)
         try:
@@ -186,11 +237,20 @@ def main() -> None:
                     own_rates.append(threads_rate(own, prompt, 300))
                 for c in own:
                     c.close()
+                with HiCacheClient(observed_ep, name="bench-observed") as ho:
+                    cache_prompts(ho, [prompt])
+                    match_round_trips(ho, prompt, WARMUP)
+                    plain_ns, observed_ns = [], []
+                    for _ in range(ROUNDS // 100):
+                        plain_ns += match_round_trips(hc, prompt, 100)
+                        observed_ns += match_round_trips(ho, prompt, 100)
         finally:
+            watchers.stop()
             sock.send_multipart([b"stop"])
             sock.close()
             echo.join()
             stop_daemon(proc)
+            stop_daemon(observed)
     e50, e99 = percentiles(echo_ns)
     m50, m99 = percentiles(match_ns)
     print(f"raw pyzmq echo, 4096 token ids:      p50 {e50:7.1f} us  p99 {e99:7.1f} us")
@@ -213,9 +273,16 @@ def main() -> None:
         f"{THREADS} threads: one shared client {shared_rate:8.0f} matches/s, a client each "
         f"{own_rate:8.0f} matches/s ({shared_rate / own_rate:.2f}x)"
     )
+    p50, _ = percentiles(plain_ns)
+    o50, _ = percentiles(observed_ns)
+    print(
+        f"match p50 with metrics and KV events on {o50:7.1f} us vs off {p50:7.1f} us "
+        f"({o50 / p50:.3f}x; {watchers.scrapes} scrapes, {watchers.batches} event batches read)"
+    )
     print(
         json.dumps(
             {
+                "metrics_events_overhead": round(o50 / p50, 3),
                 "rpc_vs_echo_p50": round(m50 / e50, 3),
                 "single_thread_rpc_vs_echo": round(m50 / e50, 3),
                 "single_thread_client_vs_direct": round(c50 / d50, 3),
