@@ -91,6 +91,13 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
     evicted.add_metric(["device"], stats.get("evicted_device_tokens", 0))
     evicted.add_metric(["host"], stats.get("evicted_host_tokens", 0))
     yield evicted
+    evicted_bytes = CounterMetricFamily(
+        "hicache_evicted_bytes", "KV bytes evicted, by tier", labels=["tier"]
+    )
+    for tier in ("device", "host"):
+        tokens = stats.get(f"evicted_{tier}_tokens", 0)
+        evicted_bytes.add_metric([tier], tokens * stats.get("token_bytes", 0))
+    yield evicted_bytes
     for name, help_, key in COUNTERS:
         yield CounterMetricFamily(f"hicache_{name}", help_, value=stats.get(key, 0))
     yield GaugeMetricFamily("hicache_sessions", "engine sessions", value=stats.get("sessions", 0))

@@ -111,6 +111,8 @@ def test_copies_leases_events_and_the_capacity_estimate_are_scraped(tmp_path):
             assert m["hicache_transfer_duration_seconds_count"][label] >= 1
             size = m["hicache_transfer_size_bytes_sum"][label]
             assert size == stats[tokens] * stats["token_bytes"] > 0
+        evicted = m["hicache_evicted_bytes_total"][(("tier", "device"),)]
+        assert evicted == stats["evicted_device_tokens"] * stats["token_bytes"] > 0
         assert m["hicache_event_batches_published_total"][()] >= 1
         assert m["hicache_event_batches_dropped_total"][()] == 0
         est = m["hicache_estimated_hit_ratio"]
