@@ -35,9 +35,12 @@ SMALL = [
 
 
 def start_daemon(
-    endpoint: str, *extra: str, lease: float = 3.0, quarantine: float = 1.0
+    endpoint: str, *extra: str, lease: float = 3.0, quarantine: float = 1.0, drain: float = 0.0
 ) -> subprocess.Popen:
+    """A small daemon. ``drain``: its --shutdown-timeout (0: SIGTERM stops at once, as the
+    restart tests want; a later --shutdown-timeout in ``extra`` wins)."""
     flags = ("--lease-seconds", str(lease), "--quarantine-seconds", str(quarantine))
+    flags += ("--shutdown-timeout", str(drain))
     return launch.start_daemon(endpoint, *flags, *SMALL, *extra)
 
 
