@@ -93,7 +93,8 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
     "events_replay_endpoint": (
         str,
         None,
-        "serve replays of buffered event batches and full dumps on this ROUTER endpoint",
+        "serve replays of buffered event batches and full dumps on this ROUTER endpoint "
+        "(default: off)",
     ),
     "events_topic": (str, "", "the topic frame of every event message"),
     "events_buffer": (int, 10000, "event batches kept for replay"),
