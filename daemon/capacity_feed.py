@@ -1,8 +1,9 @@
 """CapacityFeed: the daemon's hit-ratio-against-capacity estimate, fed off the request path.
 
-The handlers note each match's and insert's tokens (``saw``: one deque append); housekeeping
-runs the SHARDS estimator (hicache/capacity.py) over what piled up, for at most ``budget_s``
-per pass, so a request never waits for it. Under a flood the deque keeps the newest
+The handlers note each match's and insert's tokens (``saw``: one deque append); the control
+loop runs the SHARDS estimator (hicache/capacity.py) over what piled up in short slices: 0.3 ms
+per housekeeping pass while requests keep coming (so a request waits at most that for it), 5 ms
+when the socket has been quiet. Under a flood the deque keeps the newest
 ``MAX_PENDING`` and counts what it dropped. ``report`` answers `hicache capacity`.
 
 Runs on the control thread only (it owns the estimator).
@@ -20,7 +21,8 @@ import numpy as np
 from hicache.capacity import FACTORS, ShardsEstimator, page_hashes
 
 MAX_PENDING = 8192  # requests noted and not yet counted
-BUDGET_S = 0.002  # estimator time per housekeeping pass (every 50 ms: at most 4% of the loop)
+BUSY_BUDGET_S = 0.0003  # estimator time per housekeeping pass while requests keep coming
+IDLE_BUDGET_S = 0.005  # ... when the socket was quiet for a poll period (nobody waits)
 
 
 class CapacityFeed:
@@ -49,7 +51,7 @@ class CapacityFeed:
             tokens = bytes(tokens)
         self.pending.append((lookup, tokens, namespace))
 
-    def run(self, budget_s: float = BUDGET_S) -> int:
+    def run(self, budget_s: float = BUSY_BUDGET_S) -> int:
         """Count noted requests until none is left or ``budget_s`` passed; returns how many."""
         pending, est, done = self.pending, self.estimator, 0
         deadline = time.perf_counter() + budget_s

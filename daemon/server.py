@@ -25,6 +25,7 @@ import zmq
 from hicache.backing import CudaBacking, SharedMemoryBacking
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
+from hicache.daemon.capacity_feed import IDLE_BUDGET_S
 from hicache.daemon.endpoint import AdminToken, EndpointClaim, EndpointError, bind_address
 from hicache.daemon.engine_tier import EngineTier
 from hicache.daemon.events import EventPublisher
@@ -250,6 +251,8 @@ class Daemon:
                 frames = self._recv_frames()
             except zmq.Again:
                 frames = None
+                if self.handlers.capacity is not None:  # quiet: nobody waits for the loop
+                    self.handlers.capacity.run(IDLE_BUDGET_S)
             if frames:
                 if frames[0] == WAKE_ID:  # the third tier finished something
                     self._resume()
