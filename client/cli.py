@@ -13,6 +13,7 @@
                                      and what to buy (SHARDS sampling of the daemon's traffic)
     hicache tree [--top N]           per namespace: size, tiers and the heaviest shared
                                      prefixes (--nodes: the first --max-nodes nodes instead)
+    hicache keygen --dir D --name N  CurveZMQ key pair D/N.key (public) and D/N.key_secret
     hicache evict --device-tokens N  admin: evict unlocked tokens (also --host-tokens)
     hicache flush                    admin: evict every unlocked token from both tiers
 
@@ -31,6 +32,7 @@ from hicache import __version__
 from hicache.client.capacity_view import plot_capacity, render_capacity
 from hicache.client.connection import Connection, DaemonError, DaemonTimeout, hello_fields
 from hicache.client.top import render_shape, watch
+from hicache.curve import CurveKeyError, keygen
 from hicache.endpoints import env_endpoint
 from hicache.protocol import Op
 
@@ -172,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("--device-tokens", type=int, default=0)
     evict.add_argument("--host-tokens", type=int, default=0)
     sub.add_parser("flush", help="admin: evict every unlocked token from both tiers")
+    keygen = sub.add_parser("keygen", help="write a CurveZMQ key pair (for tcp endpoints)")
+    keygen.add_argument("--dir", required=True, help="folder for NAME.key and NAME.key_secret")
+    keygen.add_argument("--name", required=True, help="e.g. server, or an engine's name")
     return ap
 
 
@@ -272,6 +277,14 @@ def _run(args: argparse.Namespace, conn: Connection) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "keygen":  # no daemon involved
+        try:
+            public, secret = keygen(args.dir, args.name)
+        except (CurveKeyError, OSError) as exc:
+            print(f"hicache: {exc}", file=sys.stderr)
+            return 1
+        print(f"public:{public}\nsecret:{secret}")
+        return 0
     endpoint = args.endpoint or env_endpoint()
     if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
         print(
@@ -280,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    conn = Connection(endpoint, args.timeout)
+    try:
+        conn = Connection(endpoint, args.timeout)
+    except CurveKeyError as exc:
+        print(f"hicache: {exc}", file=sys.stderr)
+        return 1
     try:
         return _run(args, conn)
     except (DaemonError, DaemonTimeout, PermissionError) as exc:

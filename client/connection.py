@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from hicache.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, apply_client, client_keys
 from hicache.endpoints import admin_token_path
 from hicache.errors import InvalidIndicesError
 from hicache.protocol import (
@@ -128,6 +129,9 @@ class Connection:
         self.sock.setsockopt(zmq.LINGER, 0)
         slice_ms = self.timeout_ms if closing is None else min(self.timeout_ms, SLICE_MS)
         self.sock.setsockopt(zmq.RCVTIMEO, max(slice_ms, 1))  # recv raises zmq.Again after it
+        keys = client_keys()  # CurveZMQ, from HICACHE_CURVE_* (None: plain)
+        if keys is not None:
+            apply_client(self.sock, keys)
         self.sock.connect(endpoint)
         self.session = 0  # set by hello
         self.epoch = 0  # the daemon's boot epoch, learned from the first reply
@@ -168,7 +172,13 @@ class Connection:
                     self._timed_out.popitem(last=False)
                 if closing:
                     raise ClientClosed("the client was closed during this call") from None
-                raise DaemonTimeout(f"no reply from {self.endpoint} to {op.name}") from None
+                hint = ""
+                if op in (Op.HELLO, Op.PING) and self.endpoint.startswith("tcp://"):
+                    hint = (
+                        " (a daemon with CurveZMQ keys ignores clients without them: set "
+                        f"{SERVER_KEY_ENV} and {CLIENT_KEY_ENV})"
+                    )
+                raise DaemonTimeout(f"no reply from {self.endpoint} to {op.name}{hint}") from None
             reply = decode_reply(parts[0].buffer)
             if reply.request_id == request_id:
                 break

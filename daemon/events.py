@@ -26,6 +26,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -74,6 +75,7 @@ class EventPublisher:
         replay_endpoint: str | None = None,
         topic: str = "",
         buffer_batches: int = 10_000,
+        secure: Callable[[zmq.Socket], None] | None = None,
     ):
         self.topic = topic.encode()
         self.next_seq = 0  # the seq of the next batch (assigned on the control thread)
@@ -95,10 +97,14 @@ class EventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._replay: zmq.Socket | None = None
         try:
+            if secure is not None:  # CurveZMQ: token ids are what prompts say
+                secure(self._pub)
             self._pub.bind(endpoint)
             if replay_endpoint:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                if secure is not None:
+                    secure(self._replay)
                 self._replay.bind(replay_endpoint)
         except zmq.ZMQError:
             self._close_sockets()

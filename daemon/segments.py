@@ -22,7 +22,7 @@ LOCK = "lock"  # the instance lock's pool name
 
 
 def instance_token() -> str:
-    return secrets.token_hex(4)
+    return secrets.token_hex(16)  # 128 bits: names other users cannot guess
 
 
 def segment_name(pool: str, token: str, pid: int | None = None) -> str:

@@ -25,6 +25,7 @@ import zmq
 from hicache.backing import CudaBacking, SharedMemoryBacking
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
+from hicache.curve import load_secret
 from hicache.daemon.capacity_feed import IDLE_BUDGET_S
 from hicache.daemon.endpoint import AdminToken, EndpointClaim, EndpointError, bind_address
 from hicache.daemon.engine_tier import EngineTier
@@ -82,6 +83,7 @@ class Daemon:
         self.waits: L3Waits | None = None  # matches waiting for the third tier
         self.metrics: MetricsServer | None = None  # /metrics over a snapshot (--metrics-port)
         self.events: EventPublisher | None = None  # KV events for routers (--events-endpoint)
+        self.auth = None  # CurveZMQ's ZAP handler thread (--curve-secret-key)
         try:
             self._start(settings)
         except BaseException:
@@ -99,6 +101,8 @@ class Daemon:
         self.sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
         self.sock.setsockopt(zmq.SNDTIMEO, 0)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)  # bounds what a peer that never reads pins
+        if settings.curve:
+            self._secure(self.sock)
         self._bind(settings.endpoint)
         if settings.l3 is not None:
             wake = f"inproc://hicache-l3-wake-{os.getpid()}-{id(self)}"
@@ -114,6 +118,7 @@ class Daemon:
                     and bind_address(settings.events_replay_endpoint),
                     settings.events_topic,
                     settings.events_buffer,
+                    self._secure if settings.curve else None,
                 )
             except zmq.ZMQError as exc:
                 raise EndpointError(f"cannot publish KV events: {exc}") from None
@@ -154,6 +159,20 @@ class Daemon:
                     f"{exc}"
                 ) from None
             self.metrics.publish(self._snapshot())
+
+    def _secure(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (before it binds) a CurveZMQ server that lets in only the clients
+        whose public keys are in --curve-clients (checked by a ZAP thread, started once)."""
+        if self.auth is None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("hicache.auth"))
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=self.settings.curve_clients)
+        public, secret = load_secret(self.settings.curve_secret_key)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
 
     def _make_cache(self, cfg: HiCacheConfig) -> tuple[HiRadixCache, dict]:
         """Create the pools and the cache for ``cfg`` (at start, or when the first engine
@@ -378,6 +397,9 @@ class Daemon:
                 self.cache = None
             if self.waits is not None:
                 self.waits.close()  # (after the IO thread: its wake socket)
+            if self.auth is not None:
+                self.auth.stop()
+                self.auth = None
             self.ctx.term()
         if self.cache is not None:
             self.cache.close()  # waits for copies that may still publish progress

@@ -20,6 +20,7 @@ from typing import Any
 
 from hicache.config import DTYPES, HiCacheConfig
 from hicache.copiers import resolve_backend
+from hicache.curve import is_loopback, load_secret
 from hicache.daemon.l3_settings import L3_FIELDS, l3_config
 from hicache.endpoints import env_endpoint
 from hicache.l3.config import L3Config
@@ -98,6 +99,17 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
     ),
     "events_topic": (str, "", "the topic frame of every event message"),
     "events_buffer": (int, 10000, "event batches kept for replay"),
+    "curve_secret_key": (
+        str,
+        None,
+        "CurveZMQ: the daemon's .key_secret file (hicache keygen); required to listen on a tcp "
+        "address other than loopback (default: off)",
+    ),
+    "curve_clients": (
+        str,
+        None,
+        "CurveZMQ: the folder of the public .key files of the clients let in (default: off)",
+    ),
     "shutdown_timeout": (
         float,
         10.0,
@@ -143,6 +155,12 @@ class DaemonSettings:
     events_topic: str = ""
     events_buffer: int = 10000  # batches kept for replay
     shutdown_timeout: float = 10.0  # the longest a SIGTERM drain lasts
+    curve_secret_key: str | None = None  # CurveZMQ: the daemon's secret key file
+    curve_clients: str | None = None  # CurveZMQ: folder of the allowed clients' public keys
+
+    @property
+    def curve(self) -> bool:
+        return self.curve_secret_key is not None
 
     @property
     def engine_tier(self) -> bool:
@@ -225,6 +243,28 @@ def _enum_types() -> list[type[Enum]]:
     from hicache import config
 
     return [v for v in vars(config).values() if isinstance(v, type) and issubclass(v, Enum)]
+
+
+def _check_curve(curve: dict[str, Any], endpoint: str, events: dict[str, Any]) -> None:
+    """Both CurveZMQ settings or neither; usable key files; no tcp address other than loopback
+    without them (anyone on the network could use the daemon, or read prompts' tokens)."""
+    secret, clients = curve["curve_secret_key"], curve["curve_clients"]
+    if (secret is None) != (clients is None):
+        raise ValueError("curve_secret_key and curve_clients: give both or neither")
+    if secret is not None:
+        load_secret(secret)  # CurveKeyError (a ValueError) names the file and the fault
+        if not os.path.isdir(clients) or not any(
+            name.endswith(".key") for name in os.listdir(clients)
+        ):
+            raise ValueError(f"curve_clients: {clients} is not a folder of client .key files")
+        return
+    for name, value in (("endpoint", endpoint), *events.items()):
+        if value is not None and not is_loopback(str(value)):
+            raise ValueError(
+                f"{name}: {value} is reachable from other machines; listening there needs "
+                "CurveZMQ keys (hicache keygen; --curve-secret-key, --curve-clients), or use "
+                "a loopback or ipc:// address"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -336,6 +376,8 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             raise ValueError(f"{name}: expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
     if events["events_replay_endpoint"] is not None and events["events_endpoint"] is None:
         raise ValueError("events_replay_endpoint: needs events_endpoint")
+    curve = {k: daemon[k] for k in ("curve_secret_key", "curve_clients")}
+    _check_curve(curve, str(daemon["endpoint"]), events)
     shutdown_timeout = float(daemon["shutdown_timeout"])
     if not 0 <= shutdown_timeout <= 3600:
         raise ValueError(f"shutdown_timeout: seconds in [0, 3600], got {shutdown_timeout}")
@@ -368,5 +410,6 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         events_topic=str(daemon["events_topic"]),
         events_buffer=buffer,
         shutdown_timeout=shutdown_timeout,
+        **curve,
         **events,
     )

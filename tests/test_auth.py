@@ -1,0 +1,112 @@
+"""Who may use a daemon: CurveZMQ keys on tcp (a client without the right key is refused, one
+with it works), no tcp address beyond loopback without them, private ipc sockets and shared
+memory (0600, names other users cannot guess)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hicache.client import HiCacheClient
+from hicache.client.connection import DaemonTimeout
+from hicache.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, keygen
+from tests.daemon_helpers import start_daemon, stop_daemon
+from tests.l3_servers import free_port
+
+CLI = [sys.executable, "-m", "hicache.client.cli"]
+
+
+@pytest.fixture
+def keys(tmp_path):
+    server_pub, server_sec = keygen(str(tmp_path / "server"), "server")
+    clients = tmp_path / "clients"
+    engine_pub, engine_sec = keygen(str(clients), "engine")
+    stranger_pub, stranger_sec = keygen(str(tmp_path / "stranger"), "stranger")
+    return {
+        "server_pub": server_pub,
+        "server_sec": server_sec,
+        "clients": str(clients),
+        "engine_sec": engine_sec,
+        "stranger_sec": stranger_sec,
+    }
+
+
+def test_keygen_writes_a_private_secret_and_a_public_key(tmp_path):
+    out = subprocess.run([*CLI, "keygen", "--dir", str(tmp_path / "k"), "--name", "server"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert "secret:" in out.stdout
+    secret = tmp_path / "k" / "server.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert "secret-key" in secret.read_text()
+    assert "secret-key" not in (tmp_path / "k" / "server.key").read_text()
+    bad = subprocess.run([*CLI, "keygen", "--dir", str(tmp_path), "--name", "../x"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 1 and "plain file name" in bad.stderr
+
+
+def test_only_a_client_with_an_allowed_key_gets_in(keys, monkeypatch, tmp_path):
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    proc = start_daemon(ep, "--curve-secret-key", keys["server_sec"],
+                        "--curve-clients", keys["clients"])  # fmt: skip
+    try:
+        monkeypatch.setenv(SERVER_KEY_ENV, keys["server_pub"])
+        monkeypatch.setenv(CLIENT_KEY_ENV, keys["engine_sec"])
+        with HiCacheClient(ep, name="engine") as hc:  # the allowed key: a working session
+            tokens = np.arange(1, 33, dtype=np.int32)
+            hc.insert(tokens, hc.alloc(32))
+            assert hc.match_prefix(tokens, lock=False).device_hit_length == 32
+        ping = subprocess.run([*CLI, "--endpoint", ep, "ping"], capture_output=True, text=True)
+        assert ping.returncode == 0 and "PONG" in ping.stdout
+        monkeypatch.setenv(CLIENT_KEY_ENV, keys["stranger_sec"])  # a key the daemon never saw
+        with pytest.raises(DaemonTimeout):
+            HiCacheClient(ep, name="stranger", timeout_s=1)
+        monkeypatch.delenv(SERVER_KEY_ENV)
+        monkeypatch.delenv(CLIENT_KEY_ENV)
+        with pytest.raises(DaemonTimeout, match="CurveZMQ"):  # no keys: ignored, and told why
+            HiCacheClient(ep, name="plain", timeout_s=1)
+        monkeypatch.setenv(SERVER_KEY_ENV, keys["server_pub"])
+        monkeypatch.setenv(CLIENT_KEY_ENV, keys["engine_sec"])
+        with HiCacheClient(ep, name="engine-again") as hc:
+            assert hc.stats()["sessions"] == 1  # the refused ones left nothing behind
+    finally:
+        stop_daemon(proc)
+
+
+def test_tcp_beyond_loopback_needs_keys_and_secret_keys_must_be_private(keys, tmp_path):
+    port = free_port()
+    with pytest.raises(RuntimeError, match="CurveZMQ keys"):
+        start_daemon(f"tcp://0.0.0.0:{port}")
+    with pytest.raises(RuntimeError, match="events_endpoint.*CurveZMQ"):
+        start_daemon(f"ipc://{tmp_path}/e.sock", "--events-endpoint", f"tcp://0.0.0.0:{port}")
+    os.chmod(keys["server_sec"], 0o644)
+    with pytest.raises(RuntimeError, match="readable by others"):
+        start_daemon(f"tcp://0.0.0.0:{port}", "--curve-secret-key", keys["server_sec"],
+                     "--curve-clients", keys["clients"])  # fmt: skip
+    os.chmod(keys["server_sec"], 0o600)
+    with pytest.raises(RuntimeError, match="give both"):
+        start_daemon(f"tcp://0.0.0.0:{port}", "--curve-secret-key", keys["server_sec"])
+    proc = start_daemon(f"tcp://0.0.0.0:{port}", "--curve-secret-key", keys["server_sec"],
+                        "--curve-clients", keys["clients"])  # fmt: skip
+    stop_daemon(proc)
+
+
+def test_ipc_sockets_and_shared_memory_are_private(tmp_path):
+    folder = tmp_path / "run"
+    ep = f"ipc://{folder}/p.sock"
+    proc = start_daemon(ep)
+    try:
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(folder / "p.sock").st_mode) == 0o600
+        mine = [n for n in os.listdir("/dev/shm") if f"-{proc.pid}-" in n]
+        assert mine, "no segment of this daemon"
+        for name in mine:
+            assert stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode) == 0o600, name
+            token = name.split("-")[3]
+            assert len(token) == 32  # 128 random bits in every name
+    finally:
+        stop_daemon(proc)
