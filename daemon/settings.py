@@ -213,13 +213,23 @@ _TYPES = {
     "write_through_threshold": int,
     "load_back_threshold": int,
     "host_ratio": float,
+    "verify_pages": bool,
 } | {name: kind for name, (kind, _, _) in (DAEMON_FIELDS | L3_FIELDS).items()}
+
+
+_FLAGS = {"true": True, "1": True, "on": True, "yes": True,
+          "false": False, "0": False, "off": False, "no": False}  # fmt: skip
 
 
 def _convert(name: str, raw: str) -> Any:
     if name == "host_bytes":
         return parse_bytes(raw)
     kind = _TYPES.get(name, str)
+    if kind is bool:
+        flag = _FLAGS.get(raw.strip().lower())
+        if flag is None:
+            raise ValueError(f"{name}: {raw!r} is not true or false")
+        return flag
     try:
         return kind(raw)
     except ValueError:

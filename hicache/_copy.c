@@ -193,8 +193,75 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* page_sums(bases, page_stride, tok_stride, tokens, chunk, pages, table, out) -> None
+ * The checksum of each page: every view's ``tokens`` chunks of ``chunk`` bytes (a multiple of
+ * 8) read as little-endian uint64 words w_i in view, token, word order, and
+ * ``mix(sum_i w_i * table[i])`` mod 2**64 (``table``: odd multipliers, one per word of a page;
+ * mix: splitmix64's finalizer). Linear, so numpy computes the same (hicache/page_sums.py); an
+ * odd multiplier makes any change of one word change the sum. */
+static PyObject *page_sums(PyObject *self, PyObject *args) {
+    Py_ssize_t s_page, s_tok, tokens, chunk;
+    Py_buffer bases, pages, table, out;
+    if (!PyArg_ParseTuple(args, "y*nnnny*y*w*", &bases, &s_page, &s_tok, &tokens, &chunk, &pages,
+                          &table, &out))
+        return NULL;
+    Py_ssize_t views = bases.len / 8, n = pages.len / 8, words = chunk / 8;
+    int bad = (((uintptr_t)bases.buf | (uintptr_t)pages.buf | (uintptr_t)table.buf |
+                (uintptr_t)out.buf) & 7) || bases.len % 8 || pages.len % 8 || chunk % 8 ||
+              s_page < 0 || s_tok < 0 || tokens < 1 || out.len != pages.len ||
+              table.len != views * tokens * words * 8;
+    const int64_t *pg = (const int64_t *)pages.buf;
+    for (Py_ssize_t i = 0; !bad && i < n; i++) bad = pg[i] < 0;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "page_sums: misaligned, negative or mis-sized arguments");
+    } else {
+        const int64_t *b = (const int64_t *)bases.buf;
+        const uint64_t *k = (const uint64_t *)table.buf;
+        uint64_t *o = (uint64_t *)out.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t h0 = 0, h1 = 0;
+            const uint64_t *kk = k;
+            for (Py_ssize_t v = 0; v < views; v++) {
+                const char *page = (const char *)(intptr_t)b[v] + pg[i] * s_page;
+                for (Py_ssize_t t = 0; t < tokens; t++, kk += words) {
+                    const uint64_t *w = (const uint64_t *)(page + t * s_tok);
+                    Py_ssize_t j = 0;
+                    for (; j + 2 <= words; j += 2) {  /* two chains: two multiplies in flight */
+                        uint64_t a, c;
+                        memcpy(&a, w + j, 8);
+                        memcpy(&c, w + j + 1, 8);
+                        h0 += a * kk[j];
+                        h1 += c * kk[j + 1];
+                    }
+                    if (j < words) {
+                        uint64_t a;
+                        memcpy(&a, w + j, 8);
+                        h0 += a * kk[j];
+                    }
+                }
+            }
+            uint64_t x = h0 + h1;
+            x ^= x >> 30;
+            x *= 0xBF58476D1CE4E5B9ULL;
+            x ^= x >> 27;
+            x *= 0x94D049BB133111EBULL;
+            x ^= x >> 31;
+            o[i] = x;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&bases);
+    PyBuffer_Release(&pages);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&out);
+    if (bad) return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"copy_pages", copy_pages, METH_VARARGS, "memcpy indexed pages between strided buffers."},
+    {"page_sums", page_sums, METH_VARARGS, "a checksum per indexed page of strided buffers."},
     {NULL, NULL, 0, NULL},
 };
 

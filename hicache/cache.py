@@ -27,6 +27,7 @@ from hicache.insert import InsertMixin
 from hicache.integrity import check_cache_integrity
 from hicache.locks import MovedLocks
 from hicache.node import IO_LOAD, TreeNode
+from hicache.page_sums import PageSums
 from hicache.pools import DevicePool, HostPool
 from hicache.radix_tree import Namespace, RadixTree
 from hicache.stats import CacheStats, Counters
@@ -81,6 +82,8 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             self.host_alloc = PagedAllocator(self.host_pool.num_pages, ps)
             factory = transfer_engine or default_engine(config)
             self.engine = factory(self.device_pool, self.host_pool, make_copier(config))
+            if config.verify_pages:
+                self.engine.sums = PageSums(self.host_pool.page_view)
         priority = make_priority(config)
         self.device_heap = LeafHeap(priority)  # device eviction candidates
         self.host_heap = LeafHeap(priority)  # host eviction candidates

@@ -102,6 +102,7 @@ class HiCacheConfig:
     eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU  # which leaf goes first
     write_through_threshold: int = 2  # hits before a backup under write_through_selective
     load_back_threshold: int = 10  # host hits shorter than this (tokens) are recomputed instead
+    verify_pages: bool = False  # checksum each host page when written, check it before reading
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -124,6 +125,8 @@ class HiCacheConfig:
         _int("num_layers", self.num_layers, 1)
         _int("page_size", self.page_size, 1)
         _int("write_through_threshold", self.write_through_threshold, 1)
+        if not isinstance(self.verify_pages, bool):
+            raise ValueError(f"verify_pages: expected true or false, got {self.verify_pages!r}")
         _int("load_back_threshold", self.load_back_threshold, 0)
         self._check_shape()
         self._check_sizes()

@@ -171,6 +171,22 @@ def check_cache_integrity(cache: HiRadixCache) -> None:
         _fail("a node names an L3 write, but there is no third tier")
     if cache.events is not None:
         _check_events(cache, nodes)
+    if cache.engine is not None and cache.engine.sums is not None:
+        _check_sums(cache, nodes)
+
+
+def _check_sums(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
+    """verify_pages: every host page the tree holds and no copy is writing still has the
+    checksum it was sealed with (reads the pages: tests and debugging only)."""
+    sealed = [
+        n.host_pages for n in nodes if n.host_pages is not None and n.io is not IOState.BACKUP
+    ]
+    if sealed:
+        pages = np.concatenate(sealed)
+        now = cache.engine.sums.compute(pages)
+        wrong = pages[now != cache.engine.sums.sums[pages]]
+        if len(wrong):
+            _fail(f"host pages {wrong[:8].tolist()} differ from their checksums")
 
 
 def _check_events(cache: HiRadixCache, nodes: list[TreeNode]) -> None:

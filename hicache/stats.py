@@ -24,6 +24,7 @@ class Counters:
     evicted_device_tokens: int = 0
     evicted_host_tokens: int = 0
     transfer_errors: int = 0  # copies whose ack reported an error
+    corrupt_host_tokens: int = 0  # host tokens dropped: their pages changed since written
     match_calls: int = 0
     insert_calls: int = 0
     load_back_calls: int = 0
@@ -56,6 +57,7 @@ class CacheStats:
     evicted_device_tokens: int
     evicted_host_tokens: int
     transfer_errors: int
+    corrupt_host_tokens: int
     match_calls: int
     insert_calls: int
     load_back_calls: int

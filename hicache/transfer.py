@@ -27,6 +27,7 @@ import torch
 
 from hicache.copiers import Copier, CpuCopier, Runs
 from hicache.kernels import page_runs
+from hicache.page_sums import PageSums
 from hicache.pools import DevicePool, HostPool
 from hicache.progress import LayerProgress
 from hicache.types import Ticket
@@ -44,6 +45,15 @@ class Ack:
     ticket: Ticket
     ok: bool  # False: the copy raised; its destination holds garbage
     error: str = ""  # the exception text when not ok
+    corrupt: bool = False  # a load refused: its host pages no longer hold what was written
+
+
+class CorruptPages(RuntimeError):
+    """Host pages whose bytes differ from their checksum (page_sums.py)."""
+
+    def __init__(self, pages: np.ndarray):
+        super().__init__(f"host pages {pages[:8].tolist()} changed since they were written")
+        self.pages = pages
 
 
 @dataclass
@@ -76,6 +86,7 @@ class TransferEngine(ABC):
         self.copier = copier or CpuCopier()  # chosen once, from config.transfer_backend
         self.progress: LayerProgress | None = None  # a shared table loads publish layers to
         self.num_layers = device_pool.config.num_layers
+        self.sums: PageSums | None = None  # host page checksums (config.verify_pages)
         self._next_ticket = 1
 
     def _new_job(
@@ -110,6 +121,18 @@ class TransferEngine(ABC):
             self.device_pool.page_view, self.host_pool.page_view
         )
         self.copier.copy_layer(src, dst, src_pages, dst_pages, runs, layer)
+
+    def check_source(self, job: CopyJob) -> None:
+        """Before a load: raise CorruptPages if a host page it reads changed since written."""
+        if self.sums is not None and job.direction is Direction.LOAD:
+            bad = self.sums.bad(job.host_pages.numpy())
+            if len(bad):
+                raise CorruptPages(bad)
+
+    def seal(self, job: CopyJob) -> None:
+        """After a backup: record the checksums of the host pages it wrote."""
+        if self.sums is not None and job.direction is Direction.BACKUP:
+            self.sums.seal(job.host_pages.numpy())
 
     def run_all(self, job: CopyJob) -> None:
         """Copy every layer of ``job`` at once (a backup: nobody waits on single layers)."""

@@ -13,6 +13,7 @@ Nothing is freed or unlocked until ``poll`` has seen the ack.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ from hicache.node import IOState, TreeNode
 from hicache.transfer import Ack, Direction
 from hicache.types import Ticket
 from hicache.write_policy import make_write_policy
+
+log = logging.getLogger("hicache.cache")
 
 
 @dataclass
@@ -192,6 +195,8 @@ class TransferBookMixin:
             self._backup_done(record, ack.ok)
         else:
             self._load_done(record, ack.ok)
+            if ack.corrupt:
+                self._drop_corrupt_chain(record, ack.error)
 
     def _backup_done(self, record: TransferRecord, ok: bool) -> None:
         for node in record.locked:
@@ -245,6 +250,27 @@ class TransferBookMixin:
                         self.tree.inc_lock(anchor)
             assert node.lock_ref == 0, f"{node}: locked below a failed load"
             self._drop_device(node)
+
+    def _drop_corrupt_chain(self, record: TransferRecord, error: str) -> None:
+        """A load found host pages that changed since they were written (verify_pages): after
+        the failed load's own undo (its device copies dropped), the chain's host copies are
+        garbage too, so each of its nodes leaves the tree with the host-only nodes below it.
+        The engine that asked gets no KV from it and recomputes."""
+        dropped = 0
+        for node in sorted(record.nodes, key=lambda n: -self._depth(n)):  # deepest first
+            if not self.tree.in_tree(node) or node.device_pages is not None:
+                continue
+            self._drop_host_subtrees(node)
+            parent = node.parent
+            self._release_host(node, to_l3=False)
+            node.host_pages = None
+            self.tree.remove_leaf(node)
+            self._push_device(parent)
+            self._push_host(parent)
+            dropped += node.num_tokens
+        self.counters.corrupt_host_tokens += dropped
+        self.counters.evicted_host_tokens += dropped
+        log.warning("dropped %d host tokens whose pages changed since written: %s", dropped, error)
 
     @staticmethod
     def _depth(node: TreeNode) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from hicache.copiers import Copier
 from hicache.pools import DevicePool, HostPool
 from hicache.progress import FAILED
-from hicache.transfer import Ack, CopyJob, Direction, TransferEngine
+from hicache.transfer import Ack, CopyJob, CorruptPages, Direction, TransferEngine
 from hicache.types import Ticket
 
 
@@ -42,13 +42,16 @@ class ThreadTransferEngine(TransferEngine):
             try:
                 if job.direction is Direction.BACKUP:
                     self.run_all(job)  # nobody waits on single layers of a backup
+                    self.seal(job)
                     self._layer_done(job, self.num_layers)
                 else:
+                    self.check_source(job)
                     for layer in range(self.num_layers):
                         self.run_layer(job, layer)
                         self._layer_done(job, layer + 1)
             except Exception as exc:  # a failed copy is reported, never fatal
-                ack = Ack(job.ticket, False, f"{type(exc).__name__}: {exc}")
+                corrupt = isinstance(exc, CorruptPages)
+                ack = Ack(job.ticket, False, f"{type(exc).__name__}: {exc}", corrupt)
                 if job.direction is Direction.LOAD:
                     self._publish(job.ticket, FAILED)
             with self._cond:

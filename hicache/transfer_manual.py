@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from hicache.copiers import Copier
 from hicache.pools import DevicePool, HostPool
 from hicache.progress import FAILED
-from hicache.transfer import Ack, CopyJob, TransferEngine
+from hicache.transfer import Ack, CopyJob, CorruptPages, TransferEngine
 from hicache.types import Ticket
 
 
@@ -61,10 +61,17 @@ class ManualTransferEngine(TransferEngine):
             self._acks.append(Ack(ticket, False, "injected failure"))
             self._publish(ticket, FAILED)
             return
+        try:
+            self.check_source(job)
+        except CorruptPages as exc:
+            self._acks.append(Ack(ticket, False, str(exc), corrupt=True))
+            self._publish(ticket, FAILED)
+            return
         for layer in range(self.num_layers):
             self.run_layer(job, layer)
             job.layers_done = layer + 1
             self._publish(ticket, layer + 1)
+        self.seal(job)
         self._acks.append(Ack(ticket, True))
 
     def complete_all(self) -> None:

@@ -24,6 +24,7 @@ import torch
 from hicache import HiCacheConfig
 from hicache.copiers import Copier, CpuCopier, DirectCopier, KernelCopier
 from hicache.kernels import copy_pages_one_layer, page_runs
+from hicache.page_sums import PageSums
 from hicache.pools import DevicePool, HostPool
 
 PAGES = 1024
@@ -151,8 +152,34 @@ def gpu_table() -> dict:
     return headline
 
 
+def checksum_cost() -> dict:
+    """verify_pages: sealing the pages of a backup (or checking those of a load) against the
+    copy itself, page 16, scattered host pages, both host layouts."""
+    out = {}
+    for layout in ("layer_first", "page_first"):
+        cfg = config(layout, 16)
+        dev, host = DevicePool(cfg), HostPool(cfg)
+        dev.buffer.fill_(1)
+        d, h = patterns(host.num_pages)["scattered"]
+        runs = page_runs(d, h)
+        td, th = torch.from_numpy(d), torch.from_numpy(h)
+        copy_s = best_of(partial(CpuCopier().copy_all, dev.page_view, host.page_view, td, th, runs))
+        sums = PageSums(host.page_view)
+        sum_s = best_of(partial(sums.seal, h))
+        print(
+            f"checksums page_size=16 {layout:12s} copy {copy_s * 1e3:6.2f} ms, seal "
+            f"{sum_s * 1e3:6.2f} ms: +{sum_s / copy_s:.0%} of the copy time"
+        )
+        tag = "" if layout == "layer_first" else f"_{layout}"
+        out[f"verify_cost_vs_copy{tag}"] = round(sum_s / copy_s, 3)
+        dev.close()
+        host.close()
+    return out
+
+
 def main() -> None:
     headline = cpu_table()
+    headline.update(checksum_cost())
     if torch.cuda.is_available():
         headline.update(gpu_table())
     print(json.dumps(headline))

@@ -48,6 +48,7 @@ class TwoMachines(RuleBasedStateMachine):
             cache = make_cache(
                 manual=False, page_size=PS, num_kv_heads=2, head_dim=2,
                 device_tokens=16 * PS, host_tokens=24 * PS, load_back_threshold=0,
+                verify_pages=policy == "write_through",  # fetched pages are sealed too
             )  # fmt: skip
             cfg = L3Config(f"memory://{SPACE}", "m", write_policy=policy, write_threshold=2,
                            breaker_failures=2, breaker_cooldown_s=0.001)  # fmt: skip

@@ -27,6 +27,7 @@ class CacheMachine(RuleBasedStateMachine):
     page_size = 1
     write_policy = "write_through"
     eviction_policy = "lru"
+    verify_pages = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -43,6 +44,7 @@ class CacheMachine(RuleBasedStateMachine):
             eviction_policy=self.eviction_policy,
             load_back_threshold=0,
             write_through_threshold=2,
+            verify_pages=self.verify_pages,
         )
         self.cache = HiRadixCache(self.config, transfer_engine=ManualTransferEngine)
         self.engine: ManualTransferEngine = self.cache.engine  # type: ignore[assignment]
@@ -266,9 +268,10 @@ SETTINGS = settings(
 )
 
 
-def _machine(ps: int, policy: str, eviction: str) -> type[CacheMachine]:
-    name = f"Machine_{policy}_{ps}_{eviction}"
+def _machine(ps: int, policy: str, eviction: str, verify: bool = False) -> type[CacheMachine]:
+    name = f"Machine_{policy}_{ps}_{eviction}_{verify}"
     attrs = {"page_size": ps, "write_policy": policy, "eviction_policy": eviction}
+    attrs["verify_pages"] = verify
     return type(name, (CacheMachine,), attrs)
 
 
@@ -282,5 +285,14 @@ CASES = [
 @pytest.mark.parametrize(("ps", "policy", "eviction"), CASES)
 def test_random_interleavings(ps: int, policy: str, eviction: str) -> None:
     machine = _machine(ps, policy, eviction)
+    machine.TestCase.settings = SETTINGS
+    machine.TestCase().runTest()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_random_interleavings_with_verified_pages(policy: str) -> None:
+    """verify_pages: every host page the tree holds keeps its checksum (check_integrity reads
+    them all after every step), and failed copies never leave a page unsealed."""
+    machine = _machine(4, policy, "lru", verify=True)
     machine.TestCase.settings = SETTINGS
     machine.TestCase().runTest()

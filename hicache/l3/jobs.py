@@ -29,6 +29,7 @@ class Write:
     stored: int = 0  # pages put
     present: int = 0  # pages the store had already
     failed: int = 0  # pages that could not be put
+    corrupt: int = 0  # host pages that changed since written (verify_pages): not put
     error: str = ""  # why the whole write failed (store down, breaker open)
     io_s: float = 0.0
 

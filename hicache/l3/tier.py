@@ -62,6 +62,7 @@ class L3Tier:
         self.chain = KeyChain(identity, cache.page_size)
         self.breaker = Breaker(config.breaker_failures, config.breaker_cooldown_s)
         self.io = IOWorker(store, self.chain, self.pages, self.breaker, config.batch_pages, notify)
+        self.io.page_sums = cache.engine.sums if cache.engine is not None else None
         self.writes: set[Write] = set()
         self.fetches: dict[tuple[Any, bytes], Fetch] = {}
         self.misses: dict[tuple[Any, bytes], float] = {}  # prefixes the store lacked, until
@@ -266,6 +267,8 @@ class L3Tier:
                 start = have - fetch.first
                 mine = pages[start:m]
                 cache.host_alloc.state[mine] = PageState.TREE
+                if cache.engine.sums is not None:  # verified by the store's own checksum
+                    cache.engine.sums.seal(mine)
                 leaf = tree.add_host_leaf(path[-1] if path else root, fetch.key[covered:end], mine)
                 leaf.l3 = True
                 cache._push_host(leaf)

@@ -23,6 +23,7 @@ from hicache.l3.jobs import Fetch, Write
 from hicache.l3.keys import KeyChain
 from hicache.l3.pages import PageSegments, trailer, verify
 from hicache.l3.store import L3Store, StoreDown
+from hicache.page_sums import PageSums
 
 log = logging.getLogger("hicache.l3")
 CLOSE_WAIT_S = 1.0  # how long close() waits for a store call that runs
@@ -50,6 +51,7 @@ class IOWorker:
         self.busy = False
         self.calls = self.call_errors = 0
         self.chunk = max(1, min(batch, CHUNK_BYTES // max(1, pages.page_bytes)))
+        self.page_sums: PageSums | None = None  # host page checksums (verify_pages)
         self.sums = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-sum")
         self.thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
         self.thread.start()
@@ -142,9 +144,14 @@ class IOWorker:
     def _write(self, job: Write) -> None:
         """Put the pages the store lacks, chunk after chunk; the next chunk's checksums are
         computed while this one is put."""
-        digests = self._digests(job, job.first + len(job.pages))[job.first :]
-        names = [KeyChain.name(d) for d in digests]
         pages = job.pages.tolist()
+        if self.page_sums is not None:  # host pages that changed since written stop the write
+            bad = self.page_sums.bad(job.pages)
+            if len(bad):
+                job.corrupt = len(bad)
+                pages = pages[: pages.index(int(bad[0]))]  # the run before the first bad page
+        digests = self._digests(job, job.first + len(pages))[job.first :]
+        names = [KeyChain.name(d) for d in digests]
         todo: list[int] = []  # indices of the pages the store lacks
         for at in range(0, len(names), self.batch):
             have = self._call(self.store.exists, names[at : at + self.batch])
