@@ -6,6 +6,11 @@ told by a lock, not by its pid: each daemon holds an exclusive ``flock`` on its
 ``...-<token>-lock`` file for its whole life. The kernel drops the lock when the process dies,
 however it dies, and the lock means the same in every PID namespace that shares /dev/shm
 (containers), where a pid would name another process or none (and pid 1 is always "alive").
+
+A daemon that keeps its host tier across restarts (``keep_host``) also has a ``...-keep``
+marker: when it is gone, its host segment stays for the next daemon on its endpoint to adopt
+(daemon/snapshot.py) while the marker was touched within ``KEEP_TTL_S``; after that, or once
+adopted, it goes like the rest.
 """
 
 from __future__ import annotations
@@ -14,11 +19,15 @@ import contextlib
 import fcntl
 import os
 import secrets
+import time
 
 from hicache.backing import SHM_DIR
 
 PREFIX = "hicache"
 LOCK = "lock"  # the instance lock's pool name
+KEEP = "keep"  # the marker: this instance's host segment may be adopted after it ends
+HOST = "host"
+KEEP_TTL_S = 24 * 3600.0  # a kept host segment nobody adopted within this goes
 
 
 def instance_token() -> str:
@@ -60,6 +69,34 @@ def _instances(directory: str) -> dict[str, list[str]]:
     return groups
 
 
+def _kept(directory: str, instance: str, names: list[str]) -> set[str]:
+    """The host segment and marker of a dead instance that asked to keep them: while the
+    snapshot its marker names exists and the marker is younger than KEEP_TTL_S."""
+    marker = f"{PREFIX}-{os.getuid()}-{instance}-{KEEP}"
+    host = f"{PREFIX}-{os.getuid()}-{instance}-{HOST}"
+    if marker not in names or host not in names:
+        return set()
+    path = os.path.join(directory, marker)
+    try:
+        age = time.time() - os.stat(path).st_mtime
+        with open(path) as fh:
+            snapshot = fh.read(4096)
+    except (FileNotFoundError, UnicodeDecodeError):
+        return set()
+    if age >= KEEP_TTL_S or not snapshot or not os.path.exists(snapshot):
+        return set()
+    return {marker, host}
+
+
+def mark_kept(token: str, snapshot: str, directory: str = SHM_DIR) -> str:
+    """Create (or touch) this instance's keep marker, naming the snapshot that will say what
+    its host segment holds; returns the marker's path."""
+    path = os.path.join(directory, segment_name(KEEP, token))
+    with open(os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600), "w") as fh:
+        fh.write(snapshot)
+    return path
+
+
 def remove_stale(directory: str = SHM_DIR) -> list[str]:
     """Unlink this user's segments whose daemon is gone (its instance lock is free, or there is
     none); returns their names. Segments of a live daemon are never touched."""
@@ -77,8 +114,11 @@ def remove_stale(directory: str = SHM_DIR) -> list[str]:
             except BlockingIOError:  # alive
                 os.close(fd)
                 continue
+        kept = _kept(directory, instance, names)
         try:  # the lock file goes last: while we hold it, nobody else judges this instance
             for name in sorted(names, key=lambda n: n == lock_name):
+                if name in kept:
+                    continue
                 with contextlib.suppress(FileNotFoundError):  # another cleaner got there first
                     os.unlink(os.path.join(directory, name))
                     removed.append(name)

@@ -37,6 +37,7 @@ from hicache.daemon.metrics import MetricsServer
 from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, segment_name
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
+from hicache.daemon.snapshot import HostKeeper
 from hicache.endpoints import admin_token_path
 from hicache.kv_events import TierEvents
 from hicache.l3.store import LazyStore
@@ -84,6 +85,9 @@ class Daemon:
         self.metrics: MetricsServer | None = None  # /metrics over a snapshot (--metrics-port)
         self.events: EventPublisher | None = None  # KV events for routers (--events-endpoint)
         self.auth = None  # CurveZMQ's ZAP handler thread (--curve-secret-key)
+        self.keeper: HostKeeper | None = None  # keeps the host tier across restarts
+        self._adopt: str | None = None  # the last daemon's host segment to take over
+        self._host: SharedMemoryBacking | None = None
         try:
             self._start(settings)
         except BaseException:
@@ -122,11 +126,15 @@ class Daemon:
                 )
             except zmq.ZMQError as exc:
                 raise EndpointError(f"cannot publish KV events: {exc}") from None
+        self._token = instance_token()
+        self._lock = InstanceLock(self._token)  # taken before any segment exists
+        if settings.keep_host and not settings.engine_tier and cfg.host_enabled:
+            self.keeper = HostKeeper(settings.endpoint, self._token, settings.snapshot_seconds)
+            # the last daemon's host pool, renamed to ours before any clean-up judges it
+            self._adopt = self.keeper.claim(cfg)
         removed = remove_stale()
         if removed:
             log.info("removed %d stale shared-memory segments", len(removed))
-        self._token = instance_token()
-        self._lock = InstanceLock(self._token)  # taken before any segment exists
         self.boot_epoch = secrets.randbits(62) | 1  # never 0: 0 means "no epoch yet"
         info = {
             "boot_epoch": self.boot_epoch,
@@ -184,10 +192,18 @@ class Daemon:
             if cfg.device == "cpu"
             else CudaBacking(cfg.device)
         )
-        host = SharedMemoryBacking(segment_name("host", token)) if cfg.host_enabled else None
+        host = (
+            SharedMemoryBacking(segment_name("host", token), adopt=self._adopt)
+            if cfg.host_enabled
+            else None
+        )
+        self._adopt = None
         backings = [b for b in (device, host) if b is not None]
         try:
             self.cache = HiRadixCache(cfg, device, host)
+            self._host = host
+            if self.keeper is not None:
+                self.keeper.restore(self.cache)
             self.progress = self._share_progress(token)
             l3 = self.settings.l3
             if l3 is not None:
@@ -292,6 +308,9 @@ class Daemon:
                         next_metrics = next_housekeep + METRICS_EVERY_S
                 if self.draining and self._drained():
                     return
+                if self.keeper is not None and self.cache is not None:
+                    if self.keeper.due(self.cache):
+                        self._keep_snapshot()
 
     def _resume(self) -> None:
         """Answer matches that waited for the third tier and may go on now."""
@@ -380,9 +399,26 @@ class Daemon:
             return True
         return False
 
+    def _keep_snapshot(self) -> bool:
+        """Write the host snapshot (never fatal: a failure only costs the next daemon a cold
+        start)."""
+        try:
+            self.keeper.write(self.cache, self._host)
+            return True
+        except Exception:
+            log.exception("host snapshot failed")
+            return False
+
     def close(self) -> None:
         """Refuse new work, finish in-flight copies, free the pools, remove the socket.
         Undoes whatever a start made, however far it got; safe to call twice."""
+        if self.keeper is not None and self.cache is not None and self._host is not None:
+            self.cache.engine.wait(list(self.cache.records))  # the host copies are whole
+            self.cache.poll()
+            if self._keep_snapshot():
+                self._host.keep = True  # left for the next daemon (its marker says so)
+                log.info("host tier kept for the next daemon (%s)", self.keeper.path)
+            self.keeper = None
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

@@ -110,6 +110,18 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
         None,
         "CurveZMQ: the folder of the public .key files of the clients let in (default: off)",
     ),
+    "keep_host": (
+        bool,
+        True,
+        "a clean stop leaves the host pool and a snapshot of its tree; the next daemon on the "
+        "same endpoint with the same KV shape adopts what still verifies",
+    ),
+    "snapshot_seconds": (
+        float,
+        30.0,
+        "with keep_host and verify_pages: a snapshot this often, so that a crash keeps the "
+        "host tier too (0: only at a clean stop)",
+    ),
     "shutdown_timeout": (
         float,
         10.0,
@@ -155,6 +167,8 @@ class DaemonSettings:
     events_topic: str = ""
     events_buffer: int = 10000  # batches kept for replay
     shutdown_timeout: float = 10.0  # the longest a SIGTERM drain lasts
+    keep_host: bool = True  # a clean stop leaves the host pool for the next daemon to adopt
+    snapshot_seconds: float = 30.0  # periodic host snapshots (verify_pages; 0: off)
     curve_secret_key: str | None = None  # CurveZMQ: the daemon's secret key file
     curve_clients: str | None = None  # CurveZMQ: folder of the allowed clients' public keys
 
@@ -388,6 +402,11 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         raise ValueError("events_replay_endpoint: needs events_endpoint")
     curve = {k: daemon[k] for k in ("curve_secret_key", "curve_clients")}
     _check_curve(curve, str(daemon["endpoint"]), events)
+    if not isinstance(daemon["keep_host"], bool):
+        raise ValueError(f"keep_host: expected true or false, got {daemon['keep_host']!r}")
+    every = float(daemon["snapshot_seconds"])
+    if not 0 <= every <= 86400:
+        raise ValueError(f"snapshot_seconds: seconds in [0, 86400], got {every}")
     shutdown_timeout = float(daemon["shutdown_timeout"])
     if not 0 <= shutdown_timeout <= 3600:
         raise ValueError(f"shutdown_timeout: seconds in [0, 3600], got {shutdown_timeout}")
@@ -420,6 +439,8 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         events_topic=str(daemon["events_topic"]),
         events_buffer=buffer,
         shutdown_timeout=shutdown_timeout,
+        keep_host=daemon["keep_host"],
+        snapshot_seconds=every,
         **curve,
         **events,
     )

@@ -103,6 +103,26 @@ class PagedAllocator:
         self.state[pages] = state
         return pages
 
+    def take_pages(self, pages: np.ndarray, state: PageState) -> None:
+        """Claim these particular free pages (a restart adopting what a snapshot names).
+        ValueError, changing nothing, unless they are distinct, in range and free. O(pool)."""
+        pages = np.asarray(pages, dtype=np.int64)
+        if pages.size == 0:
+            return
+        self._flush_group()
+        if (
+            int(pages.min()) < self.reserved_pages
+            or int(pages.max()) >= self.num_pages
+            or self.has_duplicates(pages)
+            or (self.state[pages] != PageState.FREE).any()
+        ):
+            raise ValueError("take_pages: pages must be distinct, in range and free")
+        free = self._stack[: self._top]
+        keep = free[~np.isin(free, pages)]
+        self._stack[: len(keep)] = keep
+        self._top = len(keep)
+        self.state[pages] = state
+
     def check_pages(self, pages: np.ndarray, expected: PageState | None = None) -> None:
         """Raise unless ``pages`` are distinct, in range, allocated (and in ``expected``)."""
         if pages.size == 0:

@@ -151,21 +151,32 @@ class SharedMemoryBacking(Backing):
 
     shareable = True
 
-    def __init__(self, name: str, directory: str = SHM_DIR):
+    def __init__(self, name: str, directory: str = SHM_DIR, adopt: str | None = None):
+        """``adopt``: the path of an existing segment of the right size to take over (renamed
+        to ``name``; its bytes kept) instead of creating one."""
         if "/" in name or not name:
             raise ValueError(f"shared memory name {name!r} must be a plain file name")
         self.name = name
         self.path = os.path.join(directory, name)
+        self.adopt = adopt
+        self.keep = False  # close() leaves the file for a successor (keep_host)
         self._mm: mmap.mmap | None = None
         self._pinned: int | None = None  # base address registered with CUDA, if any
         self.nbytes = 0
 
     def allocate(self, nbytes: int, what: str) -> torch.Tensor:
-        check_ram(nbytes, what)
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        if self.adopt is not None:
+            if os.stat(self.adopt).st_size != max(nbytes, 1):
+                raise ValueError(f"{what}: {self.adopt} is not {nbytes} bytes: not adopted")
+            os.rename(self.adopt, self.path)
+            fd = os.open(self.path, os.O_RDWR)
+        else:
+            check_ram(nbytes, what)
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             try:
-                os.posix_fallocate(fd, 0, max(nbytes, 1))
+                if self.adopt is None:
+                    os.posix_fallocate(fd, 0, max(nbytes, 1))
             except OSError as exc:
                 os.unlink(self.path)
                 raise InsufficientMemoryError(
@@ -187,6 +198,8 @@ class SharedMemoryBacking(Backing):
 
     def close(self) -> None:
         _unmap(self)
+        if self.keep:
+            return
         with contextlib.suppress(FileNotFoundError):  # already removed (close called twice)
             os.unlink(self.path)
 

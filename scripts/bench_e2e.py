@@ -38,7 +38,7 @@ POLICIES = ["write_through", "write_through_selective", "write_back"]
 
 
 def run_cached(endpoint: str, requests, flags: list[str]) -> dict:
-    proc = start_daemon(endpoint, *MODEL, *flags)
+    proc = start_daemon(endpoint, *MODEL, *flags, "--keep-host", "false")
     try:
         with HiCacheClient(endpoint, name="bench-engine") as hc:
             engine = ReferenceEngine(hc)

@@ -67,7 +67,7 @@ def run_trace(folder: Path, requests, pool_tokens: int, l3: list[str]) -> dict:
     longest = max(len(p) for p, _ in requests) // 16 * 16 + 16
     host = max(pool_tokens // 16 * 16, longest + 16)
     sizes = ["--device-tokens", str(longest), "--host-tokens", str(host)]
-    procs = [start_daemon(ep, *SHAPE, *sizes, *l3) for ep in eps]
+    procs = [start_daemon(ep, *SHAPE, *sizes, *l3, "--keep-host", "false") for ep in eps]
     try:
         clients = [HiCacheClient(ep, name=f"engine{i}", timeout_s=60) for i, ep in enumerate(eps)]
         computed, waits = 0, []

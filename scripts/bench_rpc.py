@@ -205,6 +205,8 @@ def main() -> None:
             "262144",
             "--host-ratio",
             "2",
+            "--keep-host",
+            "false",  # a temporary endpoint: nobody will adopt the host pool
         ]
         proc = start_daemon(daemon_ep, *flags)
         observed_ep = f"ipc://{tmp}/observed.sock"

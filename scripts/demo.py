@@ -291,7 +291,7 @@ def run_phase(tmp: str, label: str, flags: Sequence[str], trace: Sequence) -> Ru
     result = RunResult(label)
     t0 = time.perf_counter()
     endpoint = f"ipc://{os.path.join(tmp, 'demo.sock')}"
-    proc = start_daemon(endpoint, *flags)
+    proc = start_daemon(endpoint, *flags, "--keep-host", "false")  # a temporary endpoint
     try:
         serve(endpoint, trace, result, Progress(label, len(trace)))
     finally:

@@ -40,7 +40,7 @@ def start_daemon(
     """A small daemon. ``drain``: its --shutdown-timeout (0: SIGTERM stops at once, as the
     restart tests want; a later --shutdown-timeout in ``extra`` wins)."""
     flags = ("--lease-seconds", str(lease), "--quarantine-seconds", str(quarantine))
-    flags += ("--shutdown-timeout", str(drain))
+    flags += ("--shutdown-timeout", str(drain), "--keep-host", "false")  # (tests that keep: on)
     return launch.start_daemon(endpoint, *flags, *SMALL, *extra)
 
 

@@ -1,0 +1,98 @@
+"""Host snapshots (hicache/host_snapshot.py): a cache over the same host memory adopts what a
+snapshot names and still verifies, and nothing else."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from hicache import host_snapshot
+from tests.conftest import make_cache, put, settle, values_at
+
+SHAPE = dict(page_size=4, device_tokens=64, host_tokens=256)
+
+
+def warm(cache, seqs):  # noqa: ANN001
+    for tokens in seqs:
+        put(cache, tokens)
+        cache.match_prefix(tokens)  # write_through: backed up at the first hit
+        settle(cache)
+    cache.check_integrity()
+
+
+def successor(cache, **extra):  # noqa: ANN001, ANN201
+    """A new cache whose host pool holds the same bytes (the same memory, in a daemon)."""
+    new = make_cache(**{**SHAPE, **extra})
+    new.host_pool.buffer.copy_(cache.host_pool.buffer)
+    return new
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_successor_adopts_the_host_tier_and_serves_the_same_bytes(verify):
+    old = make_cache(**SHAPE, verify_pages=verify)
+    system = list(range(1, 17))
+    seqs = [np.array(system + [100 + i] * 8, np.int32) for i in range(3)]
+    seqs.append(np.array([7] * 12, np.int32))
+    warm(old, seqs)
+    snap = msgpack.unpackb(msgpack.packb(host_snapshot.take(old)))  # as it goes through a file
+    new = successor(old, verify_pages=verify)
+    adopted, dropped = host_snapshot.restore(new, snap)
+    assert (adopted, dropped) == (16 + 3 * 8 + 12, 0)
+    new.check_integrity()
+    assert new.match_prefix(seqs[0]).device_hit_length == 0  # nothing on the device yet
+    for tokens in seqs:
+        m = new.match_prefix(tokens)
+        assert m.device_hit_length + m.host_hit_length == len(tokens)
+        loaded = new.load_back(m.last_host_node)
+        settle(new)
+        slots = torch.cat([m.device_indices, loaded])
+        expect = torch.tensor(tokens * 10 + np.arange(len(tokens)), dtype=torch.float32)
+        assert torch.equal(values_at(new, slots)[0, 0], expect)
+    new.check_integrity()
+    old.close()
+    new.close()
+
+
+def test_a_changed_page_drops_its_node_and_what_hangs_below():
+    old = make_cache(**SHAPE)
+    system = list(range(1, 17))
+    warm(old, [np.array(system + [100 + i] * 8, np.int32) for i in range(2)])
+    warm(old, [np.array([9] * 8, np.int32)])
+    snap = host_snapshot.take(old)
+    new = successor(old)
+    root_node = next(n for n in old.tree.iter_nodes() if n.num_tokens == 16)
+    new.host_pool.page_view[0, 0, int(root_node.host_pages[1]), 0, 0] += 1.0  # reused since
+    adopted, dropped = host_snapshot.restore(new, snap)
+    assert (adopted, dropped) == (8, 16 + 2 * 8)  # only the unrelated prefix stays
+    assert new.match_prefix(np.array([9] * 8, np.int32)).host_hit_length == 8
+    assert new.match_prefix(np.array(system, np.int32)).host_hit_length == 0
+    new.check_integrity()
+    assert new.host_alloc.free_pages == new.host_alloc.capacity_pages - 2
+    old.close()
+    new.close()
+
+
+def test_a_snapshot_of_another_shape_is_refused_and_changes_nothing():
+    old = make_cache(**SHAPE)
+    warm(old, [np.array([3] * 8, np.int32)])
+    snap = host_snapshot.take(old)
+    other = make_cache(**{**SHAPE, "page_size": 8})
+    with pytest.raises(ValueError, match="another host pool"):
+        host_snapshot.restore(other, snap)
+    assert other.host_alloc.free_pages == other.host_alloc.capacity_pages
+    bad = {**snap, "version": 99}
+    with pytest.raises(ValueError, match="version"):
+        host_snapshot.restore(successor(old), bad)
+    # hostile entries (pages out of range, duplicated, a bad namespace) are dropped, not trusted
+    forged = {**snap, "nodes": [[None, b"\0" * 16, np.array([10**6], np.int64).tobytes(),
+                                 np.zeros(1, np.uint64).tobytes()],
+                                [3.5, b"\0" * 16, np.array([1], np.int64).tobytes(),
+                                 np.zeros(1, np.uint64).tobytes()]]}  # fmt: skip
+    new = successor(old)
+    assert host_snapshot.restore(new, forged) == (0, 8)
+    new.check_integrity()
+    old.close()
+    other.close()
+    new.close()
