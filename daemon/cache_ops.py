@@ -202,7 +202,7 @@ class CacheOpsMixin:
         session.loads.intersection_update(self.cache.records)  # those still in flight
         self.limits.check_loads(session, len(session.loads))
         loaded = self.cache.load_back(record.host_node)
-        if loaded is None or not len(loaded):
+        if loaded is None:
             return none
         ticket = self.cache.load_ticket(record.host_node) or 0
         events = self.cache.engine.layer_handles(ticket) if ticket else None
@@ -213,13 +213,26 @@ class CacheOpsMixin:
             ticket, events = 0, None
         elif ticket:
             session.loads.add(ticket)
+        # the match's whole host part: another engine's load may have brought its head to the
+        # device meanwhile, and then this load copied only the rest (loaded)
+        part = self._host_part_slots(record)
         self.cache.inc_lock_ref(record.host_node)  # the lock now covers the loaded part
         self.cache.dec_lock_ref(record.node)
         record.node = record.host_node
-        fields = {"loaded": len(loaded), "ticket": ticket}
+        fields = {"loaded": len(part), "ticket": ticket}
         if events:
             fields["events"] = events  # opaque CUDA IPC handles, one per layer
-        return fields, [slots_frame(loaded)]
+        return fields, [slots_frame(part)]
+
+    def _host_part_slots(self, record: Any) -> np.ndarray:
+        """Device slots of a match's host part, in token order: every node from the match's
+        last device node (exclusive) down to its last host node, all on the device now."""
+        chain, node = [], record.host_node
+        while node is not record.node and node.parent is not None:
+            chain.append(node.device_pages)
+            node = node.parent
+        pages = np.frombuffer(b"".join(reversed(chain)), dtype=np.int64)
+        return self.cache.device_alloc.slots_of_pages(pages)
 
     def insert(self, session: Session, fields: dict, frames: Frames) -> Result:
         """Insert each sequence in turn; a bad one stops the batch with an error reply, and the

@@ -115,7 +115,7 @@ class TwoMachines(RuleBasedStateMachine):
         self.faults.fail_rate, self.faults.lose_rate = fail, lose
         keys = list(space(SPACE).values)
         if corrupt:  # some of the stored values come back with a bit flipped
-            self.faults.corrupt.update(keys[corrupt - 1 :: 4])
+            self.faults.corrupt.update(keys[corrupt - 1 :: 2])
 
     @rule()
     def store_forgets(self) -> None:
