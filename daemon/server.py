@@ -88,6 +88,7 @@ class Daemon:
         self.keeper: HostKeeper | None = None  # keeps the host tier across restarts
         self._adopt: str | None = None  # the last daemon's host segment to take over
         self._host: SharedMemoryBacking | None = None
+        self._worth_keeping = False  # it served (or adopted a kept tier): a stop keeps it
         try:
             self._start(settings)
         except BaseException:
@@ -203,7 +204,7 @@ class Daemon:
             self.cache = HiRadixCache(cfg, device, host)
             self._host = host
             if self.keeper is not None:
-                self.keeper.restore(self.cache)
+                self._worth_keeping = self.keeper.restore(self.cache) > 0
             self.progress = self._share_progress(token)
             l3 = self.settings.l3
             if l3 is not None:
@@ -280,6 +281,7 @@ class Daemon:
 
     def serve(self) -> None:
         """Serve until stop() (or a signal) sets ``stopping``."""
+        self._worth_keeping = True
         next_housekeep = next_metrics = time.monotonic()
         while not self.stopping:
             try:  # blocks up to POLL_MS (RCVTIMEO): one call per message, no separate poll
@@ -412,13 +414,17 @@ class Daemon:
     def close(self) -> None:
         """Refuse new work, finish in-flight copies, free the pools, remove the socket.
         Undoes whatever a start made, however far it got; safe to call twice."""
-        if self.keeper is not None and self.cache is not None and self._host is not None:
+        keeper, self.keeper = self.keeper, None
+        if keeper is not None and self._worth_keeping and self.cache is not None:
+            self.keeper = keeper
             self.cache.engine.wait(list(self.cache.records))  # the host copies are whole
             self.cache.poll()
             if self._keep_snapshot():
                 self._host.keep = True  # left for the next daemon (its marker says so)
-                log.info("host tier kept for the next daemon (%s)", self.keeper.path)
+                log.info("host tier kept for the next daemon (%s)", keeper.path)
             self.keeper = None
+        elif keeper is not None:  # nothing worth keeping: no marker either
+            keeper.forget()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None

@@ -32,7 +32,7 @@ from hicache import host_snapshot
 from hicache.backing import SHM_DIR, SharedMemoryBacking
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
-from hicache.daemon.segments import KEEP, mark_kept
+from hicache.daemon.segments import KEEP, mark_kept, segment_name
 from hicache.endpoints import admin_token_path
 
 log = logging.getLogger("hicache.daemon")
@@ -85,11 +85,12 @@ class HostKeeper:
         self.found = data
         return path
 
-    def restore(self, cache: HiRadixCache) -> None:
-        """Adopt what the claimed snapshot names and still verifies; then forget it."""
+    def restore(self, cache: HiRadixCache) -> int:
+        """Adopt what the claimed snapshot names and still verifies; then forget it. Returns
+        the tokens adopted."""
         data, self.found = self.found, None
         if data is None:
-            return
+            return 0
         t0 = time.perf_counter()
         try:
             adopted, dropped = host_snapshot.restore(cache, data)
@@ -104,6 +105,7 @@ class HostKeeper:
             time.perf_counter() - t0,
         )
         self._discard(str(data["segment"]), keep_segment=True)
+        return adopted
 
     def due(self, cache: HiRadixCache) -> bool:
         """A periodic snapshot is due (only where checksums are maintained)."""
@@ -126,6 +128,11 @@ class HostKeeper:
         os.replace(tmp, self.path)
         mark_kept(self.token, self.path, self.directory)
         self.written += 1
+
+    def forget(self) -> None:
+        """This daemon keeps nothing (a failed start): remove its keep marker."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.directory, segment_name(KEEP, self.token)))
 
     def _discard(self, segment: str | None = None, keep_segment: bool = False) -> None:
         """Remove the snapshot file, and the last daemon's marker (and its host segment, unless
