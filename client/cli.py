@@ -27,6 +27,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
 
 from hicache import __version__
 from hicache.client.capacity_view import plot_capacity, render_capacity
@@ -136,6 +137,29 @@ def _normal(name: str) -> str:
     return name.replace("_", "").replace("-", "").lower()
 
 
+def _seconds(least: float) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+        if not least <= value < float("inf"):  # (nan fails too)
+            raise argparse.ArgumentTypeError(f"{raw}: at least {least:g} seconds")
+        return value
+
+    return parse
+
+
+def _count(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a count") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{raw}: at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="hicache", description="Command-line client of hicache-daemon (no torch import)."
@@ -144,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--endpoint", default=None, help="default: $HICACHE_ENDPOINT or the ipc default"
     )
-    ap.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
+    ap.add_argument(
+        "--timeout", type=_seconds(0.001), default=5.0, help="seconds to wait for a reply"
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("ping", help="check that the daemon answers")
     health = sub.add_parser(
@@ -156,11 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("section", nargs="?", help="one section only (e.g. hits, DevicePool)")
     stats = sub.add_parser("stats", help="all stats")
     stats.add_argument("--json", action="store_true", help="as one JSON object")
-    stats.add_argument("--watch", type=float, metavar="S", help="print again every S seconds")
-    stats.add_argument("-n", "--count", type=int, help="with --watch: this many times")
+    stats.add_argument(
+        "--watch", type=_seconds(0.1), metavar="S", help="print again every S (>= 0.1) seconds"
+    )
+    stats.add_argument("-n", "--count", type=_count, help="with --watch: this many times")
     top = sub.add_parser("top", help="live view: hit ratios, tiers, transfers, sessions")
-    top.add_argument("-i", "--interval", type=float, default=1.0, help="seconds between samples")
-    top.add_argument("-n", "--count", type=int, help="samples to show (default: until ^C)")
+    top.add_argument(
+        "-i", "--interval", type=_seconds(0.1), default=1.0, help="seconds between samples"
+    )
+    top.add_argument("-n", "--count", type=_count, help="samples to show (default: until ^C)")
     top.add_argument("--json", action="store_true", help="one JSON object per sample")
     cap = sub.add_parser("capacity", help="hit ratio against tier size, and a recommendation")
     cap.add_argument("--json", action="store_true", help="as one JSON object")
@@ -197,7 +227,12 @@ def _run(args: argparse.Namespace, conn: Connection) -> int:
         print(f"PONG pid={reply.fields['pid']} epoch={reply.boot_epoch}")
         return 0
     if args.command == "health":
-        reply, _ = conn.call(Op.PING)
+        try:
+            reply, _ = conn.call(Op.PING)
+        except DaemonTimeout:
+            if args.json:  # a probe reading JSON gets JSON either way
+                print(json.dumps({"status": "down", "live": 0, "ready": 0}, sort_keys=True))
+            raise
         state = reply.fields.get("state", "ready")
         out = {
             "status": state,

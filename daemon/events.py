@@ -40,6 +40,7 @@ DUMP = b"dump"
 PIPE_HWM = 100_000  # batches the control thread may run ahead of the publisher thread
 PUB_HWM = 100_000  # batches queued per subscriber before PUB drops them for it
 DUMP_EVENTS = 512  # events per dump batch
+MAX_DUMP_ASKS = 1024  # dump requests waiting at once
 POLL_MS = 100
 
 
@@ -81,7 +82,8 @@ class EventPublisher:
         self.next_seq = 0  # the seq of the next batch (assigned on the control thread)
         self.dropped_batches = 0  # batches the publisher thread could not take
         self.published_batches = 0
-        self.dumps_wanted: collections.deque[bytes] = collections.deque()  # peers asking
+        # peers asking for a dump (a bounded queue: beyond it, the oldest asks are dropped)
+        self.dumps_wanted: collections.deque[bytes] = collections.deque(maxlen=MAX_DUMP_ASKS)
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(
             maxlen=buffer_batches
         )
@@ -132,9 +134,9 @@ class EventPublisher:
         except zmq.Again:
             self.dropped_batches += 1
 
-    def send_dump(self, peer: bytes, events: list[Event]) -> None:
-        """Answer a dump request with ``events`` (everything the tiers hold, made right after
-        the last publish())."""
+    def send_dump(self, peers: list[bytes], events: list[Event]) -> None:
+        """Answer the dump requests of ``peers`` with ``events`` (everything the tiers hold,
+        made right after the last publish()), encoded once for all."""
         ts = time.time()
         payloads = [
             encode_batch(events[i : i + DUMP_EVENTS], ts)
@@ -142,7 +144,8 @@ class EventPublisher:
         ]
         try:
             self._push.send_multipart(
-                [b"D", peer, self.next_seq.to_bytes(8, "big"), *payloads], zmq.NOBLOCK
+                [b"D", msgpack.packb(peers), self.next_seq.to_bytes(8, "big"), *payloads],
+                zmq.NOBLOCK,
             )
         except zmq.Again:
             self.dropped_batches += 1
@@ -187,10 +190,11 @@ class EventPublisher:
             self._send(self._pub, [self.topic, seq, payload])
             self._buffer.append((int.from_bytes(seq, "big"), payload))
         elif frames[0] == b"D":
-            peer, seq = frames[1], frames[2]
-            for payload in frames[3:]:
-                self._send(self._replay, [peer, b"", self.topic, seq, payload])
-            self._send(self._replay, [peer, b"", b"", END_SEQ, b""])
+            seq = frames[2]
+            for peer in msgpack.unpackb(frames[1]):
+                for payload in frames[3:]:
+                    self._send(self._replay, [peer, b"", self.topic, seq, payload])
+                self._send(self._replay, [peer, b"", b"", END_SEQ, b""])
 
     def _serve_request(self, frames: list[bytes]) -> None:
         if len(frames) < 2:

@@ -78,6 +78,12 @@ class L3Waits:
             send([p.identity, reply, *out])
         self.parked = still
 
+    def expire_all(self) -> None:
+        """Every parked match may go on now, with what has arrived (a drain)."""
+        now = time.monotonic()
+        for p in self.parked:
+            p.waiting.deadline = min(p.waiting.deadline, now)
+
     def next_deadline(self) -> float | None:
         return min((p.waiting.deadline for p in self.parked), default=None)
 

@@ -20,11 +20,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(settings.as_dict(), indent=2))
         return 0
     setup_logging(args.log_json, args.log_level)
-    from hicache.daemon.server import EndpointError, run  # zmq and the pools only when serving
+    from hicache.daemon.server import EndpointError, StopDuringStart, run  # (zmq, the pools)
     from hicache.errors import InsufficientMemoryError
 
     try:
         run(settings)
+    except StopDuringStart:
+        print("hicache-daemon: stopped during start-up; nothing left behind", file=sys.stderr)
+        return 0
     except (EndpointError, InsufficientMemoryError, OSError) as exc:
         print(f"hicache-daemon: {exc}", file=sys.stderr)  # one line, no traceback
         return 2

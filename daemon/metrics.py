@@ -11,12 +11,15 @@ tiers as a label; ratios are left to PromQL (``rate(hit) / rate(query)``).
 from __future__ import annotations
 
 import itertools
+import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+log = logging.getLogger("hicache.daemon.metrics")
 LIVE_S = 10.0  # /healthz fails when the control loop has not gone round for this long
 
 # (name, help, stats key) of plain counters
@@ -171,11 +174,14 @@ class MetricsServer:
         try:
             from prometheus_client import CollectorRegistry
         except ImportError:  # health still works; /metrics says what is missing
-            pass
+            log.warning(
+                "prometheus-client is not installed: /metrics answers 501 (pip install "
+                "hicache[metrics]); /healthz and /readyz work"
+            )
         else:
             self._registry = CollectorRegistry(auto_describe=False)
             self._registry.register(self)
-        self.server = ThreadingHTTPServer((host, port), _handler(self))
+        self.server = _Server((host, port), _handler(self))
         self.server.daemon_threads = True
         self.port = self.server.server_port
         self.thread = threading.Thread(
@@ -218,9 +224,25 @@ class MetricsServer:
         self.thread.join(5)
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A scraper that hung up mid-reply: one log line, not a traceback on stderr."""
+        log.debug("metrics client %s: %s", client_address, sys.exc_info()[1])
+
+
 def _handler(owner: MetricsServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = 10  # seconds a client may take to send its request (slow clients go)
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            self._answer(head=True)
+
         def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            self._answer(head=False)
+
+        def _answer(self, head: bool) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 code, body, kind = owner.render()
@@ -233,7 +255,8 @@ def _handler(owner: MetricsServer) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            if not head:
+                self.wfile.write(body)
 
         def log_message(self, *args: object) -> None:  # scrapes are not events worth a line
             pass

@@ -61,6 +61,7 @@ SNDHWM = 64  # replies queued per peer before they are dropped (a client has a f
 HOUSEKEEP_S = 0.05  # acks and leases are looked at least this often
 POLL_MS = int(HOUSEKEEP_S * 1000)
 METRICS_EVERY_S = 1.0  # how often the metrics snapshot is refreshed
+DUMP_EVERY_S = 1.0  # KV event dumps are made at most this often (one serves every asker)
 
 __all__ = ["Daemon", "EndpointError", "bind_address", "run"]
 
@@ -70,6 +71,7 @@ class Daemon:
         self.settings = settings
         self.stopping = False
         self.draining = False  # SIGTERM: finishing up before stopping (see stop())
+        self._next_dump = 0.0  # the earliest the next KV event dump is made
         self.drain_deadline = 0.0
         self.replies_dropped = 0  # replies a peer's full pipe refused (it does not read)
         # what close() undoes, in its order; set as each is made, so a failed start undoes
@@ -244,17 +246,22 @@ class Daemon:
             out["event_batches_dropped"] = self.events.dropped_batches
         return out
 
-    def _publish_events(self) -> None:
-        """Announce the tier changes since the last call; answer waiting dump requests."""
-        tier = None if self.cache is None else self.cache.events
-        if tier is None:
-            return
-        events = tier.take()
-        if events:
-            self.events.publish(events)
-        wanted = self.events.dumps_wanted
-        while wanted:
-            self.events.send_dump(wanted.popleft(), tier.dump(self.cache.tree.iter_nodes()))
+    def _publish_events(self, housekeeping: bool = False) -> None:
+        """Announce the tier changes since the last call. At housekeeping, answer the dump
+        requests waiting (all with one dump, at most one dump per DUMP_EVERY_S: a flood of
+        requests costs the loop no more than that)."""
+        pub, tier = self.events, None if self.cache is None else self.cache.events
+        if tier is not None:
+            events = tier.take()
+            if events:
+                pub.publish(events)
+        if housekeeping and pub.dumps_wanted and time.monotonic() >= self._next_dump:
+            peers = {}
+            while pub.dumps_wanted:
+                peers[pub.dumps_wanted.popleft()] = None
+            dump = [] if tier is None else tier.dump(self.cache.tree.iter_nodes())
+            pub.send_dump(list(peers), dump)  # (no cache yet: nothing held, just the end)
+            self._next_dump = time.monotonic() + DUMP_EVERY_S
 
     def _share_progress(self, token: str) -> SharedMemoryBacking | None:
         """The layer-progress table engines read to wait for single layers of a load."""
@@ -301,7 +308,7 @@ class Daemon:
                 self.handlers.housekeep()
                 self._resume()
                 if self.events is not None:
-                    self._publish_events()
+                    self._publish_events(housekeeping=True)
                 next_housekeep = time.monotonic() + HOUSEKEEP_S
                 if self.metrics is not None:
                     self.metrics.beat(self.draining)
@@ -343,7 +350,8 @@ class Daemon:
             rest = rest[1:]
         header = rest[0] if rest else b""
         waits = self.waits
-        reply, out = self.handlers.handle(header, rest[1:], waits is not None and waits.room())
+        may_wait = waits is not None and waits.room() and not self.draining
+        reply, out = self.handlers.handle(header, rest[1:], may_wait)
         if reply is None:  # a match that waits for the third tier
             waits.park(identity, header, rest[1:], out)  # type: ignore[union-attr, arg-type]
             return
@@ -382,6 +390,8 @@ class Daemon:
             return
         self.draining = self.handlers.draining = True
         self.drain_deadline = time.monotonic() + self.settings.shutdown_timeout
+        if self.waits is not None:  # matches waiting for the third tier: answered now
+            self.waits.expire_all()
         log.info(
             "draining: new sessions refused, exit within %.1f s", self.settings.shutdown_timeout
         )
@@ -389,7 +399,8 @@ class Daemon:
     def _drained(self) -> bool:
         busy = [s for s in self.handlers.sessions if s.owned or s.locks]
         copies = 0 if self.cache is None else len(self.cache.records)
-        if not busy and not copies:
+        parked = self.waits is not None and self.waits.parked  # (answered by the next pass)
+        if not busy and not copies and not parked:
             log.info("drained: no session holds pages or locks, no copy in flight")
             return True
         if time.monotonic() >= self.drain_deadline:
@@ -461,18 +472,30 @@ class Daemon:
             self._claim = None
 
 
+class StopDuringStart(BaseException):
+    """SIGTERM or SIGINT while the daemon was starting: what it made is undone, it exits."""
+
+
+def _stop_during_start(*_: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the undoing is not interrupted again
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise StopDuringStart
+
+
 def run(settings: DaemonSettings) -> None:
-    daemon = Daemon(settings)
-    signal.signal(signal.SIGTERM, daemon.drain)
-    signal.signal(signal.SIGINT, daemon.stop)
-    print(f"hicache-daemon ready on {settings.endpoint} (pid {os.getpid()})", flush=True)
-    if daemon.metrics is not None:
-        host = settings.metrics_host
-        print(f"metrics on http://{host}:{daemon.metrics.port}/metrics", flush=True)
-    if daemon.events is not None:
-        replay = daemon.events.replay_endpoint
-        print(f"KV events on {daemon.events.endpoint}, replay on {replay}", flush=True)
+    signal.signal(signal.SIGTERM, _stop_during_start)
+    signal.signal(signal.SIGINT, _stop_during_start)
+    daemon = Daemon(settings)  # (undoes what it made when interrupted)
     try:
+        signal.signal(signal.SIGTERM, daemon.drain)
+        signal.signal(signal.SIGINT, daemon.stop)
+        print(f"hicache-daemon ready on {settings.endpoint} (pid {os.getpid()})", flush=True)
+        if daemon.metrics is not None:
+            host = settings.metrics_host
+            print(f"metrics on http://{host}:{daemon.metrics.port}/metrics", flush=True)
+        if daemon.events is not None:
+            replay = daemon.events.replay_endpoint
+            print(f"KV events on {daemon.events.endpoint}, replay on {replay}", flush=True)
         daemon.serve()
     finally:
         daemon.close()

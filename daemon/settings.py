@@ -269,6 +269,15 @@ def _enum_types() -> list[type[Enum]]:
     return [v for v in vars(config).values() if isinstance(v, type) and issubclass(v, Enum)]
 
 
+def _address(endpoint: str) -> str:
+    """An endpoint in one spelling: an ipc path made absolute, tcp://*: as loopback."""
+    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+        return "ipc://" + os.path.abspath(endpoint[len("ipc://") :])
+    if endpoint.startswith(("tcp://*:", "tcp://:")):
+        return "tcp://127.0.0.1:" + endpoint.rsplit(":", 1)[1]
+    return endpoint
+
+
 def _check_curve(curve: dict[str, Any], endpoint: str, events: dict[str, Any]) -> None:
     """Both CurveZMQ settings or neither; usable key files; no tcp address other than loopback
     without them (anyone on the network could use the daemon, or read prompts' tokens)."""
@@ -400,6 +409,12 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             raise ValueError(f"{name}: expected tcp://HOST:PORT or ipc://PATH, got {value!r}")
     if events["events_replay_endpoint"] is not None and events["events_endpoint"] is None:
         raise ValueError("events_replay_endpoint: needs events_endpoint")
+    taken = {_address(str(daemon["endpoint"])): "endpoint"}
+    for name, value in events.items():  # an ipc bind would take another socket's path over
+        if value is not None:
+            if _address(value) in taken:
+                raise ValueError(f"{name}: {value} is already the {taken[_address(value)]}")
+            taken[_address(value)] = name
     curve = {k: daemon[k] for k in ("curve_secret_key", "curve_clients")}
     _check_curve(curve, str(daemon["endpoint"]), events)
     if not isinstance(daemon["keep_host"], bool):

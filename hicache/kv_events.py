@@ -24,7 +24,9 @@ device pool, ``CPU`` for the pool of a daemon whose engines own the device tier.
 **How.** The tree calls ``touch(node)`` whenever a node's residency may have changed (pages set
 or dropped, a node added, removed or split, a copy acknowledged); ``take()`` compares each
 touched node's announced state (``node.ev``) with its state now and returns the events of the
-differences, removals first (deepest first), then stores (parents first). Between two
+differences: stores first (parents first), then removals (children first), so a block moving
+from one medium to another is held somewhere throughout; a block removed and cached anew in
+the same batch is in neither. Between two
 ``take()`` calls an untouched node's announced state is its real one (check_integrity).
 
 Not thread-safe: the cache's owner (the daemon's control thread) calls everything here.
@@ -149,22 +151,30 @@ class TierEvents:
             if now != node.ev:
                 changes.append((node, node.ev, now))
         self.dirty.clear()
-        removed: list[Event] = []
-        stored: list[tuple[int, Event]] = []
+        stores: list[tuple[int, Event]] = []
+        removals: list[Event] = []
         for bit, medium in self.mediums.items():
+            new = [n for n, old, now in changes if now & bit and not old & bit]
             gone = [n for n, old, now in changes if old & bit and not now & bit]
-            if gone:
-                hashes = np.concatenate([n.ev_hashes for n in gone])
-                removed.append(BlockRemoved(hashes.tolist(), medium))
-                self.announced[bit] -= len(hashes)
-            for node, old, now in changes:
-                if now & bit and not old & bit:
-                    stored.append((_depth(node), self._stored(node, medium)))
-                    self.announced[bit] += len(node.ev_hashes)
+            # children before parents: nodes that left the tree went leaves first (in the
+            # order they were touched), then the rest deepest first; a node's pages last first
+            left = [n for n in gone if n.parent is None]
+            stay = sorted((n for n in gone if n.parent is not None), key=_depth, reverse=True)
+            gone_hashes = [int(h) for n in left + stay for h in n.ev_hashes[::-1]]
+            new_hashes = {int(h) for n in new for h in self.hashes(n)}
+            again = new_hashes.intersection(gone_hashes)  # cached anew in the same batch
+            for node in new:
+                if not again.issuperset(int(h) for h in node.ev_hashes):
+                    stores.append((_depth(node), self._stored(node, medium)))
+            kept = [h for h in gone_hashes if h not in again]
+            if kept:
+                removals.append(BlockRemoved(kept, medium))
+            self.announced[bit] += len(new_hashes) - len(gone_hashes)
         for node, _, now in changes:
             node.ev = now
-        stored.sort(key=lambda pair: pair[0])  # parents before children
-        return removed + [event for _, event in stored]
+        stores.sort(key=lambda pair: pair[0])  # parents before children
+        # stores first: a block moving between mediums is never held by neither in between
+        return [event for _, event in stores] + removals
 
     def _stored(self, node: TreeNode, medium: str) -> BlockStored:
         return BlockStored(

@@ -86,7 +86,7 @@ def test_top_on_a_terminal_stats_watch_and_tree(tmp_path):
             assert "interval" in last and "chat-engine" in last
             # 6 prompts of 48: 5 * 40 device hits of 288 asked
             assert f"{200 / 288:5.3f}" in last
-            argv = [*CLI, "--endpoint", ep, "stats", "--watch", "0.05", "-n", "3", "--json"]
+            argv = [*CLI, "--endpoint", ep, "stats", "--watch", "0.1", "-n", "3", "--json"]
             watch = subprocess.run(argv, capture_output=True, text=True, timeout=60)
             samples = [json.loads(line) for line in watch.stdout.splitlines()]
             assert len(samples) == 3 and all(s["hit_device_tokens"] == 200 for s in samples)
