@@ -16,7 +16,8 @@ pipe (never blocking: when that thread is hopelessly behind the batch is dropped
 counted, a gap a consumer sees in ``seq``). The publisher thread owns the PUB and ROUTER
 sockets; PUB drops what a slow subscriber does not take (its high-water mark), so no
 subscriber ever slows the daemon. A dump is made by the control thread (it owns the tree),
-asked for by the publisher thread through ``dumps_wanted``.
+asked for by the publisher thread through ``dumps_wanted`` (bounded), at most one a second,
+and one dump answers every peer that asked.
 """
 
 from __future__ import annotations
