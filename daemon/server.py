@@ -33,6 +33,7 @@ from hicache.daemon.events import EventPublisher
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.l3_waits import WAKE_ID, L3Waits
 from hicache.daemon.limits import SessionLimits
+from hicache.daemon.memory_trim import MemoryTrim
 from hicache.daemon.metrics import MetricsServer
 from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, segment_name
 from hicache.daemon.sessions import SessionTable
@@ -72,6 +73,7 @@ class Daemon:
         self.stopping = False
         self.draining = False  # SIGTERM: finishing up before stopping (see stop())
         self._next_dump = 0.0  # the earliest the next KV event dump is made
+        self._trim = MemoryTrim()  # freed heap back to the system when quiet
         self.drain_deadline = 0.0
         self.replies_dropped = 0  # replies a peer's full pipe refused (it does not read)
         # what close() undoes, in its order; set as each is made, so a failed start undoes
@@ -297,6 +299,7 @@ class Daemon:
                 frames = None
                 if self.handlers.capacity is not None:  # quiet: nobody waits for the loop
                     self.handlers.capacity.run(IDLE_BUDGET_S)
+                self._trim.maybe()
             if frames:
                 if frames[0] == WAKE_ID:  # the third tier finished something
                     self._resume()
@@ -307,6 +310,7 @@ class Daemon:
             if time.monotonic() >= next_housekeep:
                 self.handlers.housekeep()
                 self._resume()
+                self._trim.maybe()  # (every TRIM_EVERY_S at most)
                 if self.events is not None:
                     self._publish_events(housekeeping=True)
                 next_housekeep = time.monotonic() + HOUSEKEEP_S
