@@ -59,6 +59,7 @@ COPY_BELOW = 1 << 20
 # ones stay in zmq's buffer, read through a memoryview (a batch of prompts: no 500 KiB copy).
 KEEP_FROM = 1 << 16
 SNDHWM = 64  # replies queued per peer before they are dropped (a client has a few in flight)
+RCVHWM = 64  # requests queued per peer before zmq stops reading from it (it waits, we don't)
 HOUSEKEEP_S = 0.05  # acks and leases are looked at least this often
 POLL_MS = int(HOUSEKEEP_S * 1000)
 METRICS_EVERY_S = 1.0  # how often the metrics snapshot is refreshed
@@ -110,6 +111,7 @@ class Daemon:
         self.sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
         self.sock.setsockopt(zmq.SNDTIMEO, 0)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)  # bounds what a peer that never reads pins
+        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)  # ... and what a flooding peer queues here
         if settings.curve:
             self._secure(self.sock)
         self._bind(settings.endpoint)

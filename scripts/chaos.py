@@ -19,7 +19,8 @@ On loopback only, bounded in time and counts. What runs at once:
 At the end every engine is killed, and after lease + quarantine the daemon must hold nothing
 for them. The last line is one JSON object: clients, kills, fuzzed_requests,
 integrity_failures, leaked_pages, leaked_locks, wrong_bytes, internal_errors,
-rss_growth_ratio (daemon RSS at the end over after warm-up, within its last life) and match
+rss_growth_ratio (daemon RSS once everything stopped over after warm-up, within its last life;
+the peak, with request queues in flight, beside it) and match
 p99 during the storm against a quiet run.
 """
 
@@ -362,12 +363,27 @@ def main(argv: list[str] | None = None) -> dict:
         )
         pause_at = {t0 + args.seconds * f for f in (0.1, 0.5)}
         life_start = time.monotonic()
+        flood = False  # the second phase: the engines gone, the fuzzers flat out
+        warm_s = 5.0 if args.short else 30.0
         while True:
             now = time.monotonic()
             done_kills = report["kills"] >= args.kills
             done_fuzz = sent.value >= args.fuzz
             if (done_kills and done_fuzz and now - t0 > 5) or now - t0 > args.seconds:
                 break
+            if done_kills and not flood and not args.short and now - t0 > 5:
+                flood = True  # the storm is over: the rest of the fuzzing at full speed
+                stop.set()
+                for p in engines:
+                    p.kill()
+                    p.join()
+                more = [
+                    ctx.Process(target=fuzzer_main, args=(ep, args.fuzz, sent, s))
+                    for s in range(2, 4)
+                ]
+                for p in more:
+                    p.start()
+                fuzzers += more
             if not done_kills:
                 victim = rng.randrange(len(engines))
                 engines[victim].kill()
@@ -408,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if s is None or s.get("integrity") != "ok":
                     failures += 1
                     print(f"integrity: {None if s is None else s.get('integrity')}", flush=True)
-                if now - life_start > min(5.0, args.seconds / 10):  # after warm-up
+                if now - life_start > warm_s:  # after warm-up
                     rss.append(psutil.Process(daemon.pid).memory_info().rss)
             time.sleep(kill_every)
         stop.set()
@@ -416,8 +432,11 @@ def main(argv: list[str] | None = None) -> dict:
             p.kill()
             p.join()
         probe.join()
-        time.sleep(LEASE_S + QUARANTINE_S + 1.0)  # every dead engine's lease, then quarantine
+        # every dead engine's lease, then its quarantine; and a quiet spell long enough for
+        # the daemon to give freed heap back (daemon/memory_trim.py)
+        time.sleep(max(LEASE_S + QUARANTINE_S + 1.0, 11.0))
         end = admin.stats(check=True) or {}
+        rss_end = psutil.Process(daemon.pid).memory_info().rss
         checks += 1
         failures += end.get("integrity") != "ok"
         report.update(
@@ -438,8 +457,10 @@ def main(argv: list[str] | None = None) -> dict:
             internal_errors=end.get("errors_by_code", {}).get("INTERNAL", 0)
             + end.get("housekeep_errors", 0),
             rss_start_mb=round(rss[0] / 2**20, 1) if rss else None,
-            rss_end_mb=round(rss[-1] / 2**20, 1) if rss else None,
-            rss_growth_ratio=round(rss[-1] / rss[0], 3) if len(rss) > 1 else 1.0,
+            rss_peak_mb=round(max(rss) / 2**20, 1) if rss else None,  # queues in flight too
+            rss_end_mb=round(rss_end / 2**20, 1),  # once every engine and peer is gone
+            rss_growth_ratio=round(rss_end / rss[0], 3) if rss else 1.0,
+            rss_mb_series=[round(r / 2**20) for r in rss[:: max(1, len(rss) // 8)]],
             match_p99_quiet_ms=p99_ms(quiet),
             match_p99_storm_ms=p99_ms(storm),
             seconds=round(time.monotonic() - t0, 1),
