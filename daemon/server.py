@@ -135,10 +135,13 @@ class Daemon:
                 raise EndpointError(f"cannot publish KV events: {exc}") from None
         self._token = instance_token()
         self._lock = InstanceLock(self._token)  # taken before any segment exists
+        keeper = HostKeeper(settings.endpoint, self._token, settings.snapshot_seconds)
         if settings.keep_host and not settings.engine_tier and cfg.host_enabled:
-            self.keeper = HostKeeper(settings.endpoint, self._token, settings.snapshot_seconds)
+            self.keeper = keeper
             # the last daemon's host pool, renamed to ours before any clean-up judges it
             self._adopt = self.keeper.claim(cfg)
+        else:  # this daemon keeps nothing: what its endpoint's last daemon kept is freed
+            keeper.discard_previous()
         removed = remove_stale()
         if removed:
             log.info("removed %d stale shared-memory segments", len(removed))
@@ -501,7 +504,8 @@ def run(settings: DaemonSettings) -> None:
             print(f"metrics on http://{host}:{daemon.metrics.port}/metrics", flush=True)
         if daemon.events is not None:
             replay = daemon.events.replay_endpoint
-            print(f"KV events on {daemon.events.endpoint}, replay on {replay}", flush=True)
+            where = f", replay on {replay}" if replay else ""
+            print(f"KV events on {daemon.events.endpoint}{where}", flush=True)
         daemon.serve()
     finally:
         daemon.close()

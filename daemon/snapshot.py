@@ -129,6 +129,18 @@ class HostKeeper:
         mark_kept(self.token, self.path, self.directory)
         self.written += 1
 
+    def discard_previous(self) -> None:
+        """Free what the endpoint's last daemon kept (this one will not adopt it)."""
+        try:
+            with open(self.path, "rb") as fh:
+                segment = msgpack.unpackb(fh.read(MAX_SNAPSHOT_BYTES))["segment"]
+        except FileNotFoundError:
+            return
+        except Exception:  # noqa: BLE001 (unreadable: the file goes, the clean-up does the rest)
+            segment = None
+        log.info("freeing the host tier the last daemon on this endpoint kept")
+        self._discard(segment if isinstance(segment, str) else None)
+
     def forget(self) -> None:
         """This daemon keeps nothing (a failed start): remove its keep marker."""
         with contextlib.suppress(FileNotFoundError):

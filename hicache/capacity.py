@@ -593,10 +593,14 @@ def recommend(points: Sequence[TierPoint], flat: float = 0.01) -> str:
                 f"adds < {flat:g}"
             )
         elif best.factor < 1:
+            cost = (
+                f"the same {what} hit ratio ({value(now):.2f})"
+                if f"{value(best):.2f}" == f"{value(now):.2f}"
+                else f"{what} hit ratio {value(best):.2f} instead of {value(now):.2f}"
+            )
             lines.append(
-                f"{tier} tier could shrink to {best.factor:g}x ({pages(best)} pages): {what} "
-                f"hit ratio {value(best):.2f} instead of {value(now):.2f}; even "
-                f"{top.factor:g}x adds < {flat:g}"
+                f"{tier} tier could shrink to {best.factor:g}x ({pages(best)} pages) with "
+                f"{cost}; even {top.factor:g}x adds < {flat:g}"
             )
         else:
             lines.append(

@@ -341,8 +341,8 @@ def test_recommend_names_the_knee():
     )
     flat = points([0.6, 0.7, 0.7, 0.705, 0.705, 0.705], [0.3, 0.5, 0.6, 0.6, 0.6, 0.6])
     assert recommend(flat) == (
-        "host tier could shrink to 0.5x (2000 pages): host+device hit ratio 0.70 instead of "
-        "0.70; even 8x adds < 0.01. device tier is where gains flatten: device hit ratio "
+        "host tier could shrink to 0.5x (2000 pages) with the same host+device hit ratio "
+        "(0.70); even 8x adds < 0.01. device tier is where gains flatten: device hit ratio "
         "0.60; 8x would add < 0.01."
     )
     with pytest.raises(ValueError, match="factor 1"):

@@ -123,3 +123,19 @@ def test_a_failed_start_keeps_nothing(tmp_path):
             start_daemon(f"ipc://{tmp_path}/f.sock", *KEEP, "--metrics-port", str(port))
     assert not os.path.exists(f"{tmp_path}/f.sock.snapshot")
     assert {n for n in os.listdir("/dev/shm") if n.startswith("hicache-")} <= before
+
+
+def test_a_daemon_that_keeps_nothing_frees_what_its_endpoint_kept(tmp_path):
+    ep = f"ipc://{tmp_path}/n.sock"
+    first = start_daemon(ep, *KEEP)
+    try:
+        backed_up(ep, [list(range(1, 17))])
+    finally:
+        stop_daemon(first)
+    assert sorted(n.rsplit("-", 1)[1] for n in shm_of(first.pid)) == ["host", "keep"]
+    second = start_daemon(ep, "--keep-host", "false")
+    try:
+        assert not shm_of(first.pid)  # freed at once, not left for a day
+        assert not os.path.exists(f"{tmp_path}/n.sock.snapshot")
+    finally:
+        stop_daemon(second)
