@@ -109,22 +109,6 @@ def test_after_a_crash_the_last_periodic_snapshot_is_adopted(tmp_path):
         stop_daemon(second)
 
 
-def test_a_failed_start_keeps_nothing(tmp_path):
-    import socket
-
-    import pytest
-
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        before = set(os.listdir("/dev/shm"))
-        with pytest.raises(RuntimeError, match="cannot serve metrics"):
-            start_daemon(f"ipc://{tmp_path}/f.sock", *KEEP, "--metrics-port", str(port))
-    assert not os.path.exists(f"{tmp_path}/f.sock.snapshot")
-    assert {n for n in os.listdir("/dev/shm") if n.startswith("hicache-")} <= before
-
-
 def test_a_daemon_that_keeps_nothing_frees_what_its_endpoint_kept(tmp_path):
     ep = f"ipc://{tmp_path}/n.sock"
     first = start_daemon(ep, *KEEP)
