@@ -256,7 +256,7 @@ def silent_peer_main(endpoint: str) -> None:
     while True:
         try:
             sock.send_multipart([b"", ping], zmq.NOBLOCK)
-        except zmq.Again:
+        except zmq.Again:  # its own queue is full too: it just keeps trying
             pass
         time.sleep(0.002)
 
@@ -284,22 +284,27 @@ class Admin:
 
 
 def match_latencies(endpoint: str, seconds: float, stop: threading.Event) -> list[float]:
+    """Match round trips every 10 ms until ``seconds`` pass or ``stop``; a daemon restart or a
+    lost lease costs a new session, not the rest of the samples."""
     out: list[float] = []
-    conn = Connection(endpoint, 5.0)
-    try:
-        conn.session = conn.call(Op.HELLO, hello_fields("probe", False, endpoint))[0].fields[
-            "session"
-        ]
-        prompt = np.concatenate([SYSTEMS[0], np.arange(1, 9, dtype=np.int32)])
-        end = time.monotonic() + seconds
-        while time.monotonic() < end and not stop.is_set():
+    prompt = np.concatenate([SYSTEMS[0], np.arange(1, 9, dtype=np.int32)])
+    end = time.monotonic() + seconds
+    conn: Connection | None = None
+    while time.monotonic() < end and not stop.is_set():
+        try:
+            if conn is None:
+                conn = Connection(endpoint, 5.0)
+                hello = hello_fields("probe", False, endpoint)
+                conn.session = conn.call(Op.HELLO, hello)[0].fields["session"]
             t0 = time.perf_counter()
             conn.call(Op.MATCH, {"lengths": [len(prompt)], "lock": False}, [prompt])
             out.append(time.perf_counter() - t0)
-            time.sleep(0.01)
-    except (DaemonError, DaemonTimeout, OSError):
-        pass
-    finally:
+        except (DaemonError, DaemonTimeout, OSError):  # between daemon lives: start again
+            if conn is not None:
+                conn.close()
+            conn = None
+        time.sleep(0.01)
+    if conn is not None:
         conn.close()
     return out
 
