@@ -327,8 +327,7 @@ class Daemon:
                 if self.draining and self._drained():
                     return
                 if self.keeper is not None and self.cache is not None:
-                    if self.keeper.due(self.cache):
-                        self._keep_snapshot()
+                    self._periodic_snapshot()
 
     def _resume(self) -> None:
         """Answer matches that waited for the third tier and may go on now."""
@@ -421,6 +420,15 @@ class Daemon:
             return True
         return False
 
+    def _periodic_snapshot(self) -> None:
+        """Start a periodic host snapshot when due; finish one whose sums are in. Never fatal."""
+        try:
+            self.keeper.poll(self.cache, self._host)
+            if self.keeper.due():
+                self.keeper.start(self.cache, self._host)
+        except Exception:
+            log.exception("host snapshot failed")
+
     def _keep_snapshot(self) -> bool:
         """Write the host snapshot (never fatal: a failure only costs the next daemon a cold
         start)."""
@@ -435,6 +443,8 @@ class Daemon:
         """Refuse new work, finish in-flight copies, free the pools, remove the socket.
         Undoes whatever a start made, however far it got; safe to call twice."""
         keeper, self.keeper = self.keeper, None
+        if keeper is not None:
+            keeper.close(self.cache)  # nothing reads the host pool behind our back from here
         if keeper is not None and self._worth_keeping and self.cache is not None:
             self.keeper = keeper
             self.cache.engine.wait(list(self.cache.records))  # the host copies are whole

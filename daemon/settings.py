@@ -119,8 +119,9 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
     "snapshot_seconds": (
         float,
         30.0,
-        "with keep_host and verify_pages: a snapshot this often, so that a crash keeps the "
-        "host tier too (0: only at a clean stop)",
+        "with keep_host: a snapshot this often, so that a crash keeps the host tier too "
+        "(summed on a worker thread unless verify_pages keeps the checksums; 0: only at a "
+        "clean stop)",
     ),
     "shutdown_timeout": (
         float,
@@ -168,7 +169,7 @@ class DaemonSettings:
     events_buffer: int = 10000  # batches kept for replay
     shutdown_timeout: float = 10.0  # the longest a SIGTERM drain lasts
     keep_host: bool = True  # a clean stop leaves the host pool for the next daemon to adopt
-    snapshot_seconds: float = 30.0  # periodic host snapshots (verify_pages; 0: off)
+    snapshot_seconds: float = 30.0  # periodic host snapshots (0: only at a clean stop)
     curve_secret_key: str | None = None  # CurveZMQ: the daemon's secret key file
     curve_clients: str | None = None  # CurveZMQ: folder of the allowed clients' public keys
 

@@ -76,6 +76,9 @@ class PagedAllocator:
         self._scratch = np.zeros(num_pages, dtype=np.int64)  # for has_duplicates
         self._order = np.arange(num_pages, dtype=np.int64)
         self._offsets = np.arange(page_size, dtype=np.int64)  # slot offsets within a page
+        # pages freed since watch_frees() (a snapshot summing pages off-thread checks that
+        # none of its pages was reused meanwhile); None when nobody watches
+        self.freed: np.ndarray | None = None
 
     # ---- queries ------------------------------------------------------------------------
     @property
@@ -181,8 +184,17 @@ class PagedAllocator:
         self.check_pages(pages, expected)
         self.release(pages)
 
+    def watch_frees(self) -> None:
+        """Start marking freed pages in ``freed`` (anew: earlier marks are cleared)."""
+        self.freed = np.zeros(self.num_pages, dtype=bool)
+
+    def unwatch_frees(self) -> None:
+        self.freed = None
+
     def release(self, pages: np.ndarray) -> None:
         """Return pages known to be allocated (internal fast path, no checks)."""
+        if self.freed is not None:
+            self.freed[pages] = True
         if len(pages) == 1 and self._group is None:  # the usual partial tail page
             page = int(pages[0])
             self.state[page] = FREE

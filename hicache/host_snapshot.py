@@ -10,13 +10,19 @@ root), becomes a host-only node again; the rest is dropped (a page reused after 
 snapshot, a node whose parent went). Nothing is trusted that is not verified: at worst the
 cache starts colder than it could.
 
+``take`` does it all at once. A daemon without maintained checksums splits it so that reading
+a large pool's bytes does not stall requests: ``list_host`` on the cache thread, with the host
+allocator watching frees; ``sum_pages`` on another thread; ``seal`` back on the cache thread
+leaves out every node one of whose pages was freed meanwhile (its bytes may be another
+prefix's by now, and the checksum would vouch for them).
+
 The snapshot is plain data (msgpack-able); where it is kept and which memory it goes with is
-the daemon's business (daemon/snapshot.py). Both functions run on the cache's thread.
+the daemon's business (daemon/snapshot.py). ``restore`` runs on the cache's thread.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,15 +63,20 @@ def _plain(value: Any) -> Any:
     return value.value if hasattr(value, "value") else value
 
 
-def take(cache: HiRadixCache) -> dict[str, Any]:
-    """The host tier's nodes (parents first) with their pages' checksums. Reads the pages'
-    bytes unless verify_pages keeps the checksums already."""
+@dataclass
+class Listing:
+    """The host tier's nodes at one moment, waiting for their pages' checksums."""
+
+    nodes: list[tuple[str, bytes, np.ndarray]]  # (namespace, tokens from the root, host pages)
+    pages: np.ndarray  # every listed page, in node order (int64)
+    sums: np.ndarray | None = None  # their checksums, once computed (uint64)
+
+
+def list_host(cache: HiRadixCache) -> Listing:
+    """The nodes whose host copy is readable (not being written by a backup), parents first.
+    Cache thread; reads only."""
     if cache.host_pool is None:
-        raise ValueError("take: the cache has no host tier")
-    sums = cache.engine.sums if cache.engine is not None else None
-    fresh = sums is None
-    if fresh:
-        sums = PageSums(cache.host_pool.page_view)
+        raise ValueError("snapshot: the cache has no host tier")
     nodes, pb = [], cache.tree.page_bytes
     for node in cache.tree.iter_nodes():  # parents before children
         if node.host_pages is None or node.io is IO_BACKUP:
@@ -74,12 +85,48 @@ def take(cache: HiRadixCache) -> dict[str, Any]:
         while up.parent is not None:
             key.append(up.key)
             up = up.parent
-        pages = np.asarray(node.host_pages, dtype=np.int64)
-        page_sums = sums.compute(pages) if fresh else sums.sums[pages]
         full = b"".join(reversed(key))
         assert len(full) % pb == 0
-        nodes.append([node.namespace, full, pages.tobytes(), page_sums.astype("<u8").tobytes()])
-    return {"version": VERSION, "identity": identity(cache.config), "nodes": nodes}
+        pages = np.asarray(node.host_pages, dtype=np.int64)
+        nodes.append((node.namespace, full, pages))
+    every = np.concatenate([p for _, _, p in nodes]) if nodes else np.zeros(0, np.int64)
+    return Listing(nodes, every)
+
+
+def sum_pages(cache: HiRadixCache, listing: Listing, computer: PageSums | None = None) -> None:
+    """Fill ``listing.sums``: the maintained checksums under verify_pages (cache thread), else
+    computed from the pages' bytes now by ``computer`` (a PageSums over the host pool; any
+    thread: it only reads the pool; a page freed and rewritten meanwhile gets a wrong sum,
+    which ``seal`` leaves out)."""
+    sums = cache.engine.sums if cache.engine is not None else None
+    if sums is not None:
+        listing.sums = sums.sums[listing.pages]
+        return
+    computer = computer or PageSums(cache.host_pool.page_view)
+    listing.sums = computer.compute(listing.pages)
+
+
+def seal(cache: HiRadixCache, listing: Listing, freed: np.ndarray | None = None) -> dict[str, Any]:
+    """The snapshot of ``listing`` (plain data). ``freed``: pages freed since the listing was
+    made (the allocator's watch); a node with such a page is left out, so a checksum never
+    vouches for bytes that another prefix wrote. Cache thread."""
+    assert listing.sums is not None, "sum_pages first"
+    out, at = [], 0
+    for namespace, full, pages in listing.nodes:
+        page_sums = listing.sums[at : at + len(pages)]
+        at += len(pages)
+        if freed is not None and freed[pages].any():
+            continue  # (what hangs below goes at restore: its parent is missing)
+        out.append([namespace, full, pages.tobytes(), page_sums.astype("<u8").tobytes()])
+    return {"version": VERSION, "identity": identity(cache.config), "nodes": out}
+
+
+def take(cache: HiRadixCache) -> dict[str, Any]:
+    """The host tier's nodes (parents first) with their pages' checksums, all at once on the
+    cache thread. Reads the pages' bytes unless verify_pages keeps the checksums already."""
+    listing = list_host(cache)
+    sum_pages(cache, listing)
+    return seal(cache, listing)
 
 
 def restore(cache: HiRadixCache, snapshot: dict[str, Any]) -> tuple[int, int]:
@@ -90,8 +137,7 @@ def restore(cache: HiRadixCache, snapshot: dict[str, Any]) -> tuple[int, int]:
         raise ValueError(f"snapshot version {snapshot.get('version')!r}, expected {VERSION}")
     if snapshot.get("identity") != identity(cache.config):
         raise ValueError(
-            f"snapshot of another host pool: {snapshot.get('identity')} != "
-            f"{identity(cache.config)}"
+            f"snapshot of another host pool: {snapshot.get('identity')} != {identity(cache.config)}"
         )
     if cache.host_alloc.free_pages != cache.host_alloc.capacity_pages:
         raise ValueError("restore: the host tier is not empty")

@@ -96,3 +96,39 @@ def test_a_snapshot_of_another_shape_is_refused_and_changes_nothing():
     old.close()
     other.close()
     new.close()
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_page_reused_while_summed_in_the_background_is_left_out(guarded):
+    """A periodic snapshot lists nodes, then sums their pages off the cache thread. A page
+    freed and rewritten in between must not be vouched for: seal leaves its node out (without
+    the allocator's watch, the successor would adopt another prefix's bytes)."""
+    shape = dict(page_size=4, device_tokens=32, host_tokens=40)
+    old = make_cache(**shape)
+    a = np.arange(1, 33, dtype=np.int32)
+    warm(old, [a])
+    old.host_alloc.watch_frees()
+    listing = host_snapshot.list_host(old)
+    assert [len(p) for _, _, p in listing.nodes] == [8]
+    warm(old, [np.arange(1000, 1032, dtype=np.int32)])  # evicts a on both tiers, reuses its pages
+    assert old.match_prefix(a).host_hit_length == 0
+    freed = old.host_alloc.freed
+    assert freed is not None and freed[listing.pages].all()
+    host_snapshot.sum_pages(old, listing)  # (what the keeper's thread does)
+    snap = host_snapshot.seal(old, listing, freed if guarded else None)
+    old.host_alloc.unwatch_frees()
+    new = make_cache(**shape)
+    new.host_pool.buffer.copy_(old.host_pool.buffer)
+    adopted, _ = host_snapshot.restore(new, snap)
+    if guarded:
+        assert (adopted, snap["nodes"]) == (0, [])
+    else:  # what the guard prevents: a's tokens served with the other prefix's KV
+        assert adopted == 32
+        m = new.match_prefix(a)
+        loaded = new.load_back(m.last_host_node)
+        settle(new)
+        expect = torch.tensor(a * 10 + np.arange(32), dtype=torch.float32)
+        assert not torch.equal(values_at(new, loaded)[0, 0], expect)
+    new.check_integrity()
+    old.close()
+    new.close()
