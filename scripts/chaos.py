@@ -10,7 +10,8 @@ On loopback only, bounded in time and counts. What runs at once:
   some with SIGSTOP for longer than their lease (but within lease + quarantine: a writer stalled
   past that could write pages given to others, which no shared-memory design can prevent);
 - pauses the daemon (SIGSTOP) and restarts it (SIGKILL, then a new one) under attached
-  engines, who must re-attach;
+  engines, who must re-attach; the new daemon adopts the host tier of the last periodic
+  snapshot (one a second), and the engines check those bytes like any others;
 - peers that send requests and never read a reply;
 - a fuzzer sending structure-aware mutations (``--fuzz`` in all): valid requests with fields
   of the wrong type or size, hostile lengths, wrong frame counts, huge batches, broken msgpack;
@@ -31,6 +32,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -50,6 +52,7 @@ from hicache.client.connection import (
     hello_fields,
 )
 from hicache.daemon.launch import start_daemon, stop_daemon
+from hicache.daemon.snapshot import HostKeeper
 from hicache.protocol import PROTOCOL_VERSION, Op
 
 LEASE_S, QUARANTINE_S = 2.0, 2.0
@@ -57,8 +60,9 @@ PS, LAYERS, HEADS, DIM = 4, 2, 2, 4
 SHAPE = ["--num-layers", str(LAYERS), "--num-kv-heads", str(HEADS), "--head-dim", str(DIM),
          "--dtype", "float32", "--page-size", str(PS), "--load-back-threshold", "1",
          "--lease-seconds", str(LEASE_S), "--quarantine-seconds", str(QUARANTINE_S),
-         "--session-owned-fraction", "0.25", "--keep-host", "false",
+         "--session-owned-fraction", "0.25", "--keep-host", "true", "--snapshot-seconds", "1",
          "--shutdown-timeout", "0"]  # fmt: skip
+ADOPTED = re.compile(r"adopted (\d+) host tokens")
 SYSTEMS = [np.random.default_rng(s).integers(1, 30000, 48).astype(np.int32) for s in range(4)]
 # per engine counters in shared memory (they survive SIGKILL): ops, wrong bytes, reconnects
 OPS, WRONG, RECONNECTS, READ = range(4)
@@ -334,7 +338,12 @@ def main(argv: list[str] | None = None) -> dict:
     admin = Admin(ep)
     counters: list[Any] = []
     engines: list[mp.Process] = []
-    report: dict[str, Any] = {"clients": args.clients, "kills": 0, "stalls": 0}
+    report: dict[str, Any] = {
+        "clients": args.clients,
+        "kills": 0,
+        "stalls": 0,
+        "host_tokens_adopted": [],  # by each restarted daemon
+    }
     stop = threading.Event()
 
     def spawn(i: int) -> mp.Process:
@@ -423,6 +432,8 @@ def main(argv: list[str] | None = None) -> dict:
                     daemon = start_daemon(ep, *SHAPE, *pools)
                     admin = Admin(ep)
                     restarts += 1
+                    found = ADOPTED.search(daemon.output())  # the last snapshot's host tier
+                    report["host_tokens_adopted"].append(int(found[1]) if found else 0)
                     life_start, rss = time.monotonic(), []
             if now >= next_check:
                 next_check = now + 1.0
@@ -478,6 +489,7 @@ def main(argv: list[str] | None = None) -> dict:
             if p.is_alive():
                 p.kill()
         stop_daemon(daemon)
+        HostKeeper(ep, "chaos", 0).discard_previous()  # what the last daemon kept goes too
     print(json.dumps(report), flush=True)
     return report
 

@@ -46,6 +46,7 @@ def test_the_short_chaos_run_finds_nothing_wrong():
     report = chaos.main(["--short"])
     assert report["kills"] >= 40 and report["fuzzed_requests"] >= 20_000, report
     assert report["daemon_restarts"] == 1 and report["stalls"] >= 1, report
+    assert report["host_tokens_adopted"][0] > 0, report  # a SIGKILL kept the host tier
     for key in ("integrity_failures", "leaked_pages", "leaked_locks", "wrong_bytes",
                 "internal_errors", "sessions_left"):  # fmt: skip
         assert report[key] == 0, (key, report)
