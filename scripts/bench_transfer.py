@@ -21,7 +21,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from hicache import HiCacheConfig
+from hicache import HiCacheConfig, HiRadixCache, host_snapshot
 from hicache.copiers import Copier, CpuCopier, DirectCopier, KernelCopier
 from hicache.kernels import copy_pages_one_layer, page_runs
 from hicache.page_sums import PageSums
@@ -177,9 +177,49 @@ def checksum_cost() -> dict:
     return out
 
 
+def snapshot_cost(seqs: int = 100) -> dict:
+    """A periodic host snapshot without verify_pages (daemon/snapshot.py): what the control
+    thread spends (listing the host nodes, sealing) against what the keeper's thread spends
+    summing the pages, on a host tier of ``seqs`` chat-like sequences over 8 system prompts."""
+    cfg = HiCacheConfig(
+        num_layers=16, num_kv_heads=8, head_dim=128, page_size=16,
+        device_tokens=16384, host_tokens=24576, write_policy="write_through",
+    )  # fmt: skip
+    cache = HiRadixCache(cfg)
+    rng = np.random.default_rng(5)
+    systems = [rng.integers(1, 32000, 512, dtype=np.int32) for _ in range(8)]
+    for i in range(seqs):
+        tokens = np.concatenate([systems[i % 8], rng.integers(1, 32000, 160, dtype=np.int32)])
+        m = cache.match_prefix(tokens)
+        new = cache.alloc(len(tokens) - m.device_hit_length)
+        cache.insert(tokens, torch.cat([m.device_indices, new]))
+        cache.match_prefix(tokens)  # the hit that backs it up (write_through)
+        cache.engine.wait(list(cache.records))
+        cache.poll()
+    listing = host_snapshot.list_host(cache)
+    list_s = best_of(partial(host_snapshot.list_host, cache))
+    sum_s = best_of(partial(host_snapshot.sum_pages, cache, listing))
+    cache.host_alloc.watch_frees()
+    seal_s = best_of(partial(host_snapshot.seal, cache, listing, cache.host_alloc.freed))
+    cache.host_alloc.unwatch_frees()
+    nbytes = len(listing.pages) * cache.host_pool.page_view[:, :, 0].numel() * 2
+    print(
+        f"snapshot of {len(listing.nodes)} host nodes, {len(listing.pages)} pages "
+        f"({nbytes / 1e9:.2f} GB): control thread list {list_s * 1e3:.2f} ms + seal "
+        f"{seal_s * 1e3:.2f} ms; keeper thread sums {sum_s * 1e3:.1f} ms "
+        f"({nbytes / sum_s / 1e9:.1f} GB/s)"
+    )
+    cache.close()
+    return {
+        "snapshot_control_ms": round((list_s + seal_s) * 1e3, 2),
+        "snapshot_control_vs_sums": round((list_s + seal_s) / sum_s, 4),
+    }
+
+
 def main() -> None:
     headline = cpu_table()
     headline.update(checksum_cost())
+    headline.update(snapshot_cost())
     if torch.cuda.is_available():
         headline.update(gpu_table())
     print(json.dumps(headline))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hicache.client import HiCacheClient
+from hicache.daemon.snapshot import HostKeeper
 from tests.daemon_helpers import (
     kv_value,
     start_daemon,
@@ -78,9 +79,7 @@ def test_a_clean_restart_keeps_the_host_tier(tmp_path):
         with HiCacheClient(ep, name="x") as hc:
             assert hc.match_prefix(seqs[0], lock=False).host_hit_length == 0
     finally:
-        stop_daemon(
-            third,
-        )
+        stop_daemon(third)
     os.unlink(f"{tmp_path}/k.sock.snapshot")  # a kept pool whose snapshot went is freed by
     fourth = start_daemon(f"ipc://{tmp_path}/other.sock")  # the next daemon's clean-up
     stop_daemon(fourth)
@@ -111,6 +110,8 @@ def test_after_a_crash_the_last_periodic_snapshot_is_adopted(tmp_path, verify):
         served_from_host(ep, seqs[0])
     finally:
         stop_daemon(second)
+    HostKeeper(ep, "test", 0).discard_previous()  # what the second kept goes with the test
+    assert not shm_of(second.pid)
 
 
 def test_a_daemon_that_keeps_nothing_frees_what_its_endpoint_kept(tmp_path):
