@@ -88,6 +88,40 @@ def _kept(directory: str, instance: str, names: list[str]) -> set[str]:
     return {marker, host}
 
 
+def parse_name(name: str) -> tuple[int, str, str] | None:
+    """(uid, instance, pool) of a segment name of ours in form, else None."""
+    parts = name.split("-")
+    if len(parts) != 5 or parts[0] != PREFIX or not parts[1].isdigit():
+        return None
+    return int(parts[1]), f"{parts[2]}-{parts[3]}", parts[4]
+
+
+def instance_alive(instance: str, directory: str = SHM_DIR) -> bool:
+    """Whether the daemon instance ``<pid>-<token>`` of this user still holds its lock."""
+    path = os.path.join(directory, f"{PREFIX}-{os.getuid()}-{instance}-{LOCK}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except (FileNotFoundError, OSError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # (drops the lock if we took it)
+    return False
+
+
+def kept_for(instance: str, directory: str = SHM_DIR) -> str | None:
+    """The snapshot path a dead instance's keep marker names (None: no marker)."""
+    path = os.path.join(directory, f"{PREFIX}-{os.getuid()}-{instance}-{KEEP}")
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)) as fh:
+            return fh.read(4096)
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def mark_kept(token: str, snapshot: str, directory: str = SHM_DIR) -> str:
     """Create (or touch) this instance's keep marker, naming the snapshot that will say what
     its host segment holds; returns the marker's path."""

@@ -135,7 +135,9 @@ class Daemon:
                 raise EndpointError(f"cannot publish KV events: {exc}") from None
         self._token = instance_token()
         self._lock = InstanceLock(self._token)  # taken before any segment exists
-        keeper = HostKeeper(settings.endpoint, self._token, settings.snapshot_seconds)
+        l3 = settings.l3  # its model and shard say what the KV means: part of the snapshot's name
+        model = None if l3 is None else f"{l3.model}#{l3.shard}"
+        keeper = HostKeeper(settings.endpoint, self._token, settings.snapshot_seconds, model=model)
         if settings.keep_host and not settings.engine_tier and cfg.host_enabled:
             self.keeper = keeper
             # the last daemon's host pool, renamed to ours before any clean-up judges it
@@ -213,7 +215,7 @@ class Daemon:
             self.cache = HiRadixCache(cfg, device, host)
             self._host = host
             if self.keeper is not None:
-                self._worth_keeping = self.keeper.restore(self.cache) > 0
+                self._worth_keeping = self.keeper.restore(self.cache, host) > 0
             self.progress = self._share_progress(token)
             l3 = self.settings.l3
             if l3 is not None:

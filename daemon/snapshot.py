@@ -7,7 +7,10 @@ shared-memory segment in place; its ``keep`` marker (daemon/segments.py) tells o
 clean-ups to spare it. The next daemon on the same endpoint with the same KV shape and host
 size renames that segment to its own (before any clean-up could judge it), maps it, and adopts
 every node whose pages still verify: an upgrade keeps hours of warm cache. Clients see a new
-epoch and re-attach, as after any restart; nothing they held carries over.
+epoch and re-attach, as after any restart; nothing they held carries over. Nothing is adopted
+but what this user's dead daemon kept for this endpoint: the snapshot must be a private
+regular file of ours, the segment a private file of ours of the pool's size whose daemon's
+instance lock is free and whose keep marker names this snapshot (``claim``, ``_unfit``).
 
 After a crash (SIGKILL) the segment stays too (its marker was made at start), and the last
 periodic snapshot (every ``snapshot_seconds``) is adopted the same way: pages reused since it
@@ -25,8 +28,11 @@ before the host pool may go.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
+import stat
+import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -37,12 +43,20 @@ from hicache import host_snapshot
 from hicache.backing import SHM_DIR, SharedMemoryBacking
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
-from hicache.daemon.segments import KEEP, mark_kept, segment_name
+from hicache.daemon.segments import (
+    HOST,
+    KEEP,
+    instance_alive,
+    kept_for,
+    mark_kept,
+    parse_name,
+    segment_name,
+)
 from hicache.endpoints import admin_token_path
 from hicache.page_sums import PageSums
 
 log = logging.getLogger("hicache.daemon")
-MAX_SNAPSHOT_BYTES = 1 << 32  # a larger file is not read (it is not ours to trust)
+DISCARD_READ_BYTES = 1 << 26  # read to free what a snapshot names (larger: only the file goes)
 
 
 def snapshot_path(endpoint: str) -> str:
@@ -51,8 +65,16 @@ def snapshot_path(endpoint: str) -> str:
 
 
 class HostKeeper:
-    def __init__(self, endpoint: str, token: str, every_s: float, directory: str = SHM_DIR):
+    def __init__(
+        self,
+        endpoint: str,
+        token: str,
+        every_s: float,
+        directory: str = SHM_DIR,
+        model: str | None = None,
+    ):
         self.path = snapshot_path(endpoint)
+        self.model = model  # what the KV means, where the daemon knows it (the third tier's)
         self.token = token  # this daemon instance's
         self.every_s = every_s  # periodic snapshots (0: only at a clean stop)
         self.directory = directory
@@ -68,46 +90,81 @@ class HostKeeper:
     def claim(self, config: HiCacheConfig) -> str | None:
         """The last daemon's host segment to adopt (its path), if its snapshot fits ``config``;
         else None. Call with this instance's lock held and before stale segments are removed.
-        A snapshot that does not fit is removed (its segment is left to the clean-up)."""
+        A snapshot that does not fit is removed (its segment is left to the clean-up), unless
+        it is not ours."""
         mark_kept(self.token, self.path, self.directory)  # a crash keeps the host pool too
+        self._remove_temps()
         try:
-            if os.stat(self.path).st_size > MAX_SNAPSHOT_BYTES:
-                raise ValueError("too large")
-            with open(self.path, "rb") as fh:
-                data = msgpack.unpackb(fh.read(), strict_map_key=False)
-            segment = str(data["segment"])
-            if "/" in segment or not segment.endswith("-host"):
-                raise ValueError(f"segment {segment!r}")
+            data = self._read(host_snapshot.max_bytes(config))
         except FileNotFoundError:
             return None
         except Exception as exc:  # noqa: BLE001 (a snapshot we cannot read is not adopted)
             log.warning("host snapshot %s unreadable (%s): starting cold", self.path, exc)
-            self._discard()
+            self._remove_file()
             return None
-        want = host_snapshot.identity(config)
-        path = os.path.join(self.directory, segment)
-        if data.get("identity") != want or not os.path.exists(path):
-            log.warning(
-                "host snapshot %s is for another host pool or its memory is gone: starting cold",
-                self.path,
-            )
-            self._discard(segment)  # the endpoint is ours: so is what its last daemon kept
+        unfit = self._unfit(data, host_snapshot.identity(config, self.model))
+        if unfit is not None:
+            log.warning("host snapshot %s not adopted (%s): starting cold", self.path, unfit)
+            self._remove_file()  # (the clean-up then frees a dead daemon's segment)
             return None
         self.found = data
-        return path
+        return os.path.join(self.directory, data["segment"])
 
-    def restore(self, cache: HiRadixCache) -> int:
-        """Adopt what the claimed snapshot names and still verifies; then forget it. Returns
-        the tokens adopted."""
+    def _unfit(self, data: Any, want: dict[str, Any]) -> str | None:
+        """Why the host segment a snapshot names is not to be adopted (None: it is). Only a
+        segment of this user, whose daemon is dead and kept it for this endpoint, with the
+        size and owner and mode our daemons give it, holding KV of ``want``'s identity."""
+        if not isinstance(data, dict) or data.get("identity") != want:
+            return "it is of another host pool or model"
+        segment = data.get("segment")
+        parsed = parse_name(segment) if isinstance(segment, str) else None
+        if parsed is None or parsed[2] != HOST or "/" in segment:  # type: ignore[operator]
+            return f"it names no host segment: {segment!r:.80}"
+        uid, instance, _ = parsed
+        if uid != os.getuid():
+            return f"{segment} is uid {uid}'s"
+        if instance_alive(instance, self.directory):
+            return f"the daemon of {segment} is running"
+        if kept_for(instance, self.directory) != self.path:
+            return f"the daemon of {segment} did not keep it for this endpoint"
+        try:
+            st = os.lstat(os.path.join(self.directory, str(segment)))
+        except FileNotFoundError:
+            return f"{segment} is gone"
+        nbytes = max(int(want["host_bytes"]), 1)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return f"{segment} is not a private file of this user"
+        if st.st_size != nbytes:
+            return f"{segment} is {st.st_size} bytes, not {nbytes}"
+        return None
+
+    def _read(self, limit: int) -> Any:
+        """The snapshot file's content, if it is a regular file of ours of at most ``limit``
+        bytes (a FIFO, a symlink, another user's file: ValueError or OSError)."""
+        fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with open(fd, "rb") as fh:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("not a regular file")
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise ValueError(f"not private to this user (uid {st.st_uid}, mode {st.st_mode:o})")
+            if st.st_size > limit:
+                raise ValueError(f"{st.st_size} bytes: larger than any snapshot of this pool")
+            return msgpack.unpackb(fh.read(limit + 1), strict_map_key=False)
+
+    def restore(self, cache: HiRadixCache, host: SharedMemoryBacking) -> int:
+        """Adopt what the claimed snapshot names and still verifies, and write down at once what
+        was adopted (a crash from here on keeps it). Returns the tokens adopted."""
         data, self.found = self.found, None
         if data is None:
             return 0
         t0 = time.perf_counter()
+        adopted = dropped = 0
         try:
-            adopted, dropped = host_snapshot.restore(cache, data)
-        except ValueError as exc:
+            restored = host_snapshot.restore(cache, data, self.model)
+            adopted, dropped = restored.adopted, restored.dropped
+        except Exception as exc:  # noqa: BLE001 (a snapshot that is not one: cold, not dead)
             log.warning("host snapshot not adopted: %s", exc)
-            adopted, dropped = 0, 0
         log.info(
             "adopted %d host tokens from the last daemon (%d dropped: changed or orphaned) in "
             "%.2f s",
@@ -115,7 +172,17 @@ class HostKeeper:
             dropped,
             time.perf_counter() - t0,
         )
-        self._discard(str(data["segment"]), keep_segment=True)
+        with contextlib.suppress(FileNotFoundError):  # the last daemon's marker
+            os.unlink(os.path.join(self.directory, str(data["segment"])[: -len(HOST)] + KEEP))
+        if adopted:
+            restored.snapshot["segment"] = host.name
+            try:
+                self._write_file(restored.snapshot)  # replaces the last daemon's
+            except OSError as exc:
+                log.warning("host snapshot not written: %s", exc)
+                self._remove_file()
+        else:
+            self._remove_file()
         return adopted
 
     def due(self) -> bool:
@@ -154,7 +221,7 @@ class HostKeeper:
         if job.exception() is not None:
             log.error("host snapshot failed: %s", job.exception())
             return
-        data = host_snapshot.seal(cache, listing, freed)
+        data = host_snapshot.seal(cache, listing, freed, self.model)
         data["segment"] = host.name
         self._writing = self._worker().submit(self._write_file, data)
 
@@ -163,7 +230,7 @@ class HostKeeper:
         the worker was doing; touch the marker. Raises what the write raises."""
         self.wait(cache)
         self.next_at = time.monotonic() + self.every_s
-        data = host_snapshot.take(cache)
+        data = host_snapshot.take(cache, self.model)
         data["segment"] = host.name
         self._write_file(data)
 
@@ -196,39 +263,59 @@ class HostKeeper:
         return self._pool
 
     def _write_file(self, data: dict[str, Any]) -> None:
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
-        with open(fd, "wb") as fh:
-            fh.write(msgpack.packb(data))
-        os.replace(tmp, self.path)
+        """Write ``data`` to the snapshot path atomically (a private temporary file of an
+        unguessable name, renamed over it); touch the marker."""
+        folder, name = os.path.split(self.path)
+        fd, tmp = tempfile.mkstemp(prefix=f"{name}.", suffix=".tmp", dir=folder)  # 0600, O_EXCL
+        try:
+            with open(fd, "wb") as fh:
+                fh.write(msgpack.packb(data))
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
         mark_kept(self.token, self.path, self.directory)
         self.written += 1
 
     def discard_previous(self) -> None:
-        """Free what the endpoint's last daemon kept (this one will not adopt it)."""
+        """Free what the endpoint's last daemon kept (this one will not adopt it): the snapshot
+        file, and the segment it names if that is a dead daemon's of this user."""
+        self._remove_temps()
         try:
-            with open(self.path, "rb") as fh:
-                segment = msgpack.unpackb(fh.read(MAX_SNAPSHOT_BYTES))["segment"]
+            data = self._read(DISCARD_READ_BYTES)
         except FileNotFoundError:
             return
         except Exception:  # noqa: BLE001 (unreadable: the file goes, the clean-up does the rest)
-            segment = None
+            data = None
         log.info("freeing the host tier the last daemon on this endpoint kept")
-        self._discard(segment if isinstance(segment, str) else None)
+        segment = data.get("segment") if isinstance(data, dict) else None
+        parsed = parse_name(segment) if isinstance(segment, str) else None
+        self._remove_file()
+        if parsed is None or parsed[0] != os.getuid() or parsed[2] != HOST or "/" in segment:
+            return
+        if instance_alive(parsed[1], self.directory):
+            return
+        for pool in (KEEP, HOST):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.directory, segment[: -len(HOST)] + pool))
 
     def forget(self) -> None:
         """This daemon keeps nothing (a failed start): remove its keep marker."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.directory, segment_name(KEEP, self.token)))
 
-    def _discard(self, segment: str | None = None, keep_segment: bool = False) -> None:
-        """Remove the snapshot file, and the last daemon's marker (and its host segment, unless
-        adopted) when ``segment`` names it."""
-        names = [self.path]
-        if segment is not None and "/" not in segment and segment.endswith("-host"):
-            names.append(os.path.join(self.directory, segment[: -len("host")] + KEEP))
-            if not keep_segment:
-                names.append(os.path.join(self.directory, segment))
-        for name in names:
+    def _remove_file(self) -> None:
+        """Remove the snapshot file if it is ours (never another user's, nor what a symlink
+        points to)."""
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(self.path).st_uid == os.geteuid():
+                os.unlink(self.path)
+
+    def _remove_temps(self) -> None:
+        """Temporary snapshot files of ours that a killed daemon left behind."""
+        for tmp in glob.glob(glob.escape(self.path) + ".*.tmp"):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(name)
+                st = os.lstat(tmp)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+                    os.unlink(tmp)

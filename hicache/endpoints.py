@@ -3,6 +3,7 @@ daemon and its clients)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from collections.abc import Mapping
@@ -26,8 +27,10 @@ def admin_token_path(endpoint: str, environ: Mapping[str, str] | None = None) ->
     an ipc socket, else in the runtime folder. Readable only by the daemon's user."""
     if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
         return endpoint[len("ipc://") :] + ".admin"
-    name = "".join(c if c.isalnum() else "_" for c in endpoint)
-    return os.path.join(runtime_dir(environ), f"{name}.admin")
+    # readable, and one to one: endpoints that read alike (ipc://@a.b, ipc://@a_b) differ
+    name = "".join(c if c.isalnum() else "_" for c in endpoint)[:80]
+    digest = hashlib.sha256(endpoint.encode()).hexdigest()[:16]
+    return os.path.join(runtime_dir(environ), f"{name}-{digest}.admin")
 
 
 def env_endpoint(environ: Mapping[str, str] | None = None) -> str:

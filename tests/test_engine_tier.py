@@ -142,7 +142,7 @@ def test_a_pool_too_small_for_one_block_is_out_of_memory(tmp_path):
 
 def test_a_daemon_that_owns_its_device_pool_refuses_layouts(tmp_path):
     endpoint = f"ipc://{tmp_path}/h.sock"
-    proc = start_daemon(endpoint, *SMALL)
+    proc = start_daemon(endpoint, *SMALL, "--keep-host", "false")
     try:
         with HiCacheClient(endpoint) as hc:
             with pytest.raises(LayoutMismatch, match="device-tier engine"):

@@ -38,8 +38,9 @@ def test_a_successor_adopts_the_host_tier_and_serves_the_same_bytes(verify):
     warm(old, seqs)
     snap = msgpack.unpackb(msgpack.packb(host_snapshot.take(old)))  # as it goes through a file
     new = successor(old, verify_pages=verify)
-    adopted, dropped = host_snapshot.restore(new, snap)
+    adopted, dropped, again = host_snapshot.restore(new, snap)
     assert (adopted, dropped) == (16 + 3 * 8 + 12, 0)
+    assert again["nodes"] == snap["nodes"]  # what was adopted, written down as it came
     new.check_integrity()
     assert new.match_prefix(seqs[0]).device_hit_length == 0  # nothing on the device yet
     for tokens in seqs:
@@ -64,8 +65,9 @@ def test_a_changed_page_drops_its_node_and_what_hangs_below():
     new = successor(old)
     root_node = next(n for n in old.tree.iter_nodes() if n.num_tokens == 16)
     new.host_pool.page_view[0, 0, int(root_node.host_pages[1]), 0, 0] += 1.0  # reused since
-    adopted, dropped = host_snapshot.restore(new, snap)
+    adopted, dropped, again = host_snapshot.restore(new, snap)
     assert (adopted, dropped) == (8, 16 + 2 * 8)  # only the unrelated prefix stays
+    assert [e[2] for e in again["nodes"]] == [np.array([9] * 8, np.int32).tobytes()]
     assert new.match_prefix(np.array([9] * 8, np.int32)).host_hit_length == 8
     assert new.match_prefix(np.array(system, np.int32)).host_hit_length == 0
     new.check_integrity()
@@ -85,13 +87,25 @@ def test_a_snapshot_of_another_shape_is_refused_and_changes_nothing():
     bad = {**snap, "version": 99}
     with pytest.raises(ValueError, match="version"):
         host_snapshot.restore(successor(old), bad)
-    # hostile entries (pages out of range, duplicated, a bad namespace) are dropped, not trusted
-    forged = {**snap, "nodes": [[None, b"\0" * 16, np.array([10**6], np.int64).tobytes(),
-                                 np.zeros(1, np.uint64).tobytes()],
-                                [3.5, b"\0" * 16, np.array([1], np.int64).tobytes(),
-                                 np.zeros(1, np.uint64).tobytes()]]}  # fmt: skip
+    with pytest.raises(ValueError, match="not a host snapshot"):
+        host_snapshot.restore(successor(old), {**snap, "nodes": 3})
+    with pytest.raises(ValueError, match="another host pool"):  # another model's KV
+        host_snapshot.restore(successor(old), snap, model="m@rev2")
+    # hostile entries (pages out of range, duplicated, a bad namespace, a parent that is not
+    # before them, the wrong types) are dropped with what hangs below, never trusted
+    page, zero = np.array([1], np.int64).tobytes(), np.zeros(1, np.uint64).tobytes()
+    key = b"\0" * 16
+    forged = {**snap, "nodes": [
+        [-1, None, key, np.array([10**6], np.int64).tobytes(), zero],
+        [-1, 3.5, key, page, zero],
+        [5, None, key, page, zero],
+        [-1, None, "a str key", page, zero],
+        [-1, None, key, page, "a str sum"],
+        7, None, [], {"a": 1},
+        [0, None, key, page, zero],  # under the first, which was dropped
+    ]}  # fmt: skip
     new = successor(old)
-    assert host_snapshot.restore(new, forged) == (0, 8)
+    assert host_snapshot.restore(new, forged)[:2] == (0, 6 * 4)
     new.check_integrity()
     old.close()
     other.close()
@@ -109,7 +123,7 @@ def test_a_page_reused_while_summed_in_the_background_is_left_out(guarded):
     warm(old, [a])
     old.host_alloc.watch_frees()
     listing = host_snapshot.list_host(old)
-    assert [len(p) for _, _, p in listing.nodes] == [8]
+    assert [len(p) for *_, p in listing.nodes] == [8]
     warm(old, [np.arange(1000, 1032, dtype=np.int32)])  # evicts a on both tiers, reuses its pages
     assert old.match_prefix(a).host_hit_length == 0
     freed = old.host_alloc.freed
@@ -119,7 +133,7 @@ def test_a_page_reused_while_summed_in_the_background_is_left_out(guarded):
     old.host_alloc.unwatch_frees()
     new = make_cache(**shape)
     new.host_pool.buffer.copy_(old.host_pool.buffer)
-    adopted, _ = host_snapshot.restore(new, snap)
+    adopted = host_snapshot.restore(new, snap).adopted
     if guarded:
         assert (adopted, snap["nodes"]) == (0, [])
     else:  # what the guard prevents: a's tokens served with the other prefix's KV
@@ -131,4 +145,26 @@ def test_a_page_reused_while_summed_in_the_background_is_left_out(guarded):
         assert not torch.equal(values_at(new, loaded)[0, 0], expect)
     new.check_integrity()
     old.close()
+    new.close()
+
+
+def test_a_snapshot_grows_with_the_pages_it_names_not_with_the_depth():
+    """Every entry holds only its own key: a chain of one-page nodes takes linear space."""
+    cache = make_cache(**{**SHAPE, "device_tokens": 128, "host_tokens": 512})
+    tokens = np.arange(1, 129, dtype=np.int32)
+    for end in range(4, 129, 4):  # each insert adds one page below the last: 32 nodes deep
+        m = cache.match_prefix(tokens[:end])
+        if m.device_hit_length < end:
+            new = cache.alloc(end - m.device_hit_length)
+            cache.insert(tokens[:end], torch.cat([m.device_indices, new]))
+            cache.match_prefix(tokens[:end])
+        settle(cache)
+    snap = host_snapshot.take(cache)
+    assert len(snap["nodes"]) == 32
+    packed = len(msgpack.packb(snap))
+    assert packed < 32 * (16 + 8 + 8 + 64)  # a full key per node would be 32 * 33 * 8 bytes
+    new = successor(cache, device_tokens=128, host_tokens=512)
+    assert host_snapshot.restore(new, msgpack.unpackb(msgpack.packb(snap))).adopted == 128
+    new.check_integrity()
+    cache.close()
     new.close()

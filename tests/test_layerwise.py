@@ -57,7 +57,7 @@ def reader(endpoint: str, tokens: list[int], gates, out) -> None:  # noqa: ANN00
 @pytest.fixture
 def gated_daemon(tmp_path):
     endpoint = f"ipc://{tmp_path}/layers.sock"
-    args = [*SMALL, "--num-layers", str(LAYERS), "--endpoint", endpoint]
+    args = [*SMALL, "--num-layers", str(LAYERS), "--endpoint", endpoint, "--keep-host", "false"]
     daemon = Daemon(resolve(build_parser().parse_args(args), environ={}))
     gates = [SPAWN.Event() for _ in range(LAYERS)]
     engine = daemon.cache.engine
