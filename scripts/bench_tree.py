@@ -1,4 +1,11 @@
-"""Tree benchmark: our HiRadixCache against SGLang's RadixCache on a multi-turn chat trace.
+"""Tree benchmark: our HiRadixCache against SGLang's RadixCache on multi-turn chat traces.
+
+Shapes: ``chat`` (4 system prompts of 2,048 tokens, short turns: the trace of the earlier
+runs) and ``--shapes`` more drawn from ``--seed``: long shared system prompts (1,024 to 4,096
+tokens), long user turns (300 to 1,500) and long replies (200 to 1,000), 2 to 16 system
+prompts, 3 to 8 turns. Every shape runs at page size 1 and 16; the JSON line carries the
+smallest speedup over the shapes at each, and the worst ratio of our page-16 time per request
+to our page-1 time.
 
 Each request is matched, then its finished sequence inserted. SGLang gets Python lists (as its
 scheduler holds them), ours int32 arrays (as the daemon decodes them from the wire); slot
@@ -84,6 +91,33 @@ def replay_sglang(
     return hits, match_ns, insert_ns
 
 
+def drawn_shapes(seed: int, count: int, requests: int) -> dict[str, dict]:
+    """``count`` chat shapes with long prompts and turns, drawn from ``seed`` (about
+    ``requests`` requests each)."""
+    rng = np.random.default_rng(seed)
+    shapes = {}
+    for i in range(count):
+        turns = int(rng.integers(3, 9))
+        shapes[f"long{i}"] = dict(
+            n_systems=int(rng.integers(2, 17)),
+            system_len=int(rng.integers(1024, 4097)),
+            n_convs=max(4, requests // turns),
+            turns=turns,
+            user_len=int(rng.integers(300, 1501)),
+            answer_len=int(rng.integers(200, 1001)),
+            seed=int(rng.integers(1 << 30)),
+        )
+    return shapes
+
+
+def describe(shape: dict) -> str:
+    return (
+        f"{shape['n_systems']} system prompts of {shape['system_len']} tokens, "
+        f"{shape['n_convs']} conversations x {shape['turns']} turns, "
+        f"user {shape['user_len']}, reply {shape['answer_len']}"
+    )
+
+
 def compare(trace: list[Request], page_size: int, repeats: int = 3) -> dict:
     """Replay on both sides ``repeats`` times, alternating; keep each side's fastest run (the
     least disturbed by the machine's noise), as timeit does."""
@@ -101,6 +135,7 @@ def compare(trace: list[Request], page_size: int, repeats: int = 3) -> dict:
     sg_us = (sum(sg[1]) + sum(sg[2])) / len(trace) / 1e3
     row = {
         "page_size": page_size,
+        "ours_us": ours_us,
         "requests": len(trace),
         "sglang_match_us": sum(sg[1]) / len(trace) / 1e3,
         "sglang_insert_us": sum(sg[2]) / len(trace) / 1e3,
@@ -214,24 +249,50 @@ def metadata_bytes(page_size: int, n_tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smaller trace and trees")
+    ap.add_argument("--quick", action="store_true", help="smaller traces and trees")
+    ap.add_argument("--seed", type=int, default=2026, help="draws the long shapes")
+    ap.add_argument("--shapes", type=int, default=3, help="long shapes to draw")
     args = ap.parse_args()
-    convs, large = (32, 1_000_000) if args.quick else (96, 10_000_000)
-    trace = chat_trace(
-        n_systems=4, system_len=2048, n_convs=convs, turns=5, user_len=200, answer_len=150, seed=11
-    )
-    rows = {ps: compare(trace, ps) for ps in (1, 16)}
+    convs, large, requests = (32, 1_000_000, 160) if args.quick else (96, 10_000_000, 400)
+    shapes = {
+        "chat": dict(
+            n_systems=4,
+            system_len=2048,
+            n_convs=convs,
+            turns=5,
+            user_len=200,
+            answer_len=150,
+            seed=11,
+        ),  # fmt: skip
+        **drawn_shapes(args.seed, args.shapes, requests),
+    }
+    rows = {}
+    for name, shape in shapes.items():
+        print(f"== {name}: {describe(shape)}")
+        trace = chat_trace(**shape)
+        rows[name] = {ps: compare(trace, ps) for ps in (1, 16)}
     grow = scaling(16, 100_000, large)
     meta = metadata_bytes(16, 1_000_000)
+    chat = rows["chat"]
     print(
         json.dumps(
             {
-                "speedup_page1": round(rows[1]["speedup"], 2),
-                "speedup_page16": round(rows[16]["speedup"], 2),
-                "same_hits": rows[1]["same_hits"] and rows[16]["same_hits"],
+                "speedup_page1": round(chat[1]["speedup"], 2),
+                "speedup_page16": round(chat[16]["speedup"], 2),
+                "speedup_page1_min": round(min(r[1]["speedup"] for r in rows.values()), 2),
+                "speedup_page16_min": round(min(r[16]["speedup"] for r in rows.values()), 2),
+                "page16_vs_page1_time_max": round(
+                    max(r[16]["ours_us"] / r[1]["ours_us"] for r in rows.values()), 3
+                ),
+                "speedups": {
+                    name: [round(r[1]["speedup"], 2), round(r[16]["speedup"], 2)]
+                    for name, r in rows.items()
+                },
+                "same_hits": all(r[ps]["same_hits"] for r in rows.values() for ps in (1, 16)),
                 "match_growth_100k_to_10m": round(grow["growth"], 3),
                 "match_growth_with_split": round(grow["growth_split"], 3),
                 "metadata_bytes_per_token": round(meta, 2),
+                "seed": args.seed,
             }
         )
     )
