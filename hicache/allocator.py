@@ -191,6 +191,17 @@ class PagedAllocator:
     def unwatch_frees(self) -> None:
         self.freed = None
 
+    def release_page(self, page: int) -> None:
+        """``release`` of one page (an insert's partial tail page: no array on the way)."""
+        if self.freed is not None:
+            self.freed[page] = True
+        if self._group is not None:
+            self.release(np.array([page], dtype=np.int64))
+            return
+        self.state[page] = FREE
+        self._stack[self._top] = page
+        self._top += 1
+
     def release(self, pages: np.ndarray) -> None:
         """Return pages known to be allocated (internal fast path, no checks)."""
         if self.freed is not None:

@@ -197,8 +197,8 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             counters.miss_tokens += num_tokens
             node = root or tree.default_root
             return MatchResult([], self.page_size, 0, node, 0, node, False)
-        if aligned != num_tokens:
-            key = key[: aligned * 4]
+        # no copy cut to whole pages: tree keys are whole pages, so the walk never covers the
+        # partial tail page (radix_tree.walk)
         path, covered = tree.walk(root, key)
         # chunks: the device nodes' immutable page ids (joined only if the caller asks);
         # unbacked: one has no host copy (a backup may be due); loading: a load still writes one

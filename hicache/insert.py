@@ -51,9 +51,11 @@ class InsertMixin:
         if aligned > n_covered:  # the rest becomes one new leaf
             new = pages[used : used + (aligned - n_covered) // ps].tobytes()
             leaf = self.tree.add_leaf(path[-1] if path else root, key[covered:], new)
-        if dup or aligned < len(tokens):  # duplicates and the partial tail page go back
+        if dup:  # duplicates and the partial tail page go back
             tail = pages[len(pages) - 1 :] if aligned < len(tokens) else pages[:0]
-            alloc.release(np.concatenate([pages[:n_dup], tail]) if dup else tail)
+            alloc.release(np.concatenate([pages[:n_dup], tail]))
+        elif aligned < len(tokens):
+            alloc.release_page(int(pages[-1]))
         last = leaf or (path[-1] if path else None)
         if last is None:
             self._drop_empty_root(root)

@@ -83,8 +83,10 @@ class RadixTree:
     def walk(self, root: TreeNode, key: bytes) -> tuple[list[TreeNode], int]:
         """Nodes covered by ``key`` from ``root``, and how many key bytes they cover.
 
-        ``key`` must be page-aligned. A node matched only in part is split first, so the path
-        always ends on a node boundary. Mutates: splits and access times (not hit counts).
+        ``key`` may end in a partial page, which is never covered (every node's key is whole
+        pages; a child is found by a whole first page). A node matched only in part is split
+        first, so the path always ends on a node boundary. Mutates: splits and access times
+        (not hit counts).
         """
         self.clock = now = self.clock + 1
         path, pos = descend(root, key, 0, self.page_bytes, now)
