@@ -22,6 +22,7 @@ import time
 import numpy as np
 import zmq
 
+from hicache.allocator import PageState
 from hicache.backing import CudaBacking, SharedMemoryBacking
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
@@ -451,7 +452,10 @@ class Daemon:
             self.keeper = keeper
             self.cache.engine.wait(list(self.cache.records))  # the host copies are whole
             self.cache.poll()
-            if self._keep_snapshot():
+            if not self.cache.host_alloc.count(PageState.TREE):  # an empty tier: nothing to keep
+                keeper.forget()
+                keeper.discard_previous()  # (the snapshot file, if an earlier one is there)
+            elif self._keep_snapshot():
                 self._host.keep = True  # left for the next daemon (its marker says so)
                 log.info("host tier kept for the next daemon (%s)", keeper.path)
             self.keeper = None

@@ -271,7 +271,11 @@ def _enum_types() -> list[type[Enum]]:
 
 
 def _address(endpoint: str) -> str:
-    """An endpoint in one spelling: an ipc path made absolute, tcp://*: as loopback."""
+    """An endpoint in one spelling: an ipc path made absolute, tcp://*: as loopback. ValueError
+    for one without a transport this daemon serves (a bare path is the usual slip)."""
+    if not endpoint.startswith(("ipc://", "tcp://")):
+        hint = f" (did you mean ipc://{endpoint}?)" if endpoint.startswith(("/", ".")) else ""
+        raise ValueError(f"endpoint: {endpoint!r} is neither ipc://PATH nor tcp://HOST:PORT{hint}")
     if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
         return "ipc://" + os.path.abspath(endpoint[len("ipc://") :])
     if endpoint.startswith(("tcp://*:", "tcp://:")):

@@ -114,8 +114,16 @@ class HostKeeper:
         """Why the host segment a snapshot names is not to be adopted (None: it is). Only a
         segment of this user, whose daemon is dead and kept it for this endpoint, with the
         size and owner and mode our daemons give it, holding KV of ``want``'s identity."""
-        if not isinstance(data, dict) or data.get("identity") != want:
-            return "it is of another host pool or model"
+        if not isinstance(data, dict) or not isinstance(data.get("identity"), dict):
+            return "it is not a host snapshot"
+        if data["identity"] != want:
+            had = data["identity"]
+            diff = ", ".join(
+                f"{k} {had.get(k)!r} then, {want.get(k)!r} now"
+                for k in sorted(set(had) | set(want), key=str)
+                if had.get(k) != want.get(k)
+            )
+            return f"it is of another host pool or model: {diff:.300}"
         segment = data.get("segment")
         parsed = parse_name(segment) if isinstance(segment, str) else None
         if parsed is None or parsed[2] != HOST or "/" in segment:  # type: ignore[operator]

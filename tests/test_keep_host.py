@@ -79,11 +79,13 @@ def test_a_clean_restart_keeps_the_host_tier(tmp_path):
         assert not shm_of(second.pid)  # what the endpoint's last daemon kept is freed
         with HiCacheClient(ep, name="x") as hc:
             assert hc.match_prefix(seqs[0], lock=False).host_hit_length == 0
+        backed_up(ep, [seqs[0]])
     finally:
         stop_daemon(third)
     os.unlink(f"{tmp_path}/k.sock.snapshot")  # a kept pool whose snapshot went is freed by
-    fourth = start_daemon(f"ipc://{tmp_path}/other.sock")  # the next daemon's clean-up
-    stop_daemon(fourth)
+    fourth = start_daemon(f"ipc://{tmp_path}/other.sock", *KEEP)  # the next daemon's clean-up
+    stop_daemon(fourth)  # and a daemon whose host tier is empty keeps nothing
+    assert not os.path.exists(f"{tmp_path}/other.sock.snapshot")
     assert not shm_of(third.pid) and not shm_of(fourth.pid)
 
 
