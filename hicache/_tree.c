@@ -8,6 +8,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 #include <string.h>
 
 /* interned attribute names */
@@ -133,8 +134,77 @@ static PyObject *tally(PyObject *self, PyObject *args) {
                          PyBool_FromLong(loading));
 }
 
+/* Whether the ``avail`` int64 slots at ``sl`` begin with exactly the slots of the int64 page
+ * ids ``pg`` (``n`` of them): page * ps + 0, 1, ... in order. A negative or overflowing page
+ * id never matches (above page size 1; at 1 the slots are the pages, byte for byte). */
+static int slots_are_pages(const char *sl, Py_ssize_t avail, const char *pg, Py_ssize_t n,
+                           Py_ssize_t ps) {
+    if (n > avail / ps) return 0; /* no n * ps: it may wrap */
+    if (ps == 1) return memcmp(sl, pg, (size_t)n * 8) == 0;
+    uint64_t bad = 0; /* any bit set: some slot differs (no branch: the loop vectorizes) */
+    for (Py_ssize_t i = 0; i < n && !bad; i++) {
+        int64_t page;
+        memcpy(&page, pg + 8 * i, 8); /* memcpy: the buffers need not be aligned */
+        /* a page id that wraps (page * ps >= 2**63) could alias a real slot: refuse it */
+        bad |= page < 0 || (uint64_t)page > (uint64_t)INT64_MAX / (uint64_t)ps;
+        uint64_t first = (uint64_t)page * (uint64_t)ps; /* unsigned: wraps, never UB */
+        const char *run = sl + 8 * i * ps;
+        for (Py_ssize_t j = 0; j < ps; j++) {
+            uint64_t slot;
+            memcpy(&slot, run + 8 * j, 8);
+            bad |= slot ^ (first + (uint64_t)j);
+        }
+    }
+    return bad == 0;
+}
+
+/* own_nodes(path, i, pos, slots, page_size) -> (i, pos)
+ *
+ * From ``path[i]`` on, pass every node whose device pages the int64 ``slots`` from slot ``pos``
+ * on are (the caller handed the tree's own pages back); stop at the first that has no device
+ * pages or whose slots differ. ``pos`` advances by each passed node's slots. Nothing is built:
+ * an insert's proof that the caller's slots are the tree's, in place, in one call. */
+static PyObject *own_nodes(PyObject *self, PyObject *args) {
+    PyObject *path;
+    Py_ssize_t i, pos, ps;
+    Py_buffer s;
+    if (!PyArg_ParseTuple(args, "O!nny*n", &PyList_Type, &path, &i, &pos, &s, &ps)) return NULL;
+    if (ps < 1 || i < 0 || pos < 0) {
+        PyBuffer_Release(&s);
+        PyErr_SetString(PyExc_ValueError, "own_nodes: need page_size >= 1, i >= 0, pos >= 0");
+        return NULL;
+    }
+    Py_ssize_t avail = s.len / 8;
+    int err = 0;
+    while (i < PyList_GET_SIZE(path) && pos <= avail) {  /* (the list may shrink) */
+        PyObject *node = PyList_GET_ITEM(path, i);
+        Py_INCREF(node);  /* attribute access may run code that drops the list's reference */
+        PyObject *pages = PyObject_GetAttr(node, s_device_pages);
+        Py_DECREF(node);
+        if (pages == NULL) { err = 1; break; }
+        if (pages != Py_None && (!PyBytes_Check(pages) || PyBytes_GET_SIZE(pages) % 8)) {
+            Py_DECREF(pages);
+            PyErr_SetString(PyExc_TypeError, "own_nodes: device_pages must be int64 bytes");
+            err = 1;
+            break;
+        }
+        Py_ssize_t n = pages == Py_None ? 0 : PyBytes_GET_SIZE(pages) / 8;
+        int same = pages != Py_None &&
+                   slots_are_pages((const char *)s.buf + 8 * pos, avail - pos,
+                                   PyBytes_AS_STRING(pages), n, ps);
+        Py_DECREF(pages);
+        if (!same) break;
+        pos += n * ps;  /* <= avail: slots_are_pages checked n <= (avail - pos) / ps */
+        i++;
+    }
+    PyBuffer_Release(&s);
+    if (err) return NULL;
+    return Py_BuildValue("(nn)", i, pos);
+}
+
 static PyMethodDef methods[] = {
     {"tally", tally, METH_VARARGS, "Count a match's hits; its device chunks and their state."},
+    {"own_nodes", own_nodes, METH_VARARGS, "Pass the path's nodes whose pages the slots are."},
     {"descend", descend, METH_VARARGS, "Follow the children a key covers whole; (path, pos)."},
     {NULL, NULL, 0, NULL},
 };

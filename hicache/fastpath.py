@@ -65,6 +65,42 @@ def slot_pages(slots: bytes, page_size: int) -> bytes:
     return np.where(whole, first // page_size, -1).astype(np.int64).tobytes()
 
 
+def own_nodes(path: list[TreeNode], i: int, pos: int, slots: bytes, page_size: int):
+    """From ``path[i]`` on, pass every node whose device pages the int64 ``slots`` from slot
+    ``pos`` on are exactly (page * page_size + 0, 1, ... in order); stop at the first with no
+    device pages or other slots. Returns (i, pos) after the passed nodes. Compared in place,
+    nothing built. At page size 1 the slots are the pages, byte for byte; above it, a negative
+    or overflowing page id never matches."""
+    if USE_C:
+        return _tree.own_nodes(path, i, pos, slots, page_size)
+    if page_size < 1 or i < 0 or pos < 0:
+        raise ValueError("own_nodes: need page_size >= 1, i >= 0, pos >= 0")
+    avail = len(slots) // 8
+    while i < len(path) and pos <= avail:
+        pages = path[i].device_pages
+        if pages is not None and (type(pages) is not bytes or len(pages) % 8):
+            raise TypeError("own_nodes: device_pages must be int64 bytes")
+        if pages is None or not _slots_are_pages(slots, pos, pages, page_size):
+            break
+        pos += len(pages) // 8 * page_size
+        i += 1
+    return i, pos
+
+
+def _slots_are_pages(slots: bytes, pos: int, pages: bytes, page_size: int) -> bool:
+    n = len(pages) // 8
+    if n > (len(slots) // 8 - pos) // page_size:
+        return False
+    mine = memoryview(slots)[8 * pos : 8 * (pos + n * page_size)]
+    if page_size == 1:
+        return mine == pages
+    ids = np.frombuffer(pages, dtype=np.int64)
+    if n and (int(ids.min()) < 0 or int(ids.max()) > (2**63 - 1) // page_size):
+        return False
+    want = ids[:, None] * page_size + np.arange(page_size, dtype=np.int64)
+    return bool((np.frombuffer(mine, dtype=np.int64) == want.ravel()).all())
+
+
 def pack_shared(arrays: list[np.ndarray]) -> tuple[bytes, list[int]]:
     """Contiguous int32 sequences as one byte string, each without the leading tokens it shares
     with the previous sequence, and those counts (a batch's system prompt travels once)."""

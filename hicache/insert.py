@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.allocator import OWNED, TREE
-from hicache.fastpath import claim_pages, slot_pages
+from hicache.fastpath import claim_pages, own_nodes, slot_pages
 from hicache.node import IO_LOAD, TreeNode
 from hicache.radix_tree import Namespace
 
@@ -28,7 +28,7 @@ class InsertMixin:
         aligned = len(tokens) // ps * ps
         raw = slots.astype("<i8", copy=False).tobytes()  # 8 bytes per slot
         root = self.tree.root(namespace, create=True)
-        key = tokens.tobytes() if aligned == len(tokens) else tokens[:aligned].tobytes()
+        key = tokens.tobytes()  # the walk never covers the partial tail page (radix_tree.walk)
         path, covered = self.tree.walk(root, key)
         if path and any(node.io is IO_LOAD for node in path):
             # a load still writes part of this prefix and may yet fail: let it land, so that
@@ -36,7 +36,7 @@ class InsertMixin:
             self.wait_load(path[-1])
             path, covered = self.tree.walk(root, key)
         n_covered = covered >> 2  # tokens the tree holds already (whole pages)
-        dup, adopt = self._classify(path, raw, n_covered)
+        dup, adopt = self._classify(path, raw)
         # the duplicates, the adopted pages, the new whole pages, then the partial tail page
         theirs = raw[8 * n_covered :]
         if dup or adopt:
@@ -50,7 +50,7 @@ class InsertMixin:
         leaf = None
         if aligned > n_covered:  # the rest becomes one new leaf
             new = pages[used : used + (aligned - n_covered) // ps].tobytes()
-            leaf = self.tree.add_leaf(path[-1] if path else root, key[covered:], new)
+            leaf = self.tree.add_leaf(path[-1] if path else root, key[covered : 4 * aligned], new)
         if dup:  # duplicates and the partial tail page go back
             tail = pages[len(pages) - 1 :] if aligned < len(tokens) else pages[:0]
             alloc.release(np.concatenate([pages[:n_dup], tail]))
@@ -79,36 +79,31 @@ class InsertMixin:
             self._drop_empty_root(root)
             raise
 
-    def _classify(self, path: list[TreeNode], raw: bytes, covered: int) -> tuple[list[bytes], list]:
-        """Split the first ``covered`` slots of ``raw`` (slot bytes; the tokens ``path``
-        covers) into duplicates of device nodes (to free) and slots for host-only nodes (to
-        adopt); the tree's own slots are neither.
+    def _classify(self, path: list[TreeNode], raw: bytes) -> tuple[list[bytes], list]:
+        """Split the leading slots of ``raw`` (slot bytes) for the tokens ``path`` covers into
+        duplicates of device nodes (to free) and slots for host-only nodes (to adopt); the
+        tree's own slots are neither.
 
-        The caller's slots are compared as page ids (-1 for a run that is not a whole page)
-        with the nodes' pages, one memcmp per node. A caller may pass the tree's own pages for
-        part of a node and its own for the rest (an engine that recomputed the last page of a
-        full hit): the check is then page by page.
+        The nodes whose pages the caller's slots are pass in one C call (compared in place,
+        nothing built). A caller may pass the tree's own pages for part of a node and its own
+        for the rest (an engine that recomputed the last page of a full hit): that node is then
+        compared page by page.
         """
-        if not path:
-            return [], []
         ps = self.page_size
-        # one int64 per caller page (at page size 1 the slots are the pages: no copy)
-        theirs = raw if ps == 1 else slot_pages(memoryview(raw)[: 8 * covered], ps)
-        dup, adopt, pos = [], [], 0  # pos: byte offset into ``theirs``
-        for node in path:
-            own = node.device_pages
-            if own is not None and theirs.startswith(own, pos):  # the tree's own: no copy
-                pos += len(own)
-                continue
-            size = 8 * node.num_tokens // ps  # bytes of this node's page ids
-            mine = raw[pos * ps : (pos + size) * ps]  # the caller's slots for this node
+        dup, adopt = [], []
+        i, pos = own_nodes(path, 0, 0, raw, ps)  # pos: slot index into ``raw``
+        while i < len(path):
+            node = path[i]
+            own, n = node.device_pages, node.num_tokens
+            mine = raw[8 * pos : 8 * (pos + n)]  # the caller's slots for this node
             if own is None:
                 adopt.append((node, mine))
-            else:
-                ids = np.frombuffer(theirs, dtype=np.int64, count=size // 8, offset=pos)
-                differ = ids != np.frombuffer(own, dtype=np.int64)
+            else:  # page by page: the caller's own pages are duplicates, the tree's are not
+                differ = np.frombuffer(slot_pages(mine, ps), dtype=np.int64) != np.frombuffer(
+                    own, dtype=np.int64
+                )
                 dup.append(np.frombuffer(mine, dtype=np.int64).reshape(-1, ps)[differ].tobytes())
-            pos += size
+            i, pos = own_nodes(path, i + 1, pos + n, raw, ps)
         return dup, adopt
 
     def _drop_empty_root(self, root: TreeNode) -> None:

@@ -118,17 +118,24 @@ def describe(shape: dict) -> str:
     )
 
 
-def compare(trace: list[Request], page_size: int, repeats: int = 3) -> dict:
-    """Replay on both sides ``repeats`` times, alternating; keep each side's fastest run (the
-    least disturbed by the machine's noise), as timeit does."""
+def compare(trace: list[Request], repeats: int = 3) -> dict[int, dict]:
+    """Replay on both sides at page size 1 and 16, ``repeats`` rounds, every round running all
+    four in turn (so a slow spell of the machine hits both page sizes alike); keep each side's
+    fastest run per page size (the least disturbed by the machine's noise), as timeit does."""
     gc.collect()
     gc.disable()
     try:
         runs = [
-            (replay_sglang(trace, page_size), replay_ours(trace, page_size)) for _ in range(repeats)
+            {ps: (replay_sglang(trace, ps), replay_ours(trace, ps)) for ps in (1, 16)}
+            for _ in range(repeats)
         ]
     finally:
         gc.enable()
+    return {ps: summarize(trace, ps, [r[ps] for r in runs]) for ps in (1, 16)}
+
+
+def summarize(trace: list[Request], page_size: int, runs: list) -> dict:
+    """One page size's row (printed) from its runs, each a (sglang, ours) pair of replays."""
     sg = min((r[0] for r in runs), key=lambda r: sum(r[1]) + sum(r[2]))
     ours = min((r[1] for r in runs), key=lambda r: sum(r[1]) + sum(r[2]))
     ours_us = (sum(ours[1]) + sum(ours[2])) / len(trace) / 1e3
@@ -270,7 +277,7 @@ def main() -> None:
     for name, shape in shapes.items():
         print(f"== {name}: {describe(shape)}")
         trace = chat_trace(**shape)
-        rows[name] = {ps: compare(trace, ps) for ps in (1, 16)}
+        rows[name] = compare(trace)
     grow = scaling(16, 100_000, large)
     meta = metadata_bytes(16, 1_000_000)
     chat = rows["chat"]

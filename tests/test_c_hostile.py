@@ -65,6 +65,28 @@ def test_slot_pages_never_wraps_near_the_top(monkeypatch):
     same(monkeypatch, lambda: fastpath.slot_pages(raw, 2))
 
 
+@pytest.mark.parametrize(
+    ("i", "pos", "pages", "ps", "want"),
+    [
+        (0, 0, [1], 0, ValueError),
+        (0, -1, [1], 4, ValueError),
+        (-1, 0, [1], 4, ValueError),
+        (0, BIG, [0], 4, (0, BIG)),  # pos past the slots: nothing passes
+        (BIG, 0, [0], 4, (BIG, 0)),  # i past the path
+        (0, 0, [1, 2], 2**62, (0, 0)),  # n * ps would wrap: too short, never read
+        (0, 0, [-1], 4, (0, 0)),  # a negative page is never the tree's
+        (0, 0, [2**62], 4, (0, 0)),  # page * ps wraps to a slot that exists
+        (0, 0, [1], 4, (1, 4)),
+        (0, 0, "pages", 4, TypeError),  # device_pages not bytes
+    ],
+)
+def test_own_nodes(monkeypatch, i, pos, pages, ps, want):
+    slots = np.array([4, 5, 6, 7, 0, 1, 2, 3], np.int64).tobytes()
+    node = TreeNode(0, b"", None, None)
+    node.device_pages = pages if isinstance(pages, str) else np.array(pages, np.int64).tobytes()
+    same(monkeypatch, lambda: fastpath.own_nodes([node], i, pos, slots, ps), want)
+
+
 @pytest.mark.parametrize("index", [-1, 4, 2**61, BIG])
 def test_progress_words_outside_the_buffer(monkeypatch, index):
     words = np.zeros(4, np.int64)
@@ -172,6 +194,12 @@ def test_copy_pages_checks_what_its_arguments_tell():
     assert not dst.any()
 
 
+def own_first(slots, pages: bytes):
+    node = TreeNode(0, b"", None, None)
+    node.device_pages = pages
+    return fastpath.own_nodes([node], 0, 0, slots, 4)
+
+
 def test_misaligned_buffers_read_as_the_twin_reads_them(monkeypatch):
     ids = np.array([3, 0, 7], np.int64).tobytes()
     slots = np.arange(8, 16, dtype=np.int64).tobytes()
@@ -179,6 +207,7 @@ def test_misaligned_buffers_read_as_the_twin_reads_them(monkeypatch):
     for raw, call in (
         (ids, lambda b: fastpath.page_slots(b, 4)),
         (slots, lambda b: fastpath.slot_pages(b, 4)),
+        (slots, lambda b: own_first(b, ids[8:16])),
         (toks, lambda b: fastpath.min_token(b)),
     ):
         off = memoryview(b"\0" + raw)[1:]  # one byte off any alignment

@@ -134,6 +134,44 @@ def test_page_slots_and_slot_pages(use_c, ps, pages, damage, tail):
 
 
 @pytest.mark.parametrize("use_c", [pytest.param(True, marks=needs_c), False])
+@settings(max_examples=300, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 4]),
+    nodes=st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=3) | st.none(), max_size=4),
+    lead=st.integers(0, 5),
+    start=st.integers(0, 2),
+    damage=st.lists(st.tuples(st.integers(0, 40), st.integers(-5, 500)), max_size=2),
+    cut=st.integers(0, 3),
+)
+def test_own_nodes_passes_the_nodes_whose_pages_the_slots_are(
+    use_c, ps, nodes, lead, start, damage, cut
+):
+    """own_nodes passes node after node while the slots from ``pos`` on are exactly that node's
+    pages' slots (in order); it stops at a host-only node, at other slots, at the slots' end."""
+    path = [TreeNode(k, b"", None, None) for k in range(len(nodes))]
+    for node, pages in zip(path, nodes, strict=True):
+        node.device_pages = None if pages is None else np.array(pages, np.int64).tobytes()
+    slots = list(range(1000, 1000 + lead))
+    for pages in nodes:  # the tree's own slots for each node (a host-only node: any 2 pages)
+        slots += [p * ps + j for p in (pages or [50, 51]) for j in range(ps)]
+    for at, value in damage:
+        if at < len(slots):
+            slots[at] = value
+    slots = slots[: max(0, len(slots) - cut)]
+    i, pos = start, lead
+    while i < len(nodes) and nodes[i] is not None:
+        want = [p * ps + j for p in nodes[i] for j in range(ps)]
+        if slots[pos : pos + len(want)] != want:
+            break
+        i, pos = i + 1, pos + len(want)
+    raw = np.array(slots, np.int64).tobytes()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fastpath, "USE_C", use_c)
+        got = fastpath.own_nodes(path, start, lead, raw, ps)
+    assert got == (i, pos)
+
+
+@pytest.mark.parametrize("use_c", [pytest.param(True, marks=needs_c), False])
 @settings(max_examples=100, deadline=None)
 @given(
     seqs=st.lists(st.lists(st.integers(0, 3), max_size=9), max_size=6),
