@@ -3,8 +3,11 @@
 The handlers note each match's and insert's tokens (``saw``: one deque append); the control
 loop runs the SHARDS estimator (hicache/capacity.py) over what piled up in short slices: 0.3 ms
 per housekeeping pass while requests keep coming (so a request waits at most that for it), 5 ms
-when the socket has been quiet. Under a flood the deque keeps the newest
-``MAX_PENDING`` and counts what it dropped. ``report`` answers `hicache capacity`.
+when the socket has been quiet. Under a flood the deque keeps the newest requests up to
+``MAX_PENDING`` of them and ``MAX_PENDING_BYTES`` of tokens, and counts what it dropped. The byte
+bound matters: every noted request keeps its token bytes alive, and 8,192 prompts of 4,096
+tokens held 128 MiB, which also made each new request's buffer fresh memory (page faults on the
+request path). ``report`` answers `hicache capacity`.
 
 Runs on the control thread only (it owns the estimator).
 """
@@ -21,8 +24,13 @@ import numpy as np
 from hicache.capacity import FACTORS, ShardsEstimator, page_hashes
 
 MAX_PENDING = 8192  # requests noted and not yet counted
+MAX_PENDING_BYTES = 4 << 20  # their token bytes (a few hundred long prompts)
 BUSY_BUDGET_S = 0.0003  # estimator time per housekeeping pass while requests keep coming
 IDLE_BUDGET_S = 0.005  # ... when the socket was quiet for a poll period (nobody waits)
+
+
+def _nbytes(tokens: Any) -> int:
+    return tokens.nbytes if isinstance(tokens, (np.ndarray, memoryview)) else len(tokens)
 
 
 class CapacityFeed:
@@ -39,17 +47,25 @@ class CapacityFeed:
         self.estimator = ShardsEstimator()
         # (True: a lookup, False: an insert; int32 token bytes or array; namespace)
         self.pending: collections.deque[tuple[bool, Any, Any]] = collections.deque()
+        self.pending_bytes = 0  # token bytes the pending requests hold
         self.dropped = 0  # requests noted but never counted (the deque overflowed)
         self._seeds: dict[Any, bytes] = {}
 
     def saw(self, lookup: bool, tokens: Any, namespace: Any) -> None:
         """Note a match (``lookup``) or an insert of ``tokens`` (int32 bytes or array)."""
-        if len(self.pending) >= MAX_PENDING:
-            self.pending.popleft()
+        pending, size = self.pending, _nbytes(tokens)
+        if size > MAX_PENDING_BYTES:  # one prompt over the whole budget: not kept
+            self.dropped += 1
+            return
+        while pending and (
+            len(pending) >= MAX_PENDING or self.pending_bytes + size > MAX_PENDING_BYTES
+        ):
+            self.pending_bytes -= _nbytes(pending.popleft()[1])
             self.dropped += 1
         if isinstance(tokens, memoryview):  # (a view into a frame zmq will reuse)
             tokens = bytes(tokens)
-        self.pending.append((lookup, tokens, namespace))
+        pending.append((lookup, tokens, namespace))
+        self.pending_bytes += size
 
     def run(self, budget_s: float = BUSY_BUDGET_S) -> int:
         """Count noted requests until none is left or ``budget_s`` passed; returns how many."""
@@ -57,6 +73,7 @@ class CapacityFeed:
         deadline = time.perf_counter() + budget_s
         while pending and time.perf_counter() < deadline:
             lookup, tokens, ns = pending.popleft()
+            self.pending_bytes -= _nbytes(tokens)
             if not isinstance(tokens, np.ndarray):
                 tokens = np.frombuffer(tokens, dtype=np.int32)
             seed = self._seeds.get(ns)

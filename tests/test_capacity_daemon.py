@@ -70,3 +70,25 @@ def test_a_fresh_daemon_reports_no_traffic(tmp_path):
         assert out["estimator"]["requests"] == 0 and out["recommendation"] == ""
     finally:
         stop_daemon(proc)
+
+
+def test_the_feed_holds_a_bounded_number_of_token_bytes():
+    """Under a flood the feed keeps the newest prompts within MAX_PENDING_BYTES (each noted
+    request keeps its tokens alive: unbounded, long prompts pile up hundreds of MiB)."""
+    from hicache.daemon import capacity_feed
+
+    feed = capacity_feed.CapacityFeed(page_size=16, device_pages=64, host_pages=128)
+    prompt = np.arange(4096, dtype=np.int32).tobytes()  # 16 KiB
+    fit = capacity_feed.MAX_PENDING_BYTES // len(prompt)
+    for i in range(fit + 10):
+        feed.saw(True, prompt[: len(prompt) - 4 * (i % 2)], None)  # 2 sizes
+        assert feed.pending_bytes <= capacity_feed.MAX_PENDING_BYTES
+        assert feed.pending_bytes == sum(len(t) for _, t, _ in feed.pending)
+    assert feed.dropped >= 10 and len(feed.pending) + feed.dropped == fit + 10
+    kept, dropped = len(feed.pending), feed.dropped
+    feed.saw(False, np.zeros(capacity_feed.MAX_PENDING_BYTES, np.int32), None)  # too big alone
+    assert len(feed.pending) == kept and feed.dropped == dropped + 1
+    feed.saw(False, memoryview(prompt), "ns")  # (the oldest one makes room)
+    assert len(feed.pending) == kept and feed.dropped == dropped + 2
+    assert feed.run(budget_s=10.0) == kept
+    assert feed.pending_bytes == 0 and not feed.pending
