@@ -123,6 +123,13 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
         "(summed on a worker thread unless verify_pages keeps the checksums; 0: only at a "
         "clean stop)",
     ),
+    "busy_poll_us": (
+        float,
+        200.0,
+        "after each reply, watch the socket this many microseconds before sleeping on it: an "
+        "engine's next request finds the daemon awake, its CPU's caches warm (a core busy at "
+        "most this long per request; 0: sleep at once)",
+    ),
     "shutdown_timeout": (
         float,
         10.0,
@@ -168,6 +175,7 @@ class DaemonSettings:
     events_topic: str = ""
     events_buffer: int = 10000  # batches kept for replay
     shutdown_timeout: float = 10.0  # the longest a SIGTERM drain lasts
+    busy_poll_us: float = 200.0  # how long the loop watches the socket after a reply
     keep_host: bool = True  # a clean stop leaves the host pool for the next daemon to adopt
     snapshot_seconds: float = 30.0  # periodic host snapshots (0: only at a clean stop)
     curve_secret_key: str | None = None  # CurveZMQ: the daemon's secret key file
@@ -430,6 +438,9 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     shutdown_timeout = float(daemon["shutdown_timeout"])
     if not 0 <= shutdown_timeout <= 3600:
         raise ValueError(f"shutdown_timeout: seconds in [0, 3600], got {shutdown_timeout}")
+    busy_poll_us = float(daemon["busy_poll_us"])
+    if not 0 <= busy_poll_us <= 100_000:
+        raise ValueError(f"busy_poll_us: microseconds in [0, 100000], got {busy_poll_us}")
     buffer = daemon["events_buffer"]
     if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
         raise ValueError(f"events_buffer: must be an integer >= 1, got {buffer!r}")
@@ -459,6 +470,7 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         events_topic=str(daemon["events_topic"]),
         events_buffer=buffer,
         shutdown_timeout=shutdown_timeout,
+        busy_poll_us=busy_poll_us,
         keep_host=daemon["keep_host"],
         snapshot_seconds=every,
         **curve,

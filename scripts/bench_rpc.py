@@ -9,6 +9,8 @@
 4. 4 threads sharing one client against 4 threads with a client each: matches per second.
 5. The same match round trip against a second daemon with Prometheus metrics and KV events on
    (a scraper every second, a subscriber reading the stream), interleaved with the first.
+6. In the blocks of 1., the match against a third daemon with ``--busy-poll-us 0`` (it sleeps on
+   its socket right after each reply, as the echo does).
 The last line is one JSON object.
 """
 
@@ -215,17 +217,25 @@ def main() -> None:
             observed_ep, *flags, "--metrics-port", str(port), "--events-endpoint", events_ep
         )
         watchers = Watchers(port, events_ep)
+        sleeper_ep = f"ipc://{tmp}/sleeper.sock"  # sleeps on its socket right after a reply
+        sleeper = start_daemon(sleeper_ep, *flags, "--busy-poll-us", "0")
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.connect(echo_ep)
         try:
-            with HiCacheClient(daemon_ep, name="bench") as hc:
+            with (
+                HiCacheClient(daemon_ep, name="bench") as hc,
+                HiCacheClient(sleeper_ep, name="bench-sleeper") as hs,
+            ):
                 cache_prompts(hc, [prompt, *batch])
+                cache_prompts(hs, [prompt])
                 echo_round_trips(sock, prompt, WARMUP)
                 match_round_trips(hc, prompt, WARMUP)
-                echo_ns, match_ns = [], []
-                for _ in range(ROUNDS // 100):  # interleaved blocks: both see the same noise
+                match_round_trips(hs, prompt, WARMUP)
+                echo_ns, match_ns, sleeper_ns = [], [], []
+                for _ in range(ROUNDS // 100):  # interleaved blocks: all see the same noise
                     echo_ns += echo_round_trips(sock, prompt, 100)
                     match_ns += match_round_trips(hc, prompt, 100)
+                    sleeper_ns += match_round_trips(hs, prompt, 100)
                 single8_us, batch64_us = time_batches(hc, batch)
                 direct_round_trips(hc, prompt, WARMUP)
                 client_ns, direct_ns = [], []
@@ -253,12 +263,18 @@ def main() -> None:
             echo.join()
             stop_daemon(proc)
             stop_daemon(observed)
+            stop_daemon(sleeper)
     e50, e99 = percentiles(echo_ns)
     m50, m99 = percentiles(match_ns)
+    s50, s99 = percentiles(sleeper_ns)
     print(f"raw pyzmq echo, 4096 token ids:      p50 {e50:7.1f} us  p99 {e99:7.1f} us")
     print(
         f"match_prefix via daemon, 4096 tokens: p50 {m50:7.1f} us  p99 {m99:7.1f} us  "
         f"({m50 / e50:.2f}x echo)"
+    )
+    print(
+        f"  the same, --busy-poll-us 0:         p50 {s50:7.1f} us  p99 {s99:7.1f} us  "
+        f"({s50 / e50:.2f}x echo)"
     )
     print(
         f"8 single matches {single8_us:8.1f} us; one batch of 64 {batch64_us:8.1f} us "
@@ -287,6 +303,7 @@ def main() -> None:
                 "metrics_events_overhead": round(o50 / p50, 3),
                 "rpc_vs_echo_p50": round(m50 / e50, 3),
                 "single_thread_rpc_vs_echo": round(m50 / e50, 3),
+                "rpc_vs_echo_p50_no_busy_poll": round(s50 / e50, 3),
                 "single_thread_client_vs_direct": round(c50 / d50, 3),
                 "threads_shared_vs_own": round(shared_rate / own_rate, 3),
                 "batch64_vs_single8": round(batch64_us / single8_us, 3),

@@ -45,6 +45,8 @@ def test_precedence_default_toml_env_flags(tmp_path):
         (["--write-policy", "sometimes"], {}, "write_policy"),
         ([], {"HICACHE_HOST_RATIO": "0.5"}, "host_ratio"),
         (["--lease-seconds", "0"], {}, "lease_seconds"),
+        (["--busy-poll-us", "-1"], {}, "busy_poll_us"),
+        ([], {"HICACHE_BUSY_POLL_US": "1e9"}, "busy_poll_us"),
     ],
 )
 def test_bad_settings_name_the_field(argv, environ, field):
