@@ -25,6 +25,7 @@ from hicache.capacity import FACTORS, ShardsEstimator, page_hashes
 
 MAX_PENDING = 8192  # requests noted and not yet counted
 MAX_PENDING_BYTES = 4 << 20  # their token bytes (a few hundred long prompts)
+MAX_SEEDS = 4096  # namespaces whose hash seed is kept
 BUSY_BUDGET_S = 0.0003  # estimator time per housekeeping pass while requests keep coming
 IDLE_BUDGET_S = 0.005  # ... when the socket was quiet for a poll period (nobody waits)
 
@@ -52,7 +53,8 @@ class CapacityFeed:
         self._seeds: dict[Any, bytes] = {}
 
     def saw(self, lookup: bool, tokens: Any, namespace: Any) -> None:
-        """Note a match (``lookup``) or an insert of ``tokens`` (int32 bytes or array)."""
+        """Note a match (``lookup``) or an insert of ``tokens`` (int32 bytes, a view or an
+        array: kept as bytes of their own, never as a view that pins a whole request frame)."""
         pending, size = self.pending, _nbytes(tokens)
         if size > MAX_PENDING_BYTES:  # one prompt over the whole budget: not kept
             self.dropped += 1
@@ -62,8 +64,8 @@ class CapacityFeed:
         ):
             self.pending_bytes -= _nbytes(pending.popleft()[1])
             self.dropped += 1
-        if isinstance(tokens, memoryview):  # (a view into a frame zmq will reuse)
-            tokens = bytes(tokens)
+        if type(tokens) is not bytes:  # a view keeps its whole frame alive (64 MiB at most)
+            tokens = tokens.tobytes() if isinstance(tokens, np.ndarray) else bytes(tokens)
         pending.append((lookup, tokens, namespace))
         self.pending_bytes += size
 
@@ -74,10 +76,11 @@ class CapacityFeed:
         while pending and time.perf_counter() < deadline:
             lookup, tokens, ns = pending.popleft()
             self.pending_bytes -= _nbytes(tokens)
-            if not isinstance(tokens, np.ndarray):
-                tokens = np.frombuffer(tokens, dtype=np.int32)
+            tokens = np.frombuffer(tokens, dtype=np.int32)
             seed = self._seeds.get(ns)
             if seed is None:
+                if len(self._seeds) >= MAX_SEEDS:  # (namespaces are the client's to invent)
+                    self._seeds.clear()
                 seed = self._seeds[ns] = repr(ns).encode()
             hashes = page_hashes(tokens, self.page_size, seed)
             if lookup:

@@ -4,7 +4,8 @@ One control loop: poll the socket with a timeout, hand each request to Handlers,
 reply; between requests (and at least every HOUSEKEEP_S) process transfer acks and expire
 sessions. Copies run on the transfer engine's own thread meanwhile. After a reply the loop
 watches the socket for ``busy_poll_us`` before it sleeps on it (the next request of an engine
-finds it awake).
+finds it awake), as long as the previous request came within that time of the reply before it
+(heartbeats and slow peers never make it spin).
 
 Replies never block the loop: a peer that does not read its replies (its pipe is full) loses
 them, counted in ``replies_dropped``, and everyone else is served on.
@@ -304,6 +305,7 @@ class Daemon:
         self._worth_keeping = True
         next_housekeep = next_metrics = time.monotonic()
         spin, awake_until = self.settings.busy_poll_us / 1e6, 0.0
+        replied, worth = 0.0, True  # the last reply; whether requests come back within a spin
         while not self.stopping:
             if awake_until:  # right after a reply: the same engine may be about to ask again
                 self._busy_poll(awake_until)
@@ -319,8 +321,11 @@ class Daemon:
                 if frames[0] == WAKE_ID:  # the third tier finished something
                     self._resume()
                 else:
+                    if replied:  # spin only for peers that come back within one (an engine)
+                        worth = time.perf_counter() - replied < spin
                     self._serve_one(frames)
-                    awake_until = time.perf_counter() + spin if spin else 0.0
+                    replied = time.perf_counter()
+                    awake_until = replied + spin if spin and worth else 0.0
                 if self.events is not None:
                     self._publish_events()
             if time.monotonic() >= next_housekeep:

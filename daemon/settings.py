@@ -126,9 +126,10 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
     "busy_poll_us": (
         float,
         200.0,
-        "after each reply, watch the socket this many microseconds before sleeping on it: an "
-        "engine's next request finds the daemon awake, its CPU's caches warm (a core busy at "
-        "most this long per request; 0: sleep at once)",
+        "after a reply, watch the socket this many microseconds (at most 10000) before "
+        "sleeping on it: an engine's next request finds the daemon awake, its CPU's caches "
+        "warm. Only while requests come back within that time of the reply before them; a "
+        "core busy at most this long per request; 0: sleep at once",
     ),
     "shutdown_timeout": (
         float,
@@ -214,6 +215,15 @@ class DaemonSettings:
         with contextlib.suppress(ValueError):  # (a backend that cannot run fails at start)
             out["transfer_backend_resolved"] = resolve_backend(config).value
         return out
+
+
+def _number(settings: dict[str, Any], name: str) -> float:
+    """A numeric setting as a float; ValueError naming it for anything else (a TOML string,
+    bool, list or table: flags and variables arrive converted already)."""
+    value = settings[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {value!r}")
+    return float(value)
 
 
 def _plain(value: Any) -> Any:
@@ -397,13 +407,13 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
             or engine_tokens < 1
         ):
             raise ValueError(f"host_tokens: expected a positive integer, got {engine_tokens!r}")
-    lease = float(daemon["lease_seconds"])
+    lease = _number(daemon, "lease_seconds")
     if not lease > 0:
         raise ValueError(f"lease_seconds: must be > 0, got {lease}")
     quarantine = daemon["quarantine_seconds"]
-    if quarantine is not None and not float(quarantine) >= 0:
+    if quarantine is not None and not _number(daemon, "quarantine_seconds") >= 0:
         raise ValueError(f"quarantine_seconds: must be >= 0, got {quarantine}")
-    fraction = float(daemon["session_owned_fraction"])
+    fraction = _number(daemon, "session_owned_fraction")
     if not 0 < fraction <= 1:
         raise ValueError(f"session_owned_fraction: must be in (0, 1], got {fraction}")
     for name in ("session_max_locks", "session_max_loads", "max_sessions"):
@@ -432,15 +442,15 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     _check_curve(curve, str(daemon["endpoint"]), events)
     if not isinstance(daemon["keep_host"], bool):
         raise ValueError(f"keep_host: expected true or false, got {daemon['keep_host']!r}")
-    every = float(daemon["snapshot_seconds"])
+    every = _number(daemon, "snapshot_seconds")
     if not 0 <= every <= 86400:
         raise ValueError(f"snapshot_seconds: seconds in [0, 86400], got {every}")
-    shutdown_timeout = float(daemon["shutdown_timeout"])
+    shutdown_timeout = _number(daemon, "shutdown_timeout")
     if not 0 <= shutdown_timeout <= 3600:
         raise ValueError(f"shutdown_timeout: seconds in [0, 3600], got {shutdown_timeout}")
-    busy_poll_us = float(daemon["busy_poll_us"])
-    if not 0 <= busy_poll_us <= 100_000:
-        raise ValueError(f"busy_poll_us: microseconds in [0, 100000], got {busy_poll_us}")
+    busy_poll_us = _number(daemon, "busy_poll_us")
+    if not 0 <= busy_poll_us <= 10_000:
+        raise ValueError(f"busy_poll_us: microseconds in [0, 10000], got {busy_poll_us}")
     buffer = daemon["events_buffer"]
     if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
         raise ValueError(f"events_buffer: must be an integer >= 1, got {buffer!r}")

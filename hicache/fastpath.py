@@ -8,6 +8,7 @@ dominated. Set HICACHE_NO_C=1 to use the fallback.
 
 from __future__ import annotations
 
+import operator
 import os
 
 import numpy as np
@@ -73,29 +74,46 @@ def own_nodes(path: list[TreeNode], i: int, pos: int, slots: bytes, page_size: i
     or overflowing page id never matches."""
     if USE_C:
         return _tree.own_nodes(path, i, pos, slots, page_size)
+    if type(path) is not list:
+        raise TypeError(f"own_nodes: path must be a list, not {type(path).__name__}")
+    i, pos, page_size = (_ssize(v) for v in (i, pos, page_size))
+    view = memoryview(slots)  # (TypeError for what is not a buffer, as C's y*)
+    if not view.c_contiguous:
+        raise ValueError("own_nodes: the slots are not C-contiguous")
+    view = view.cast("B")  # bytes, whatever the buffer's item type
     if page_size < 1 or i < 0 or pos < 0:
         raise ValueError("own_nodes: need page_size >= 1, i >= 0, pos >= 0")
-    avail = len(slots) // 8
+    avail = len(view) // 8
     while i < len(path) and pos <= avail:
         pages = path[i].device_pages
-        if pages is not None and (type(pages) is not bytes or len(pages) % 8):
+        if pages is not None and (not isinstance(pages, bytes) or len(pages) % 8):
             raise TypeError("own_nodes: device_pages must be int64 bytes")
-        if pages is None or not _slots_are_pages(slots, pos, pages, page_size):
+        if pages is None or not _slots_are_pages(view, pos, pages, page_size):
             break
         pos += len(pages) // 8 * page_size
         i += 1
     return i, pos
 
 
-def _slots_are_pages(slots: bytes, pos: int, pages: bytes, page_size: int) -> bool:
+def _ssize(value: object) -> int:
+    """``value`` as C's Py_ssize_t would take it: an int (TypeError), within 64 bits."""
+    value = operator.index(value)  # type: ignore[arg-type]
+    if not -(2**63) <= value < 2**63:
+        raise OverflowError("Python int too large to convert to C ssize_t")
+    return value
+
+
+def _slots_are_pages(view: memoryview, pos: int, pages: bytes, page_size: int) -> bool:
     n = len(pages) // 8
-    if n > (len(slots) // 8 - pos) // page_size:
+    if n == 0:
+        return True
+    if n > (len(view) // 8 - pos) // page_size:
         return False
-    mine = memoryview(slots)[8 * pos : 8 * (pos + n * page_size)]
+    mine = view[8 * pos : 8 * (pos + n * page_size)]
     if page_size == 1:
         return mine == pages
     ids = np.frombuffer(pages, dtype=np.int64)
-    if n and (int(ids.min()) < 0 or int(ids.max()) > (2**63 - 1) // page_size):
+    if int(ids.min()) < 0 or int(ids.max()) > (2**63 - 1) // page_size:
         return False
     want = ids[:, None] * page_size + np.arange(page_size, dtype=np.int64)
     return bool((np.frombuffer(mine, dtype=np.int64) == want.ravel()).all())

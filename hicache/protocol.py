@@ -128,11 +128,17 @@ _packers = threading.local()
 def pack(obj: Any) -> bytes:
     """msgpack.packb with one Packer kept per thread. packb makes a Packer per call, and each
     mallocs a 256 KiB buffer: glibc hands out the top of the heap, trims it again on free, and
-    the next message page-faults it back in (3-4 faults per request in the daemon)."""
+    the next message page-faults it back in (3-4 faults per request in the daemon). The packer
+    is taken out while it packs: a pack inside a pack on this thread (a finalizer the garbage
+    collector runs meanwhile sends a goodbye) gets a packer of its own, never the same buffer."""
     packer = getattr(_packers, "packer", None)
+    _packers.packer = None
     if packer is None:
-        packer = _packers.packer = msgpack.Packer()
-    return packer.pack(obj)  # (a failed pack resets the buffer: the next one starts clean)
+        packer = msgpack.Packer()
+    try:
+        return packer.pack(obj)  # (a failed pack resets the buffer: the next one starts clean)
+    finally:
+        _packers.packer = packer
 
 
 def encode_request(req: Request) -> bytes:

@@ -53,17 +53,38 @@ def test_a_busy_polling_daemon_sleeps_once_requests_stop(tmp_path):
     """With the longest busy poll, a daemon that served a burst uses (almost) no CPU while no
     request comes: it spins after a reply, never in between."""
     endpoint = f"ipc://{tmp_path}/d.sock"
-    proc = start_daemon(endpoint, *SMALL, "--busy-poll-us", "100000", "--keep-host", "false")
+    proc = start_daemon(endpoint, *SMALL, "--busy-poll-us", "10000", "--keep-host", "false")
     try:
         with HiCacheClient(endpoint, name="burst") as hc:
             prompt = np.arange(64, dtype=np.int32)
             hc.insert(prompt, hc.alloc(64))
             for _ in range(50):
                 assert hc.match_prefix(prompt, lock=False).device_hit_length == 64
-            time.sleep(0.2)  # the last spin (0.1 s at most) ends
+            time.sleep(0.1)  # the last spin (10 ms at most) ends
             before, t0 = _cpu_seconds(proc.pid), time.monotonic()
             time.sleep(1.0)
             used = _cpu_seconds(proc.pid) - before
             assert used < 0.3 * (time.monotonic() - t0), used
+    finally:
+        stop_daemon(proc)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_a_peer_slower_than_the_busy_poll_never_makes_the_daemon_spin(tmp_path):
+    """Requests 30 ms apart with a 10 ms busy poll: spinning after each reply would burn a
+    third of a core; the daemon sees that requests do not come back within a spin and
+    sleeps right after its replies."""
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    proc = start_daemon(endpoint, *SMALL, "--busy-poll-us", "10000", "--keep-host", "false")
+    try:
+        with HiCacheClient(endpoint, name="slow") as hc:
+            prompt = np.arange(64, dtype=np.int32)
+            hc.insert(prompt, hc.alloc(64))
+            before, t0 = _cpu_seconds(proc.pid), time.monotonic()
+            for _ in range(40):
+                time.sleep(0.03)  # the peer's pace: slower than the busy poll
+                assert hc.match_prefix(prompt, lock=False).device_hit_length == 64
+            used = _cpu_seconds(proc.pid) - before
+            assert used < 0.15 * (time.monotonic() - t0), used
     finally:
         stop_daemon(proc)

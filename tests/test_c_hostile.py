@@ -194,6 +194,43 @@ def test_copy_pages_checks_what_its_arguments_tell():
     assert not dst.any()
 
 
+def _node(pages, node_id=0):
+    node = TreeNode(node_id, b"", None, None)
+    node.device_pages = pages
+    return node
+
+
+class _Bytes(bytes):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("path", "i", "pos", "slots", "ps"),
+    [
+        ([258], 0, 0, np.array([2, 1, 0, 0, 0, 0, 0, 0], np.int64), 1),  # int64 items, not bytes
+        ([258], 0, 0, memoryview(np.arange(8, dtype=np.int64)), 4),
+        ([258], 0, 0, np.arange(16, dtype=np.int64)[::2], 4),  # not contiguous
+        ([258], 0, 0, "abc", 4),
+        ("tuple", 0, 0, b"", 4),
+        ([258], 2**63, 0, b"", 4),
+        ([258], 0, 0, b"", 2**64),
+        ([258], 1.5, 0, b"", 4),
+        ("subclass", 0, 0, np.arange(4, 8, dtype=np.int64).tobytes(), 4),
+        ("empty", 0, 0, b"", 2**62),
+    ],
+)
+def test_own_nodes_hostile_arguments(monkeypatch, path, i, pos, slots, ps):
+    if path == "tuple":
+        path = (_node(np.array([1], np.int64).tobytes()),)
+    elif path == "subclass":
+        path = [_node(_Bytes(np.array([1], np.int64).tobytes()))]
+    elif path == "empty":
+        path = [_node(b"")]
+    else:
+        path = [_node(np.array(path, np.int64).tobytes())]
+    same(monkeypatch, lambda: fastpath.own_nodes(path, i, pos, slots, ps))
+
+
 def own_first(slots, pages: bytes):
     node = TreeNode(0, b"", None, None)
     node.device_pages = pages

@@ -92,3 +92,20 @@ def test_the_feed_holds_a_bounded_number_of_token_bytes():
     assert len(feed.pending) == kept and feed.dropped == dropped + 2
     assert feed.run(budget_s=10.0) == kept
     assert feed.pending_bytes == 0 and not feed.pending
+
+
+def test_the_feed_never_pins_a_request_frame_and_forgets_namespaces():
+    """A noted slice of a large frame is copied (a view would keep the whole frame alive past
+    the byte bound); the namespace seeds are bounded too (clients invent namespaces)."""
+    from hicache.daemon import capacity_feed
+
+    feed = capacity_feed.CapacityFeed(page_size=16, device_pages=64, host_pages=128)
+    frame = np.zeros(1 << 20, dtype=np.int32)  # a 4 MiB request frame
+    feed.saw(False, frame[:64], None)
+    feed.saw(True, memoryview(frame)[:32], None)
+    kept = [t for _, t, _ in feed.pending]
+    assert all(type(t) is bytes for t in kept) and feed.pending_bytes == 64 * 4 + 32 * 4
+    for i in range(capacity_feed.MAX_SEEDS + 10):
+        feed.saw(True, frame[:16].tobytes(), f"ns-{i}")
+        feed.run(budget_s=10.0)
+    assert len(feed._seeds) <= capacity_feed.MAX_SEEDS

@@ -54,6 +54,15 @@ def test_bad_settings_name_the_field(argv, environ, field):
         settings(argv, environ)
 
 
+@pytest.mark.parametrize("value", ['"abc"', '"200"', "true", "[1]", "{a = 1}"])
+@pytest.mark.parametrize("field", ["busy_poll_us", "shutdown_timeout", "lease_seconds"])
+def test_a_toml_number_of_the_wrong_type_names_the_field(tmp_path, field, value):
+    toml = tmp_path / "hicache.toml"
+    toml.write_text(f"{field} = {value}\n")
+    with pytest.raises(ValueError, match=f"{field}: expected a number"):
+        settings(["--config", str(toml)])
+
+
 def test_print_config_shows_the_result():
     out = subprocess.run(
         [sys.executable, "-m", "hicache.daemon", "--print-config", "--num-layers", "7"],

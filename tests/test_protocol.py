@@ -33,6 +33,27 @@ def test_request_and_reply_round_trip():
     assert back == reply and not back.ok and back.status is ErrorCode.NOT_OWNED
 
 
+class _Sneaky(dict):
+    """A map whose packing packs another message on the same thread first (as a finalizer
+    that sends a goodbye can, when the garbage collector runs inside a pack)."""
+
+    def items(self):
+        inner.append(encode_request(Request(Op.GOODBYE, 9, 3, 4, {})))
+        return super().items()
+
+
+inner: list[bytes] = []
+
+
+def test_a_pack_inside_a_pack_leaves_both_messages_whole():
+    inner.clear()
+    req = Request(Op.MATCH, 7, 42, 5, _Sneaky(lengths=[5], namespaces=["a"]))
+    outer = decode_request(encode_request(req))
+    assert outer.op is Op.MATCH and outer.fields == {"lengths": [5], "namespaces": ["a"]}
+    assert decode_request(inner[0]) == Request(Op.GOODBYE, 9, 3, 4, {})
+    assert decode_request(encode_request(req)).request_id == 7  # and after it, still whole
+
+
 def test_arrays_travel_as_raw_little_endian_frames():
     tokens = np.array([1, 2, 2**31 - 1], dtype=np.int32)
     frame = tokens_frame(tokens)
