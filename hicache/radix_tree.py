@@ -90,7 +90,7 @@ class RadixTree:
         """
         self.clock = now = self.clock + 1
         path, pos = descend(root, key, 0, self.page_bytes, now)
-        if pos < len(key):
+        if len(key) - pos >= self.page_bytes:  # (a partial page left finds no child)
             parent = path[-1] if path else root
             child = parent.children.get(key[pos : pos + self.page_bytes])
             if child is not None:  # diverges (or the key ends) inside it: cut at the last page
