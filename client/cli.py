@@ -3,9 +3,9 @@
     hicache ping                     is it there (and which life: pid, epoch)
     hicache health [--live]          readiness probe: exit 0 when ready (--live: when it
                                      answers at all, draining included), 1 otherwise
-    hicache info [SECTION]           Redis-INFO style sections (`# Section`, `key:value` lines,
-                                     `_human` twins for sizes); `hicache stats --json` is the
-                                     same facts as one JSON object
+    hicache info [SECTION] [--json]  Redis-INFO style sections (`# Section`, `key:value` lines,
+                                     `_human` twins for sizes; an unset setting is empty);
+                                     --json: the same sections as one JSON object
     hicache top [-n COUNT]           a live view, refreshed every second (--json: one object
                                      per sample, with the interval's rates)
     hicache stats [--watch S]        every stat (--watch: again every S seconds)
@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     health.add_argument("--json", action="store_true", help="as one JSON object")
     info = sub.add_parser("info", help="human-readable stats by section")
     info.add_argument("section", nargs="?", help="one section only (e.g. hits, DevicePool)")
+    info.add_argument("--json", action="store_true", help="the sections as one JSON object")
     stats = sub.add_parser("stats", help="all stats")
     stats.add_argument("--json", action="store_true", help="as one JSON object")
     stats.add_argument(
@@ -245,6 +246,9 @@ def _run(args: argparse.Namespace, conn: Connection) -> int:
         else:
             print("\n".join(f"{k}:{v}" for k, v in out.items()))
         return 0 if args.live or state == "ready" else 1
+    if args.command == "evict" and not (args.device_tokens or args.host_tokens):
+        print("hicache: evict what? give --device-tokens N and/or --host-tokens N", file=sys.stderr)
+        return 2
     if args.command in ("evict", "flush"):
         fields = (
             {"device_tokens": args.device_tokens, "host_tokens": args.host_tokens}
@@ -304,9 +308,12 @@ def _run(args: argparse.Namespace, conn: Connection) -> int:
             )
             return 2
         groups = {wanted: groups[wanted]}
+    if args.json:
+        print(json.dumps(groups, sort_keys=True))
+        return 0
     for name, values in groups.items():
         print(f"# {_heading(name)}")
-        print("\n".join(f"{k}:{v}" for k, v in values.items()) + "\n")
+        print("\n".join(f"{k}:{'' if v is None else v}" for k, v in values.items()) + "\n")
     return 0
 
 

@@ -239,3 +239,11 @@ def test_cli_ping_info_and_stats(endpoint):
     assert run("info", "hits").startswith("# Hits")
     data = json.loads(run("stats", "--json"))
     assert data["device_capacity_tokens"] == 256 and data["sessions"] == 0
+    groups = json.loads(run("info", "--json"))
+    assert groups["memory"]["device_capacity_tokens"] == 256
+    assert set(groups) >= {"server", "config", "hits", "sessions"}
+    assert ":None" not in info  # an unset setting shows as empty, not as Python's None
+    refused = subprocess.run(
+        [sys.executable, "-m", "hicache.client.cli", "evict"], env=env, capture_output=True
+    )
+    assert refused.returncode == 2 and b"--device-tokens" in refused.stderr
