@@ -386,7 +386,10 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     for name in names:
         raw = environ.get(f"HICACHE_{name.upper()}")
         if raw is not None:
-            merged[name] = _convert(name, raw)
+            try:
+                merged[name] = _convert(name, raw)
+            except ValueError as exc:  # say where the value came from
+                raise ValueError(f"{exc} (from HICACHE_{name.upper()})") from None
     for name in names:
         raw = getattr(args, name, None)
         if raw is not None:

@@ -63,6 +63,11 @@ def test_a_toml_number_of_the_wrong_type_names_the_field(tmp_path, field, value)
         settings(["--config", str(toml)])
 
 
+def test_a_bad_variable_is_named():
+    with pytest.raises(ValueError, match="page_size: 'x'.*HICACHE_PAGE_SIZE"):
+        settings([], {"HICACHE_PAGE_SIZE": "x"})
+
+
 def test_print_config_shows_the_result():
     out = subprocess.run(
         [sys.executable, "-m", "hicache.daemon", "--print-config", "--num-layers", "7"],
