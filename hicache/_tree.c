@@ -134,11 +134,20 @@ static PyObject *tally(PyObject *self, PyObject *args) {
                          PyBool_FromLong(loading));
 }
 
+/* An AVX2 build of a loop beside the plain one, picked at load time by the CPU (glibc ifunc;
+ * GCC on x86-64 Linux only: elsewhere just the plain one). */
+#if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && !defined(__clang__) && \
+    defined(__GNUC__) && __GNUC__ >= 6
+#define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define WIDE_CLONES
+#endif
+
 /* Whether the ``avail`` int64 slots at ``sl`` begin with exactly the slots of the int64 page
  * ids ``pg`` (``n`` of them): page * ps + 0, 1, ... in order. A negative or overflowing page
  * id never matches (above page size 1; at 1 the slots are the pages, byte for byte). */
-static int slots_are_pages(const char *sl, Py_ssize_t avail, const char *pg, Py_ssize_t n,
-                           Py_ssize_t ps) {
+WIDE_CLONES static int slots_are_pages(const char *sl, Py_ssize_t avail, const char *pg,
+                                       Py_ssize_t n, Py_ssize_t ps) {
     if (n > avail / ps) return 0; /* no n * ps: it may wrap */
     if (ps == 1) return memcmp(sl, pg, (size_t)n * 8) == 0;
     uint64_t bad = 0; /* any bit set: some slot differs (no branch: the loop vectorizes) */
