@@ -378,7 +378,10 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
     names = [f.name for f in _fields()] + list(DAEMON_FIELDS) + list(L3_FIELDS)
     if args.config:
         with open(args.config, "rb") as fh:
-            table = tomllib.load(fh)
+            try:
+                table = tomllib.load(fh)
+            except tomllib.TOMLDecodeError as exc:
+                raise ValueError(f"{args.config}: not TOML: {exc}") from None
         unknown = set(table) - set(names)
         if unknown:
             raise ValueError(f"{args.config}: unknown settings {sorted(unknown)}")
@@ -453,7 +456,7 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         raise ValueError(f"shutdown_timeout: seconds in [0, 3600], got {shutdown_timeout}")
     busy_poll_us = _number(daemon, "busy_poll_us")
     if not 0 <= busy_poll_us <= 10_000:
-        raise ValueError(f"busy_poll_us: microseconds in [0, 10000], got {busy_poll_us}")
+        raise ValueError(f"busy_poll_us: microseconds in [0, 10000], got {busy_poll_us:g}")
     buffer = daemon["events_buffer"]
     if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
         raise ValueError(f"events_buffer: must be an integer >= 1, got {buffer!r}")

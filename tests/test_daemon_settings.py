@@ -63,6 +63,13 @@ def test_a_toml_number_of_the_wrong_type_names_the_field(tmp_path, field, value)
         settings(["--config", str(toml)])
 
 
+def test_a_file_that_is_not_toml_is_named(tmp_path):
+    toml = tmp_path / "broken.toml"
+    toml.write_text("busy_poll_us = \n")
+    with pytest.raises(ValueError, match="broken.toml: not TOML"):
+        settings(["--config", str(toml)])
+
+
 def test_a_bad_variable_is_named():
     with pytest.raises(ValueError, match="page_size: 'x'.*HICACHE_PAGE_SIZE"):
         settings([], {"HICACHE_PAGE_SIZE": "x"})
