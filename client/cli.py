@@ -246,9 +246,6 @@ def _run(args: argparse.Namespace, conn: Connection) -> int:
         else:
             print("\n".join(f"{k}:{v}" for k, v in out.items()))
         return 0 if args.live or state == "ready" else 1
-    if args.command == "evict" and not (args.device_tokens or args.host_tokens):
-        print("hicache: evict what? give --device-tokens N and/or --host-tokens N", file=sys.stderr)
-        return 2
     if args.command in ("evict", "flush"):
         fields = (
             {"device_tokens": args.device_tokens, "host_tokens": args.host_tokens}
@@ -327,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(f"public:{public}\nsecret:{secret}")
         return 0
+    if args.command == "evict" and not (args.device_tokens or args.host_tokens):
+        print("hicache: evict what? give --device-tokens N and/or --host-tokens N", file=sys.stderr)
+        return 2
     endpoint = args.endpoint or env_endpoint()
     if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
         print(

@@ -305,10 +305,14 @@ class Daemon:
         self._worth_keeping = True
         next_housekeep = next_metrics = time.monotonic()
         spin, awake_until = self.settings.busy_poll_us / 1e6, 0.0
-        replied, worth = 0.0, True  # the last reply; whether requests come back within a spin
+        # replied: when the last reply went out with nothing queued behind it (0: otherwise),
+        # so the wait for the next request measures the peers' pace; worth: whether requests
+        # came back within a spin of such a reply (only then is a spin worth its CPU)
+        replied, worth = 0.0, True
         while not self.stopping:
             if awake_until:  # right after a reply: the same engine may be about to ask again
-                self._busy_poll(awake_until)
+                if not self._busy_poll(awake_until):
+                    worth = False  # a whole spin watched for nothing
                 awake_until = 0.0
             try:  # blocks up to POLL_MS (RCVTIMEO): one call per message, no separate poll
                 frames = self._recv_frames()
@@ -324,8 +328,10 @@ class Daemon:
                     if replied:  # spin only for peers that come back within one (an engine)
                         worth = time.perf_counter() - replied < spin
                     self._serve_one(frames)
-                    replied = time.perf_counter()
-                    awake_until = replied + spin if spin and worth else 0.0
+                    replied = 0.0
+                    if spin and not self._queued():  # (a queued one is read at once)
+                        replied = time.perf_counter()
+                        awake_until = replied + spin if worth else 0.0
                 if self.events is not None:
                     self._publish_events()
             if time.monotonic() >= next_housekeep:
@@ -345,14 +351,21 @@ class Daemon:
                 if self.keeper is not None and self.cache is not None:
                     self._periodic_snapshot()
 
-    def _busy_poll(self, until: float) -> None:
+    def _busy_poll(self, until: float) -> bool:
         """Watch the socket until a message waits or ``until`` (perf_counter) passes, without
         sleeping: a blocked recv lets the CPU idle, and work after a wake-up ran 2-5x slower
         on a cold core (a match's handling: 10 us warm, 25-60 us after a pause). Each turn
-        yields the CPU and the GIL to whoever is runnable (zmq's I/O thread, the workers)."""
-        sock, events = self.sock, zmq.EVENTS
-        while not sock.getsockopt(events) & POLLIN and time.perf_counter() < until:
+        yields the CPU and the GIL to whoever is runnable (zmq's I/O thread, the workers).
+        Returns whether a message waits."""
+        while not self._queued():
+            if time.perf_counter() >= until:
+                return False
             _yield_cpu()
+        return True
+
+    def _queued(self) -> bool:
+        """Whether a message waits in the socket (read without blocking)."""
+        return bool(self.sock.getsockopt(zmq.EVENTS) & POLLIN)
 
     def _resume(self) -> None:
         """Answer matches that waited for the third tier and may go on now."""

@@ -380,7 +380,7 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         with open(args.config, "rb") as fh:
             try:
                 table = tomllib.load(fh)
-            except tomllib.TOMLDecodeError as exc:
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
                 raise ValueError(f"{args.config}: not TOML: {exc}") from None
         unknown = set(table) - set(names)
         if unknown:

@@ -88,3 +88,27 @@ def test_a_peer_slower_than_the_busy_poll_never_makes_the_daemon_spin(tmp_path):
             assert used < 0.15 * (time.monotonic() - t0), used
     finally:
         stop_daemon(proc)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_pairs_of_messages_from_a_slow_peer_never_make_the_daemon_spin(tmp_path):
+    """Two messages back to back every 20 ms: the second is queued behind the first, so its
+    quick arrival says nothing of the peer's pace; a daemon that learnt from it would spin
+    10 ms after every pair (half a core for junk)."""
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    proc = start_daemon(endpoint, *SMALL, "--busy-poll-us", "10000", "--keep-host", "false")
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    peer.connect(endpoint)
+    try:
+        before, t0 = _cpu_seconds(proc.pid), time.monotonic()
+        for _ in range(60):
+            peer.send(b"junk")
+            peer.send(b"junk")
+            for _ in range(2):  # the two error replies
+                assert peer.poll(5000) and peer.recv_multipart()
+            time.sleep(0.02)
+        used = _cpu_seconds(proc.pid) - before
+        assert used < 0.2 * (time.monotonic() - t0), used
+    finally:
+        peer.close(linger=0)
+        stop_daemon(proc)

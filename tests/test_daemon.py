@@ -247,3 +247,14 @@ def test_cli_ping_info_and_stats(endpoint):
         [sys.executable, "-m", "hicache.client.cli", "evict"], env=env, capture_output=True
     )
     assert refused.returncode == 2 and b"--device-tokens" in refused.stderr
+
+
+def test_cli_evict_without_an_amount_is_refused_before_any_daemon(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "hicache.client.cli", "--endpoint", f"ipc://{tmp_path}/x", "evict"],
+        capture_output=True,
+    )
+    assert out.returncode == 2 and b"--device-tokens" in out.stderr

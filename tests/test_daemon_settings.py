@@ -70,6 +70,13 @@ def test_a_file_that_is_not_toml_is_named(tmp_path):
         settings(["--config", str(toml)])
 
 
+def test_a_config_file_that_is_not_text_is_named(tmp_path):
+    toml = tmp_path / "image.toml"
+    toml.write_bytes(b"\x89PNG\x00\x01binary")
+    with pytest.raises(ValueError, match="image.toml: not TOML"):
+        settings(["--config", str(toml)])
+
+
 def test_a_bad_variable_is_named():
     with pytest.raises(ValueError, match="page_size: 'x'.*HICACHE_PAGE_SIZE"):
         settings([], {"HICACHE_PAGE_SIZE": "x"})
