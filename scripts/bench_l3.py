@@ -209,6 +209,15 @@ def _path(node):
 
 
 # ---- main -------------------------------------------------------------------------------------
+def _ratio(ours: float, raw: float) -> float | None:
+    """ours / raw, or None when a side has no sample (the store failed pages in every one)."""
+    return round(ours / raw, 3) if ours and raw else None
+
+
+def _shown(ratio: float | None) -> str:
+    return "no sample: the store failed pages in every try" if ratio is None else f"{ratio:.2f}x"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller trace and fewer pages")
@@ -259,13 +268,14 @@ def main() -> None:
                 t = throughput(server.url, opts, pages=64 if args.quick else 128)
                 w, rw = t["tier_write_gbs"], t["raw_write_gbs"]
                 rd, rr = t["tier_read_gbs"], t["raw_read_gbs"]
+                write, read = _ratio(w, rw), _ratio(rd, rr)
                 print(
                     f"{kind:8s} {t['page_bytes'] >> 20} MiB pages: write tier {w:.2f} GB/s raw "
-                    f"{rw:.2f} ({w / rw:.2f}x); read tier {rd:.2f} raw {rr:.2f} ({rd / rr:.2f}x); "
-                    f"pages that failed (store-side) {t['failed']}"
+                    f"{rw:.2f} ({_shown(write)}); read tier {rd:.2f} raw {rr:.2f} "
+                    f"({_shown(read)}); pages that failed (store-side) {t['failed']}"
                 )
-                out[f"l3_write_vs_raw_{kind}"] = round(t["tier_write_gbs"] / t["raw_write_gbs"], 3)
-                out[f"l3_read_vs_raw_{kind}"] = round(t["tier_read_gbs"] / t["raw_read_gbs"], 3)
+                out[f"l3_write_vs_raw_{kind}"] = write
+                out[f"l3_read_vs_raw_{kind}"] = read
             finally:
                 server.stop()
         p99 = float(np.percentile(waits, 99)) * 1e3
