@@ -23,8 +23,11 @@ and one dump answers every peer that asked.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
+import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -155,6 +158,12 @@ class EventPublisher:
         self._stopping.set()
         self._thread.join(timeout=2)
         self._close_sockets()
+        for endpoint in (self.endpoint, self.replay_endpoint):  # zmq leaves ipc files behind
+            if endpoint and endpoint.startswith("ipc://"):
+                path = endpoint[len("ipc://") :]
+                with contextlib.suppress(OSError):
+                    if stat.S_ISSOCK(os.lstat(path).st_mode):
+                        os.unlink(path)
 
     def _close_sockets(self) -> None:
         for sock in (self._push, self._pull, self._pub, self._replay):

@@ -225,3 +225,17 @@ def test_bad_event_settings_name_the_field(argv, field):
 
     with pytest.raises(ValueError, match=field):
         resolve(build_parser().parse_args(argv), {})
+
+
+def test_a_stopped_daemon_leaves_no_event_socket_files(tmp_path):
+    pub, replay = tmp_path / "pub.sock", tmp_path / "replay.sock"
+    proc = start_daemon(
+        f"ipc://{tmp_path}/d.sock",
+        "--events-endpoint",
+        f"ipc://{pub}",
+        "--events-replay-endpoint",
+        f"ipc://{replay}",
+    )
+    assert pub.exists() and replay.exists()
+    stop_daemon(proc)
+    assert not pub.exists() and not replay.exists()
