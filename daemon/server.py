@@ -4,8 +4,7 @@ One control loop: poll the socket with a timeout, hand each request to Handlers,
 reply; between requests (and at least every HOUSEKEEP_S) process transfer acks and expire
 sessions. Copies run on the transfer engine's own thread meanwhile. After a reply the loop
 watches the socket for ``busy_poll_us`` before it sleeps on it (the next request of an engine
-finds it awake), as long as the previous request came within that time of the reply before it
-(heartbeats and slow peers never make it spin).
+finds it awake) while requests come back that fast (``busy_poll.py``).
 
 Replies never block the loop: a peer that does not read its replies (its pipe is full) loses
 them, counted in ``replies_dropped``, and everyone else is served on.
@@ -30,6 +29,7 @@ from hicache.backing import CudaBacking, SharedMemoryBacking
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
 from hicache.curve import load_secret
+from hicache.daemon.busy_poll import BusyPoll
 from hicache.daemon.capacity_feed import IDLE_BUDGET_S
 from hicache.daemon.endpoint import AdminToken, EndpointClaim, EndpointError, bind_address
 from hicache.daemon.engine_tier import EngineTier
@@ -55,8 +55,7 @@ log = logging.getLogger("hicache.daemon")
 # pyzmq's send_multipart/recv_multipart do enum flag arithmetic in Python for every frame; the
 # backend methods with int flags do the same work in half the time (measured: 7 vs 15 us).
 _send, _recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
-SNDMORE, NOBLOCK, POLLIN = int(zmq.SNDMORE), int(zmq.NOBLOCK), int(zmq.POLLIN)
-_yield_cpu = getattr(os, "sched_yield", lambda: None)  # (releases the GIL while it yields)
+SNDMORE, NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
 # Frames below this are copied into the message: a zero-copy send makes pyzmq wake its garbage
 # thread to release the buffer later, which costs more than a memcpy of up to a MiB here.
 COPY_BELOW = 1 << 20
@@ -304,16 +303,9 @@ class Daemon:
         """Serve until stop() (or a signal) sets ``stopping``."""
         self._worth_keeping = True
         next_housekeep = next_metrics = time.monotonic()
-        spin, awake_until = self.settings.busy_poll_us / 1e6, 0.0
-        # replied: when the last reply went out with nothing queued behind it (0: otherwise),
-        # so the wait for the next request measures the peers' pace; worth: whether requests
-        # came back within a spin of such a reply (only then is a spin worth its CPU)
-        replied, worth = 0.0, True
+        busy = BusyPoll(self.sock, self.settings.busy_poll_us)
         while not self.stopping:
-            if awake_until:  # right after a reply: the same engine may be about to ask again
-                if not self._busy_poll(awake_until):
-                    worth = False  # a whole spin watched for nothing
-                awake_until = 0.0
+            busy.before_recv()  # right after a reply: the same engine may be about to ask again
             try:  # blocks up to POLL_MS (RCVTIMEO): one call per message, no separate poll
                 frames = self._recv_frames()
             except zmq.Again:
@@ -325,13 +317,9 @@ class Daemon:
                 if frames[0] == WAKE_ID:  # the third tier finished something
                     self._resume()
                 else:
-                    if replied:  # spin only for peers that come back within one (an engine)
-                        worth = time.perf_counter() - replied < spin
+                    busy.request()
                     self._serve_one(frames)
-                    replied = 0.0
-                    if spin and not self._queued():  # (a queued one is read at once)
-                        replied = time.perf_counter()
-                        awake_until = replied + spin if worth else 0.0
+                    busy.replied_now()
                 if self.events is not None:
                     self._publish_events()
             if time.monotonic() >= next_housekeep:
@@ -350,22 +338,6 @@ class Daemon:
                     return
                 if self.keeper is not None and self.cache is not None:
                     self._periodic_snapshot()
-
-    def _busy_poll(self, until: float) -> bool:
-        """Watch the socket until a message waits or ``until`` (perf_counter) passes, without
-        sleeping: a blocked recv lets the CPU idle, and work after a wake-up ran 2-5x slower
-        on a cold core (a match's handling: 10 us warm, 25-60 us after a pause). Each turn
-        yields the CPU and the GIL to whoever is runnable (zmq's I/O thread, the workers).
-        Returns whether a message waits."""
-        while not self._queued():
-            if time.perf_counter() >= until:
-                return False
-            _yield_cpu()
-        return True
-
-    def _queued(self) -> bool:
-        """Whether a message waits in the socket (read without blocking)."""
-        return bool(self.sock.getsockopt(zmq.EVENTS) & POLLIN)
 
     def _resume(self) -> None:
         """Answer matches that waited for the third tier and may go on now."""
