@@ -20,6 +20,7 @@ import json
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -119,8 +120,9 @@ def ceiling(requests) -> int:
 # ---- 2. throughput against the raw store --------------------------------------------------------
 def throughput(url: str, options: dict, pages: int = 256, reps: int = 3) -> dict:
     """Write and read ``pages`` 1 MiB pages through the tier and raw (the store client's own
-    batch put and get of the same host pages under other keys), alternating, best of ``reps``;
-    both pools touched first (no page faults in either measurement). A measurement in which
+    batch put and get of as many host pages under other keys), best of ``reps``; which side
+    goes first alternates from rep to rep (the second finds the store warmer: 15% faster on
+    Redis); both pools touched first (no page faults in either measurement). A measurement in which
     the store failed some pages is not a sample (a failed transfer returns early)."""
     from tests.conftest import make_cache
 
@@ -140,50 +142,29 @@ def throughput(url: str, options: dict, pages: int = 256, reps: int = 3) -> dict
 
     writer, reader = cache(), cache()
     best = {"tier_write": 0.0, "raw_write": 0.0, "tier_read": 0.0, "raw_read": 0.0}
-    failed = {"tier_write": 0, "raw_put": 0, "tier_read": 0, "raw_get": 0}  # pages (all reps)
+    failed = dict.fromkeys(best, 0)  # pages that failed (all reps)
     nbytes = pages * writer.l3.pages.page_bytes
     try:
         for rep in range(reps):
             tokens = np.random.default_rng(rep).integers(1, 30000, pages * 16).astype(np.int32)
             writer.insert(tokens, writer.alloc(len(tokens)))
             writer.engine.wait(list(writer.records))
-            t0 = time.perf_counter()
-            writer.poll()  # backed up: the tier's write starts now
-            writer.l3.drain()
-            t1 = time.perf_counter()
-            host = writer.match_prefix(tokens).last_host_node
-            page_ids = np.concatenate([n.host_pages for n in _path(host)]).tolist()
-            store = writer.l3.store
             keys = [f"raw-{model}-{rep}-{i}" for i in range(pages)]
-            tails = [trailer([b"x"], b"01234567")] * pages
-            now = dict.fromkeys(failed, 0)  # this rep's failed pages
-            now["tier_write"] = writer.l3.counters.failed_write_pages - failed["tier_write"]
-            t2 = time.perf_counter()
-            for at in range(0, pages, 128):
-                part = slice(at, at + 128)
-                now["raw_put"] += pages_failed(store.put(keys[part], page_ids[part], tails[part]))
-            t3 = time.perf_counter()
-            fetch = reader.l3.prefetch(tokens.tobytes(), None, 0)
-            reader.l3.wait(fetch)
-            t4 = time.perf_counter()
-            now["tier_read"] = pages - fetch.adopted
-            reader.evict_host(1 << 30, to_l3=False)  # its pages free again: raw reads into them
-            dst = reader.host_alloc.alloc_pages(pages)
-            t5 = time.perf_counter()
-            for at in range(0, pages, 128):
-                got = reader.l3.store.get(keys[at : at + 128], dst[at : at + 128].tolist())
-                now["raw_get"] += sum(g is None for g in got)
-            t6 = time.perf_counter()
-            reader.host_alloc.release(dst)
-            for name, seconds, count in (
-                ("tier_write", t1 - t0, "tier_write"),
-                ("raw_write", t3 - t2, "raw_put"),
-                ("tier_read", t4 - t3, "tier_read"),
-                ("raw_read", t6 - t5, "raw_get"),
-            ):
-                failed[count] += now[count]
-                if not now[count]:  # (a failed transfer returns early: not a sample)
+            now = {  # name: (seconds, pages that failed)
+                "tier_write": partial(_tier_write, writer),
+                "raw_write": partial(_raw_write, writer, keys),
+                "tier_read": partial(_tier_read, reader, tokens),
+                "raw_read": partial(_raw_read, reader, keys),
+            }
+            # which side goes first alternates: the second of a pair finds the store warmer
+            for pair in (("tier_write", "raw_write"), ("tier_read", "raw_read")):
+                for name in pair[:: 1 if rep % 2 else -1]:
+                    now[name] = now[name]()
+            for name, (seconds, bad) in now.items():
+                failed[name] += bad
+                if not bad:  # (a failed transfer returns early: not a sample)
                     best[name] = max(best[name], nbytes / seconds / 1e9)
+            reader.evict_host(1 << 30, to_l3=False)
             writer.evict(1 << 30)
             writer.evict_host(1 << 30, to_l3=False)
         return {
@@ -194,6 +175,49 @@ def throughput(url: str, options: dict, pages: int = 256, reps: int = 3) -> dict
     finally:
         writer.close()
         reader.close()
+
+
+def _tier_write(writer) -> tuple[float, int]:
+    """The writer's inserted pages backed up and written through its tier: (seconds, pages
+    that failed)."""
+    t0, before = time.perf_counter(), writer.l3.counters.failed_write_pages
+    writer.poll()  # backed up: the tier's write starts now
+    writer.l3.drain()
+    return time.perf_counter() - t0, writer.l3.counters.failed_write_pages - before
+
+
+def _raw_write(writer, keys: list[str]) -> tuple[float, int]:
+    """The store's own batch put of as many host pages of the writer (the same bytes as those
+    the tier writes) under ``keys``."""
+    src = writer.host_alloc.alloc_pages(len(keys))
+    ids, tails = src.tolist(), [trailer([b"x"], b"01234567")] * len(keys)
+    t0, bad = time.perf_counter(), 0
+    for at in range(0, len(keys), 128):
+        part = slice(at, at + 128)
+        bad += pages_failed(writer.l3.store.put(keys[part], ids[part], tails[part]))
+    seconds = time.perf_counter() - t0
+    writer.host_alloc.release(src)
+    return seconds, bad
+
+
+def _tier_read(reader, tokens: np.ndarray) -> tuple[float, int]:
+    """A fetch of the whole prompt through the reader's tier (exists, get, verify, insert)."""
+    t0 = time.perf_counter()
+    fetch = reader.l3.prefetch(tokens.tobytes(), None, 0)
+    reader.l3.wait(fetch)
+    return time.perf_counter() - t0, len(tokens) // 16 - fetch.adopted
+
+
+def _raw_read(reader, keys: list[str]) -> tuple[float, int]:
+    """The store's own batch get of ``keys`` into free host pages of the reader."""
+    dst = reader.host_alloc.alloc_pages(len(keys))
+    t0, bad = time.perf_counter(), 0
+    for at in range(0, len(keys), 128):
+        got = reader.l3.store.get(keys[at : at + 128], dst[at : at + 128].tolist())
+        bad += sum(g is None for g in got)
+    seconds = time.perf_counter() - t0
+    reader.host_alloc.release(dst)
+    return seconds, bad
 
 
 def pages_failed(ok: list[bool]) -> int:

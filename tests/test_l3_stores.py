@@ -14,6 +14,7 @@ from hicache.config import HiCacheConfig
 from hicache.l3 import StoreDown, open_store
 from hicache.l3.keys import KeyChain, identity_of
 from hicache.l3.memory import drop_space, space
+from hicache.l3.mooncake import pages_per_call as mooncake_pages_per_call
 from hicache.l3.pages import PageSegments, trailer, verify
 from hicache.pools import HostPool
 from tests.l3_servers import mooncake_master, redis_cluster
@@ -227,3 +228,42 @@ def test_bad_store_urls_are_refused_with_the_reason():
     ]:
         with pytest.raises(ValueError, match=text):
             open_store(url)
+
+
+def test_a_mooncake_batch_of_many_runs_stays_within_the_tcp_queue(mooncake_url):
+    """128 pages of 32 runs are 4,224 transfers: the transfer engine queues 1,024 per peer
+    and rejects the rest of a call ("queue-full"), so the store splits a batch by that
+    budget and every page comes back."""
+    cfg = config(num_layers=16, host_tokens=1024)
+    pools = [filled_pool(cfg, 11), HostPool(cfg)]
+    stores = [open_store(mooncake_url, segment_bytes=32 << 20) for _ in pools]
+    try:
+        for store, pool in zip(stores, pools, strict=True):
+            store.attach(PageSegments(pool))
+        a, b = stores
+        assert len(a.pages.runs) == 32
+        d = digests(128, salt="queue" + str(time.monotonic()))
+        keys = [KeyChain.name(x) for x in d]
+        tails = [trailer(a.pages.views(p), x) for p, x in enumerate(d)]
+        assert a.put(keys, list(range(128)), tails) == [True] * 128
+        dst = list(range(128, 256))
+        got = b.get(keys, dst)
+        assert all(verify(b.pages.views(p), x, t) for p, x, t in zip(dst, d, got, strict=True))
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_the_mooncake_batch_budget_follows_the_engine_settings(monkeypatch):
+    runs = [32 << 10] * 32  # 32 runs of 32 KiB and the trailer: 33 transfers a page
+    assert mooncake_pages_per_call(runs) == 512 // 33
+    monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "8192")
+    assert mooncake_pages_per_call(runs) == 4096 // 33
+    monkeypatch.setenv("MC_TCP_SLICE_SIZE", str(16 << 10))  # each run is two slices now
+    assert mooncake_pages_per_call(runs) == 4096 // 65
+    monkeypatch.setenv(
+        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "junk"
+    )  # (ignored, as the engine does)
+    assert mooncake_pages_per_call(runs) == 512 // 65
+    assert mooncake_pages_per_call([1 << 30]) == 1  # at least one page a call
+    assert mooncake_pages_per_call([1]) == 256  # at most half the queue / 2 transfers

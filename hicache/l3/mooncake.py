@@ -17,10 +17,16 @@ The client's ``setup`` and ``close`` hold the GIL while they wait for the master
 measured with the master dead), which would freeze the daemon's control loop: both run only
 after a TCP connect to the master succeeded (else setup is StoreDown at once, and close leaves
 the client to the process's exit). Data calls release the GIL and fail in about 4 s.
+
+Over TCP, the transfer engine queues at most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (1024 by
+default) transfers per peer and rejects the rest of a call ("TCP lane queue-full", -800 for
+those keys). A page is one transfer per run (and per ``MC_TCP_SLICE_SIZE`` of a run), so a call
+holds at most half that many transfers: with 32 runs a page, 15 pages, not 128.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -32,6 +38,8 @@ from hicache.l3.store import L3Store, StoreDown
 DOWN_CODES = (-800, -900)
 MAX_BATCH = 512  # pages per call (the trailer arrays are sized for it)
 CONNECT_S = 0.5  # how long the reachability check waits
+TCP_QUEUE = 1024  # the engine's default MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER
+TCP_SLICE = 64 << 10  # the largest slice we assume (MC_TCP_SLICE_SIZE, if smaller, wins)
 
 
 class MooncakeStore(L3Store):
@@ -65,6 +73,7 @@ class MooncakeStore(L3Store):
         self._register(self.tails.ctypes.data, self.tails.nbytes, "trailer buffer")
         self.lock = threading.Lock()
         self.closed = False
+        self.per_call = MAX_BATCH  # pages per put/get call: set by attach() to the queue's budget
 
     def _register(self, ptr: int, size: int, what: str) -> None:
         code = self.store.register_buffer(ptr, size)
@@ -74,6 +83,7 @@ class MooncakeStore(L3Store):
     def attach(self, pages: PageSegments) -> None:
         super().attach(pages)
         self._register(pages.base, pages.num_pages * pages.page_stride, "host pool")
+        self.per_call = pages_per_call([n for _, n in pages.runs])
 
     def _buffers(self, pages: list[int], side: int) -> tuple[list[list[int]], list[list[int]]]:
         tails = self.tails[side].ctypes.data
@@ -100,13 +110,14 @@ class MooncakeStore(L3Store):
 
     def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
         out: list[bool] = []
-        for at in range(0, len(keys), MAX_BATCH):
-            part = pages[at : at + MAX_BATCH]
-            for i, tail in enumerate(trailers[at : at + MAX_BATCH]):
+        step = self.per_call
+        for at in range(0, len(keys), step):
+            part = pages[at : at + step]
+            for i, tail in enumerate(trailers[at : at + step]):
                 self.tails[0, i] = np.frombuffer(tail, dtype=np.uint8)
             ptrs, sizes = self._buffers(part, 0)
             codes = self.store.batch_put_from_multi_buffers(
-                keys[at : at + MAX_BATCH], ptrs, sizes, self.replicate
+                keys[at : at + step], ptrs, sizes, self.replicate
             )
             self._check(codes, "put", self.url)
             out.extend(c == 0 for c in codes)
@@ -115,10 +126,11 @@ class MooncakeStore(L3Store):
     def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
         out: list[bytes | None] = []
         want = self.pages.page_bytes + TRAILER_BYTES
-        for at in range(0, len(keys), MAX_BATCH):
-            part = pages[at : at + MAX_BATCH]
+        step = self.per_call
+        for at in range(0, len(keys), step):
+            part = pages[at : at + step]
             ptrs, sizes = self._buffers(part, 1)
-            codes = self.store.batch_get_into_multi_buffers(keys[at : at + MAX_BATCH], ptrs, sizes)
+            codes = self.store.batch_get_into_multi_buffers(keys[at : at + step], ptrs, sizes)
             self._check(codes, "get", self.url)
             out.extend(
                 self.tails[1, i].tobytes() if c == want else None for i, c in enumerate(codes)
@@ -138,6 +150,24 @@ class MooncakeStore(L3Store):
             self.closed = True
             if _reachable(self.master):
                 self.store.close()
+
+
+def pages_per_call(runs: list[int]) -> int:
+    """How many pages of these run sizes one put or get may carry: half the per-peer transfer
+    queue (read from the environment, as the transfer engine does), one transfer per slice of
+    each run and one for the trailer; at least 1, at most MAX_BATCH."""
+    queue = _env_int("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", TCP_QUEUE)
+    slice_bytes = min(TCP_SLICE, _env_int("MC_TCP_SLICE_SIZE", TCP_SLICE))
+    per_page = 1 + sum(-(-n // slice_bytes) for n in runs)
+    return max(1, min(MAX_BATCH, queue // 2 // per_page))
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        value = int(os.environ.get(name, default))
+    except ValueError:
+        return default  # (the engine ignores a bad value too)
+    return value if value > 0 else default
 
 
 def _reachable(master: tuple[str, int]) -> bool:
