@@ -7,7 +7,8 @@
    what is counted is tokens, not model time.
 2. Throughput: pages written through the tier (exists, checksum, put) and read back through it
    (exists, get, verify, insert as host nodes) against the store's own raw batch put and get of
-   the same pages in the same run (2 MiB pages, 128 per batch).
+   as many pages in the same run (1 MiB pages, 128 per batch; which side goes first alternates,
+   best of 6).
 3. The time a match waits under the `timeout` policy, against its bound (p99).
 
 The last line is one JSON object.
@@ -118,7 +119,7 @@ def ceiling(requests) -> int:
 
 
 # ---- 2. throughput against the raw store --------------------------------------------------------
-def throughput(url: str, options: dict, pages: int = 256, reps: int = 3) -> dict:
+def throughput(url: str, options: dict, pages: int = 256, reps: int = 6) -> dict:
     """Write and read ``pages`` 1 MiB pages through the tier and raw (the store client's own
     batch put and get of as many host pages under other keys), best of ``reps``; which side
     goes first alternates from rep to rep (the second finds the store warmer: 15% faster on
