@@ -55,25 +55,38 @@ static PyObject *min_int32(PyObject *self, PyObject *args) {
     return PyLong_FromLong(lo);
 }
 
-/* whole_pages(state, slots, page_size, num_pages, expected, claim) -> bytes | int
+/* whole_pages(state, slots, page_size, num_pages, expected, claim[, stack, top, free])
+ *     -> bytes | int
  *
  * ``slots`` (int64 bytes) must be whole pages in order, except that the last run may be a
  * partial page (its first slots). Every page must be in [0, num_pages), have state ``expected``
  * and appear once. Then all of them get state ``claim``. Returns the page ids as int64 bytes, or
  * an error code (and changes nothing):
  * 1 slot out of range, 2 not page-shaped, 3 wrong state, 4 repeated page.
+ *
+ * With ``stack`` (a writable int64 buffer, the allocator's free stack) a partial last page is
+ * freed instead of claimed: it gets state ``free``, is written at ``stack[top]`` (the caller
+ * then counts one more free page) and is left out of the returned ids. ``top`` outside the
+ * stack is a ValueError before anything changes.
  */
 static PyObject *whole_pages(PyObject *self, PyObject *args) {
-    Py_buffer st, raw;
-    Py_ssize_t ps, num_pages;
-    int expected, claim;
-    if (!PyArg_ParseTuple(args, "w*y*nnii", &st, &raw, &ps, &num_pages, &expected, &claim))
+    Py_buffer st, raw, stk = {0};
+    Py_ssize_t ps, num_pages, top = 0;
+    int expected, claim, free_state = 0;
+    PyObject *stack = Py_None;
+    if (!PyArg_ParseTuple(args, "w*y*nnii|Oni", &st, &raw, &ps, &num_pages, &expected, &claim,
+                          &stack, &top, &free_state))
         return NULL;
     PyObject *out = NULL;
     void *tmp = NULL;
+    if (stack != Py_None && PyObject_GetBuffer(stack, &stk, PyBUF_WRITABLE) < 0) goto release;
     if (ps < 1 || num_pages < 0 || raw.len % 8) {
         PyErr_SetString(PyExc_ValueError,
                         "whole_pages: need page_size >= 1, num_pages >= 0 and int64 slots");
+        goto release;
+    }
+    if (stk.buf != NULL && ((uintptr_t)stk.buf % 8 || top < 0 || top >= stk.len / 8)) {
+        PyErr_SetString(PyExc_ValueError, "whole_pages: top outside an aligned int64 stack");
         goto release;
     }
     int8_t *state = (int8_t *)st.buf;
@@ -102,9 +115,15 @@ static PyObject *whole_pages(PyObject *self, PyObject *args) {
     if (err) {
         Py_DECREF(out);
         out = PyLong_FromLong(err);
+    } else if (stk.buf != NULL && n % ps) { /* the partial last page: freed, not returned */
+        int64_t tail = pages[count - 1];
+        state[tail] = (int8_t)free_state;
+        ((int64_t *)stk.buf)[top] = tail;
+        if (_PyBytes_Resize(&out, (count - 1) * 8) < 0) out = NULL; /* (cannot fail: smaller) */
     }
 release:
     PyMem_Free(tmp);
+    if (stk.buf != NULL) PyBuffer_Release(&stk);
     PyBuffer_Release(&st);
     PyBuffer_Release(&raw);
     return out;

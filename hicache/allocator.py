@@ -191,6 +191,16 @@ class PagedAllocator:
     def unwatch_frees(self) -> None:
         self.freed = None
 
+    def push_slot(self) -> int | None:
+        """Where a C helper may write one freed page on the stack (``_fast.whole_pages``; the
+        caller then calls ``pushed()``), or None while frees are watched or grouped (they must
+        go through ``release_page``)."""
+        return self._top if self.freed is None and self._group is None else None
+
+    def pushed(self) -> None:
+        """Count the page a C helper wrote at ``push_slot()`` (with its state already FREE)."""
+        self._top += 1
+
     def release_page(self, page: int) -> None:
         """``release`` of one page (an insert's partial tail page: no array on the way)."""
         if self.freed is not None:

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from hicache.allocator import PagedAllocator, PageState
+from hicache.allocator import FREE, PagedAllocator, PageState
 from hicache.errors import DoubleFreeError, InvalidIndicesError
 from hicache.node import TreeNode
 
@@ -201,23 +201,47 @@ tally = _tree.tally if USE_C else tally_py
 
 
 def claim_pages(
-    alloc: PagedAllocator, raw: bytes, expected: PageState, claim: PageState
+    alloc: PagedAllocator,
+    raw: bytes,
+    expected: PageState,
+    claim: PageState,
+    free_tail: bool = False,
 ) -> np.ndarray:
     """Move a caller's pages from ``expected`` to ``claim``; returns their ids.
 
     ``raw`` holds the slots (int64 bytes). They must fill whole pages in order, except that the
     last run may be a partial page (its first slots); every page must be in range, in state
     ``expected`` and appear once. Otherwise raises InvalidIndicesError (DoubleFreeError for a
-    repeated page) and changes nothing.
+    repeated page) and changes nothing. With ``free_tail`` a partial last page is checked like
+    the rest, then freed and left out of the ids (an insert's tail: in C, pushed on the free
+    stack in the same call).
     """
+    ps = alloc.page_size
+    tail = free_tail and len(raw) // 8 % ps != 0
     if USE_C:
-        out = _fast.whole_pages(alloc.state, raw, alloc.page_size, alloc.num_pages, expected, claim)
+        top = alloc.push_slot() if tail else None
+        if top is not None:
+            out = _fast.whole_pages(
+                alloc.state, raw, ps, alloc.num_pages, expected, claim, alloc._stack, top, FREE
+            )
+        else:
+            out = _fast.whole_pages(alloc.state, raw, ps, alloc.num_pages, expected, claim)
         if isinstance(out, bytes):
-            return np.frombuffer(out, dtype=np.int64)
+            if top is not None:
+                alloc.pushed()
+                return np.frombuffer(out, dtype=np.int64)
+            pages = np.frombuffer(out, dtype=np.int64)
+            if tail:
+                alloc.release_page(int(pages[-1]))
+                return pages[:-1]
+            return pages
     pages = _caller_pages_numpy(alloc, np.frombuffer(raw, dtype=np.int64), expected)
     if USE_C:  # numpy accepted what C refused: never silently
         raise InvalidIndicesError(f"device_indices: rejected (code {out})")
     alloc.state[pages] = claim
+    if tail:
+        alloc.release_page(int(pages[-1]))
+        return pages[:-1]
     return pages
 
 

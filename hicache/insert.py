@@ -41,7 +41,8 @@ class InsertMixin:
         theirs = raw[8 * n_covered :]
         if dup or adopt:
             theirs = b"".join([*dup, *(m for _, m in adopt), theirs])
-        pages = self._claim(root, theirs)
+        tail = aligned < len(tokens)  # a partial tail page: freed by the claim itself
+        pages = self._claim(root, theirs, tail)
         used = n_dup = sum(map(len, dup)) // (8 * ps) if dup else 0
         for node, mine in adopt:
             n = len(mine) // (8 * ps)
@@ -51,11 +52,8 @@ class InsertMixin:
         if aligned > n_covered:  # the rest becomes one new leaf
             new = pages[used : used + (aligned - n_covered) // ps].tobytes()
             leaf = self.tree.add_leaf(path[-1] if path else root, key[covered : 4 * aligned], new)
-        if dup:  # duplicates and the partial tail page go back
-            tail = pages[len(pages) - 1 :] if aligned < len(tokens) else pages[:0]
-            alloc.release(np.concatenate([pages[:n_dup], tail]))
-        elif aligned < len(tokens):
-            alloc.release_page(int(pages[-1]))
+        if dup:  # duplicates go back
+            alloc.release(pages[:n_dup])
         last = leaf or (path[-1] if path else None)
         if last is None:
             self._drop_empty_root(root)
@@ -65,16 +63,17 @@ class InsertMixin:
             self._backup_hot(path + [leaf] if leaf else path)
         return n_covered
 
-    def _claim(self, root: TreeNode, theirs: bytes) -> np.ndarray:
-        """Page ids of the caller's slots ``theirs``, now TREE (in their order).
+    def _claim(self, root: TreeNode, theirs: bytes, tail: bool) -> np.ndarray:
+        """Page ids of the caller's slots ``theirs``, now TREE (in their order), without the
+        partial tail page (``tail``: checked like the rest, then freed).
 
         Only slots that are not the tree's own (at their own place) reach here: they must be
         the caller's whole pages (plus one partial tail page), distinct. Tree pages are TREE,
         not OWNED, so passing them anywhere else fails here, and nothing changes. The caller
-        releases the duplicates and the tail page right after.
+        releases the duplicates right after.
         """
         try:
-            return claim_pages(self.device_alloc, theirs, OWNED, TREE)
+            return claim_pages(self.device_alloc, theirs, OWNED, TREE, free_tail=tail)
         except Exception:
             self._drop_empty_root(root)
             raise

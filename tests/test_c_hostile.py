@@ -167,6 +167,34 @@ def test_whole_pages_with_a_huge_page_size_never_wraps():
     assert fastpath._fast.whole_pages(np.ones(1, np.int8), far, 2**62, 1, 1, 2) == 1
 
 
+def test_whole_pages_refuses_a_bad_stack_and_changes_nothing():
+    raw = np.arange(6, dtype=np.int64).tobytes()  # page 0 whole, page 1 partial (page size 4)
+    whole = fastpath._fast.whole_pages
+    stack = np.zeros(4, np.int64)
+    for bad in (
+        (stack, 4, 0),  # top past the stack
+        (stack, -1, 0),
+        (np.zeros(8, np.uint8)[1:].view(np.uint8), 0, 0),  # misaligned (7 bytes: no slot)
+        (memoryview(np.zeros(33, np.uint8))[1:], 0, 0),  # misaligned int64 slots
+    ):
+        state = np.ones(4, np.int8)
+        with pytest.raises(ValueError, match="stack"):
+            whole(state, raw, 4, 4, 1, 2, *bad)
+        assert (state == 1).all() and not stack.any()
+    state = np.ones(4, np.int8)
+    with pytest.raises((TypeError, BufferError)):
+        whole(state, raw, 4, 4, 1, 2, bytes(32), 0, 0)  # read-only
+    with pytest.raises(TypeError):
+        whole(state, raw, 4, 4, 1, 2, object(), 0, 0)
+    assert (state == 1).all()
+    out = whole(state, raw, 4, 4, 1, 2, stack, 3, 0)  # the tail page goes to stack[3], FREE
+    assert np.frombuffer(out, np.int64).tolist() == [0]
+    assert state.tolist() == [2, 0, 1, 1] and stack.tolist() == [0, 0, 0, 1]
+    state[:] = 1
+    assert whole(state, raw[:32], 4, 4, 1, 2, stack, 0, 0) == np.int64(0).tobytes()  # no tail
+    assert stack.tolist() == [0, 0, 0, 1] and state.tolist() == [2, 1, 1, 1]
+
+
 @pytest.mark.parametrize("layers", [range(-1, 0), range(1, 3), range(10**9, 10**9 + 1)])
 def test_copy_pages_refuses_layers_outside_the_views(layers):
     big_src = torch.arange(4 * 4 * 2 * 8, dtype=torch.float32).reshape(1, 4, 4, 2, 8) + 1

@@ -45,6 +45,49 @@ def test_c_and_numpy_agree_on_claim_pages(ps, states, slots):
     assert np.array_equal(alloc.state, before)  # reads only
 
 
+@needs_c
+@settings(max_examples=300, deadline=None)
+@given(
+    ps=st.sampled_from([1, 2, 4]),
+    states=st.lists(st.sampled_from([0, 1, 1, 1, 2]), min_size=6, max_size=12),
+    pages=st.lists(st.integers(-1, 7), max_size=3, unique=True),
+    cut=st.integers(0, 3),
+    junk=st.sampled_from([[], [], [], [5], [-1]]),
+    grouped=st.booleans(),
+)
+def test_c_and_numpy_agree_on_claiming_and_freeing_the_tail(ps, states, pages, cut, junk, grouped):
+    """free_tail: the same ids, states and free stack on both paths (C pushes the tail page
+    itself unless frees are grouped), and nothing changed on a refusal. Slots are mostly
+    page-shaped (pages, the last cut short), sometimes with junk after them."""
+    slots = [p * ps + j for p in pages for j in range(ps)]
+    slots = slots[: len(slots) - cut] + junk
+    raw = np.array(slots, dtype=np.int64).tobytes()
+    results = []
+    for use_c in (True, False):
+        alloc = PagedAllocator(num_pages=len(states) + 1, page_size=ps, reserved_pages=1)
+        alloc.alloc_pages(len(states))  # the stack is empty: free pages come only from here
+        alloc.state[1:] = states
+        if grouped:
+            alloc.free_group_begin()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fastpath, "USE_C", use_c)
+            got = outcome(
+                lambda a=alloc: fastpath.claim_pages(
+                    a, raw, PageState.OWNED, PageState.TREE, free_tail=True
+                )
+            )
+        if grouped:
+            alloc.free_group_end()
+        results.append((got, alloc.state.tolist(), alloc._stack[: alloc._top].tolist()))
+    assert results[0] == results[1]
+    got, state, free = results[0]
+    if got[0] != "ok":
+        assert state == [PageState.RESERVED, *states] and free == []
+    elif len(slots) % ps:  # the tail page: freed, not returned
+        tail = slots[-(len(slots) % ps)] // ps
+        assert free == [tail] and state[tail] == PageState.FREE and tail not in got[1]
+
+
 def test_whole_pages_and_partial_tail(monkeypatch):
     for use_c in [True, False] if fastpath._fast else [False]:
         monkeypatch.setattr(fastpath, "USE_C", use_c)
