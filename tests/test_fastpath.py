@@ -306,3 +306,15 @@ def test_tally_agrees_with_the_python_loop(nodes):
     assert outcomes[0][1] == 8 * sum(n[0] for n in device)
     assert outcomes[0][2] == any(not n[1] for n in device)
     assert outcomes[0][3] == any(n[2] is IOState.LOAD for n in device)
+
+
+@pytest.mark.parametrize("use_c", [pytest.param(True, marks=needs_c), False])
+def test_a_free_tail_page_of_a_pool_with_nothing_out_is_refused_as_free(monkeypatch, use_c):
+    """Every page free: the free stack is full, and a partial page that was never allocated is
+    the same error on both paths (not a complaint about the stack)."""
+    monkeypatch.setattr(fastpath, "USE_C", use_c)
+    alloc = PagedAllocator(num_pages=4, page_size=4, reserved_pages=1)
+    raw = np.arange(4, 6, dtype=np.int64).tobytes()  # page 1's first two slots
+    with pytest.raises(DoubleFreeError):
+        fastpath.claim_pages(alloc, raw, PageState.OWNED, PageState.TREE, free_tail=True)
+    assert alloc.free_pages == 3 and alloc.count(PageState.FREE) == 3
