@@ -255,15 +255,67 @@ def test_a_mooncake_batch_of_many_runs_stays_within_the_tcp_queue(mooncake_url):
 
 
 def test_the_mooncake_batch_budget_follows_the_engine_settings(monkeypatch):
-    runs = [32 << 10] * 32  # 32 runs of 32 KiB and the trailer: 33 transfers a page
+    runs = [32 << 10] * 32  # 32 runs and the trailer: 33 transfers a page (slices do not count)
     assert mooncake_pages_per_call(runs) == 512 // 33
-    monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "8192")
-    assert mooncake_pages_per_call(runs) == 4096 // 33
-    monkeypatch.setenv("MC_TCP_SLICE_SIZE", str(16 << 10))  # each run is two slices now
-    assert mooncake_pages_per_call(runs) == 4096 // 65
-    monkeypatch.setenv(
-        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "junk"
-    )  # (ignored, as the engine does)
-    assert mooncake_pages_per_call(runs) == 512 // 65
-    assert mooncake_pages_per_call([1 << 30]) == 1  # at least one page a call
-    assert mooncake_pages_per_call([1]) == 256  # at most half the queue / 2 transfers
+    monkeypatch.setenv("MC_TCP_SLICE_SIZE", str(4 << 10))
+    assert mooncake_pages_per_call(runs) == 512 // 33
+    for text, queue in [
+        ("8192", 8192),
+        ("65535", 65535),
+        ("70000", 1024),  # the engine takes at most 65535: more means its default
+        ("16384 ", 1024),  # as do spaces, signs and other digits, which int() would take
+        ("16384\r", 1024),
+        ("+8192", 1024),
+        ("8_192", 1024),
+        ("\u0668\u0661\u0669\u0662", 1024),
+        ("0", 1024),
+        ("-5", 1024),
+        ("junk", 1024),
+    ]:
+        monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", text)
+        assert mooncake_pages_per_call(runs) == min(512, queue // 2 // 33), text
+    monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "60")
+    assert mooncake_pages_per_call(runs) == 1  # at least one page a call
+    monkeypatch.delenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER")
+    assert mooncake_pages_per_call([1]) == 256  # 2 transfers a page: half the queue / 2
+
+
+class DeadAfter:
+    """A Mooncake client whose calls fail whole (-800, a dead peer) from call ``n`` on."""
+
+    def __init__(self, n: int, size: int):
+        self.n, self.size, self.calls = n, size, 0
+
+    def _codes(self, keys: list[str], ok: int) -> list[int]:
+        self.calls += 1
+        return [ok if self.calls <= self.n else -800 for _ in keys]
+
+    def batch_get_into_multi_buffers(self, keys, ptrs, sizes):
+        return self._codes(keys, self.size)
+
+    def batch_put_from_multi_buffers(self, keys, ptrs, sizes, replicate):
+        return self._codes(keys, 0)
+
+
+@pytest.mark.parametrize("dead_from", [0, 1, 2])
+def test_a_split_mooncake_batch_keeps_what_came_before_a_dead_call(dead_from):
+    """A batch is split into calls; one that fails whole ends the batch: the calls before it
+    count (a fetch keeps the leading pages), and only a batch with nothing done is StoreDown."""
+    from hicache.l3.mooncake import MAX_BATCH, TRAILER_BYTES, MooncakeStore
+
+    store = MooncakeStore.__new__(MooncakeStore)  # (no server: the client is the fake)
+    store.url, store.per_call, store.replicate = "mooncake://fake:1", 4, None
+    store.tails = np.zeros((2, MAX_BATCH, TRAILER_BYTES), dtype=np.uint8)
+    store.pages = PageSegments(filled_pool(config(), 5))  # (attach() would register it)
+    keys = [f"k{i}" for i in range(10)]
+    for call in ("get", "put"):
+        store.store = fake = DeadAfter(dead_from, store.pages.page_bytes + TRAILER_BYTES)
+        args = (keys, list(range(10))) + (([bytes(TRAILER_BYTES)] * 10,) if call == "put" else ())
+        if dead_from == 0:
+            with pytest.raises(StoreDown):
+                getattr(store, call)(*args)
+            continue
+        got = getattr(store, call)(*args)
+        done = [g is not None and g is not False for g in got]
+        assert done == [True] * 4 * dead_from + [False] * (10 - 4 * dead_from)
+        assert fake.calls == dead_from + 1  # no call after the dead one

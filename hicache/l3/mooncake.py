@@ -20,8 +20,11 @@ the client to the process's exit). Data calls release the GIL and fail in about 
 
 Over TCP, the transfer engine queues at most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (1024 by
 default) transfers per peer and rejects the rest of a call ("TCP lane queue-full", -800 for
-those keys). A page is one transfer per run (and per ``MC_TCP_SLICE_SIZE`` of a run), so a call
-holds at most half that many transfers: with 32 runs a page, 15 pages, not 128.
+those keys). A page is one transfer per run plus its trailer, so a call holds at most half that
+many transfers: with 32 runs a page, 15 pages, not 128. A batch is split into such calls; a call
+whose every key failed with -800/-900 ends the batch there (a dead store fails each call in
+seconds): the pages before it are kept, the rest fail, and only a batch with no page done
+raises StoreDown.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ DOWN_CODES = (-800, -900)
 MAX_BATCH = 512  # pages per call (the trailer arrays are sized for it)
 CONNECT_S = 0.5  # how long the reachability check waits
 TCP_QUEUE = 1024  # the engine's default MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER
-TCP_SLICE = 64 << 10  # the largest slice we assume (MC_TCP_SLICE_SIZE, if smaller, wins)
+TCP_QUEUE_MAX = 65535  # the largest value the engine takes (a larger one means the default)
 
 
 class MooncakeStore(L3Store):
@@ -94,10 +97,15 @@ class MooncakeStore(L3Store):
             sizes.append([*s, TRAILER_BYTES])
         return ptrs, sizes
 
-    @staticmethod
-    def _check(codes: list[int], what: str, url: str) -> None:
-        if codes and all(c in DOWN_CODES for c in codes):
-            raise StoreDown(f"{url}: {what} failed ({codes[0]})")
+    def _dead(self, codes: list[int], answered: bool, what: str) -> bool:
+        """Whether the call that returned ``codes`` failed whole (the store or the peer is
+        down): the batch ends there. StoreDown when no earlier call of the batch got another
+        answer for any key (``answered``: stored, read, not found, ...)."""
+        if not codes or not all(c in DOWN_CODES for c in codes):
+            return False
+        if not answered:
+            raise StoreDown(f"{self.url}: {what} failed ({codes[0]})")
+        return True
 
     def exists(self, keys: list[str]) -> list[bool]:
         out: list[bool] = []
@@ -110,7 +118,7 @@ class MooncakeStore(L3Store):
 
     def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
         out: list[bool] = []
-        step = self.per_call
+        step, answered = self.per_call, False
         for at in range(0, len(keys), step):
             part = pages[at : at + step]
             for i, tail in enumerate(trailers[at : at + step]):
@@ -119,19 +127,23 @@ class MooncakeStore(L3Store):
             codes = self.store.batch_put_from_multi_buffers(
                 keys[at : at + step], ptrs, sizes, self.replicate
             )
-            self._check(codes, "put", self.url)
+            if self._dead(codes, answered, "put"):
+                return out + [False] * (len(keys) - len(out))
+            answered = True
             out.extend(c == 0 for c in codes)
         return out
 
     def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
         out: list[bytes | None] = []
         want = self.pages.page_bytes + TRAILER_BYTES
-        step = self.per_call
+        step, answered = self.per_call, False
         for at in range(0, len(keys), step):
             part = pages[at : at + step]
             ptrs, sizes = self._buffers(part, 1)
             codes = self.store.batch_get_into_multi_buffers(keys[at : at + step], ptrs, sizes)
-            self._check(codes, "get", self.url)
+            if self._dead(codes, answered, "get"):
+                return out + [None] * (len(keys) - len(out))
+            answered = True
             out.extend(
                 self.tails[1, i].tobytes() if c == want else None for i, c in enumerate(codes)
             )
@@ -154,20 +166,19 @@ class MooncakeStore(L3Store):
 
 def pages_per_call(runs: list[int]) -> int:
     """How many pages of these run sizes one put or get may carry: half the per-peer transfer
-    queue (read from the environment, as the transfer engine does), one transfer per slice of
-    each run and one for the trailer; at least 1, at most MAX_BATCH."""
-    queue = _env_int("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", TCP_QUEUE)
-    slice_bytes = min(TCP_SLICE, _env_int("MC_TCP_SLICE_SIZE", TCP_SLICE))
-    per_page = 1 + sum(-(-n // slice_bytes) for n in runs)
-    return max(1, min(MAX_BATCH, queue // 2 // per_page))
+    queue (read from the environment as the transfer engine reads it), one transfer for each
+    run and one for the trailer; at least 1, at most MAX_BATCH."""
+    queue = engine_setting("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", TCP_QUEUE, TCP_QUEUE_MAX)
+    return max(1, min(MAX_BATCH, queue // 2 // (1 + len(runs))))
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        value = int(os.environ.get(name, default))
-    except ValueError:
-        return default  # (the engine ignores a bad value too)
-    return value if value > 0 else default
+def engine_setting(name: str, default: int, most: int) -> int:
+    """A transfer engine setting as the engine parses it: plain ASCII digits for a value in
+    [1, most]; anything else (spaces, signs, other digits, out of range) means ``default``."""
+    text = os.environ.get(name, "")
+    if text.isascii() and text.isdigit() and 1 <= int(text) <= most:
+        return int(text)
+    return default
 
 
 def _reachable(master: tuple[str, int]) -> bool:
