@@ -150,8 +150,10 @@ WIDE_CLONES static int slots_are_pages(const char *sl, Py_ssize_t avail, const c
                                        Py_ssize_t n, Py_ssize_t ps) {
     if (n > avail / ps) return 0; /* no n * ps: it may wrap */
     if (ps == 1) return memcmp(sl, pg, (size_t)n * 8) == 0;
-    uint64_t bad = 0; /* any bit set: some slot differs (no branch: the loop vectorizes) */
-    for (Py_ssize_t i = 0; i < n && !bad; i++) {
+    /* any bit set: some slot differs. No early exit: a branch per page stops the vectorizing
+     * (0.85 against 1.0 us for 3,000 slots), and a mismatch costs at most this node's compare */
+    uint64_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
         int64_t page;
         memcpy(&page, pg + 8 * i, 8); /* memcpy: the buffers need not be aligned */
         /* a page id that wraps (page * ps >= 2**63) could alias a real slot: refuse it */

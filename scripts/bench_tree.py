@@ -259,6 +259,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller traces and trees")
     ap.add_argument("--seed", type=int, default=2026, help="draws the long shapes")
     ap.add_argument("--shapes", type=int, default=3, help="long shapes to draw")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds per shape (fastest kept)")
     args = ap.parse_args()
     convs, large, requests = (32, 1_000_000, 160) if args.quick else (96, 10_000_000, 400)
     shapes = {
@@ -277,7 +278,9 @@ def main() -> None:
     for name, shape in shapes.items():
         print(f"== {name}: {describe(shape)}")
         trace = chat_trace(**shape)
-        rows[name] = compare(trace)
+        rows[name] = compare(trace, args.rounds)
+        r = rows[name]
+        print(f"  page 16 / page 1 time per request: {r[16]['ours_us'] / r[1]['ours_us']:.3f}")
     grow = scaling(16, 100_000, large)
     meta = metadata_bytes(16, 1_000_000)
     chat = rows["chat"]
