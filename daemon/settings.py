@@ -369,8 +369,22 @@ def _shown_default(group: argparse._ArgumentGroup, name: str, default: Any) -> N
 
 
 def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> DaemonSettings:
-    """Merge the four sources; raises ValueError naming the bad field."""
-    environ = os.environ if environ is None else environ
+    """Merge the four sources; raises ValueError naming the bad field, and where its value came
+    from when that was the config file or a HICACHE_* variable."""
+    origin: dict[str, str] = {}  # field: the file or variable that set it last (not flags)
+    merged = _merge(args, os.environ if environ is None else environ, origin)
+    try:
+        return _checked(merged)
+    except ValueError as exc:
+        where = origin.get(str(exc).split(":", 1)[0])
+        if where is None or where in str(exc):
+            raise
+        raise ValueError(f"{exc} (from {where})") from None
+
+
+def _merge(args: argparse.Namespace, environ: Any, origin: dict[str, str]) -> dict[str, Any]:
+    """Every field's value, lowest source first; notes in ``origin`` which file or variable
+    set each field (a flag removes the note)."""
     merged: dict[str, Any] = dict(EMBEDDED_DEFAULT)
     merged.update({name: default for name, (_, default, _) in DAEMON_FIELDS.items()})
     merged.update({name: default for name, (_, default, _) in L3_FIELDS.items()})
@@ -386,6 +400,7 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
         if unknown:
             raise ValueError(f"{args.config}: unknown settings {sorted(unknown)}")
         merged.update(table)
+        origin.update(dict.fromkeys(table, str(args.config)))
     for name in names:
         raw = environ.get(f"HICACHE_{name.upper()}")
         if raw is not None:
@@ -393,10 +408,18 @@ def resolve(args: argparse.Namespace, environ: dict[str, str] | None = None) -> 
                 merged[name] = _convert(name, raw)
             except ValueError as exc:  # say where the value came from
                 raise ValueError(f"{exc} (from HICACHE_{name.upper()})") from None
+            origin[name] = f"HICACHE_{name.upper()}"
     for name in names:
         raw = getattr(args, name, None)
         if raw is not None:
             merged[name] = _convert(name, raw)
+            origin.pop(name, None)
+    return merged
+
+
+def _checked(merged: dict[str, Any]) -> DaemonSettings:
+    """The settings from the merged fields; ValueError (starting with the field's name) for
+    the first bad one."""
     daemon = {name: merged.pop(name) for name in DAEMON_FIELDS}
     l3_settings = {name: merged.pop(name) for name in L3_FIELDS}
     l3 = l3_config(l3_settings, parse_bytes)

@@ -82,6 +82,22 @@ def test_a_bad_variable_is_named():
         settings([], {"HICACHE_PAGE_SIZE": "x"})
 
 
+def test_a_value_out_of_range_says_which_source_set_it(tmp_path):
+    """A range error names the variable or the file the value came from (a flag over them
+    is the user's own words: nothing added)."""
+    toml = tmp_path / "site.toml"
+    toml.write_text("busy_poll_us = 20000\nlease_seconds = 0\n")
+    with pytest.raises(ValueError, match=r"busy_poll_us: .*20000 \(from HICACHE_BUSY_POLL_US\)$"):
+        settings([], {"HICACHE_BUSY_POLL_US": "20000"})
+    with pytest.raises(ValueError, match=r"lease_seconds: .* \(from .*site.toml\)$"):
+        settings(["--config", str(toml), "--busy-poll-us", "10"])
+    with pytest.raises(ValueError, match=r"busy_poll_us: .*20000$"):  # the flag won
+        settings(["--config", str(toml), "--busy-poll-us", "20000", "--lease-seconds", "1"])
+    env = {"HICACHE_BUSY_POLL_US": "5", "HICACHE_METRICS_PORT": "70000"}
+    with pytest.raises(ValueError, match=r"metrics_port: .* \(from HICACHE_METRICS_PORT\)$"):
+        settings(["--config", str(toml), "--lease-seconds", "1"], env)
+
+
 def test_print_config_shows_the_result():
     out = subprocess.run(
         [sys.executable, "-m", "hicache.daemon", "--print-config", "--num-layers", "7"],
