@@ -85,9 +85,15 @@ static PyObject *whole_pages(PyObject *self, PyObject *args) {
                         "whole_pages: need page_size >= 1, num_pages >= 0 and int64 slots");
         goto release;
     }
-    if (stk.buf != NULL && ((uintptr_t)stk.buf % 8 || top < 0 || top >= stk.len / 8)) {
-        PyErr_SetString(PyExc_ValueError, "whole_pages: top outside an aligned int64 stack");
-        goto release;
+    if (stk.buf != NULL) { /* an int64 stack of its own, apart from the states */
+        const char *a = stk.buf, *b = st.buf;
+        if ((uintptr_t)stk.buf % 8 || stk.itemsize != 8 || top < 0 || top >= stk.len / 8 ||
+            free_state < -128 || free_state > 127 || (a < b + st.len && b < a + stk.len)) {
+            PyErr_SetString(PyExc_ValueError,
+                            "whole_pages: need an aligned int64 stack apart from the states, top "
+                            "inside it and an int8 free state");
+            goto release;
+        }
     }
     int8_t *state = (int8_t *)st.buf;
     const int64_t *s = aligned(&raw, &tmp);

@@ -156,8 +156,9 @@ WIDE_CLONES static int slots_are_pages(const char *sl, Py_ssize_t avail, const c
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t page;
         memcpy(&page, pg + 8 * i, 8); /* memcpy: the buffers need not be aligned */
-        /* a page id that wraps (page * ps >= 2**63) could alias a real slot: refuse it */
-        bad |= page < 0 || (uint64_t)page > (uint64_t)INT64_MAX / (uint64_t)ps;
+        /* a page whose last slot wraps (page * ps + ps - 1 >= 2**63) could alias a real slot */
+        bad |= page < 0 ||
+               (uint64_t)page > ((uint64_t)INT64_MAX - (uint64_t)(ps - 1)) / (uint64_t)ps;
         uint64_t first = (uint64_t)page * (uint64_t)ps; /* unsigned: wraps, never UB */
         const char *run = sl + 8 * i * ps;
         for (Py_ssize_t j = 0; j < ps; j++) {

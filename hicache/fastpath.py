@@ -113,8 +113,8 @@ def _slots_are_pages(view: memoryview, pos: int, pages: bytes, page_size: int) -
     if page_size == 1:
         return mine == pages
     ids = np.frombuffer(pages, dtype=np.int64)
-    if int(ids.min()) < 0 or int(ids.max()) > (2**63 - 1) // page_size:
-        return False
+    if int(ids.min()) < 0 or int(ids.max()) > (2**63 - page_size) // page_size:
+        return False  # (as C: a page whose last slot would pass 2**63 - 1 never matches)
     want = ids[:, None] * page_size + np.arange(page_size, dtype=np.int64)
     return bool((np.frombuffer(mine, dtype=np.int64) == want.ravel()).all())
 

@@ -87,6 +87,19 @@ def test_own_nodes(monkeypatch, i, pos, pages, ps, want):
     same(monkeypatch, lambda: fastpath.own_nodes([node], i, pos, slots, ps), want)
 
 
+def test_own_nodes_refuses_a_page_whose_last_slot_wraps(monkeypatch):
+    """Page size 3: page (2**63 - 1) // 3 starts at 2**63 - 2 and its third slot would be 2**63,
+    which wraps to -2**63: no page id whose slots pass 2**63 - 1 is ever the tree's."""
+    page = (2**63 - 1) // 3
+    node = TreeNode(0, b"", None, None)
+    node.device_pages = np.array([page], np.int64).tobytes()
+    wrapped = np.array([2**63 - 2, 2**63 - 1, -(2**63)], np.int64).tobytes()
+    same(monkeypatch, lambda: fastpath.own_nodes([node], 0, 0, wrapped, 3), (0, 0))
+    node.device_pages = np.array([page - 1], np.int64).tobytes()  # the last page that fits
+    fits = np.array([2**63 - 5, 2**63 - 4, 2**63 - 3], np.int64).tobytes()
+    same(monkeypatch, lambda: fastpath.own_nodes([node], 0, 0, fits, 3), (1, 3))
+
+
 @pytest.mark.parametrize("index", [-1, 4, 2**61, BIG])
 def test_progress_words_outside_the_buffer(monkeypatch, index):
     words = np.zeros(4, np.int64)
@@ -181,6 +194,23 @@ def test_whole_pages_refuses_a_bad_stack_and_changes_nothing():
         with pytest.raises(ValueError, match="stack"):
             whole(state, raw, 4, 4, 1, 2, *bad)
         assert (state == 1).all() and not stack.any()
+    for bad in (
+        (np.zeros(8, np.int32), 0, 0),  # 4-byte items: an int64 write would span two
+        (stack, 0, 300),  # a free state that is no int8
+        (stack, 0, -129),
+    ):
+        state = np.ones(4, np.int8)
+        with pytest.raises(ValueError, match="stack"):
+            whole(state, raw, 4, 4, 1, 2, *bad)
+        assert (state == 1).all() and not stack.any()
+    both = np.ones(64, np.int8)  # the stack inside the state buffer
+    with pytest.raises(ValueError, match="apart"):  # the very same bytes
+        whole(both[:16], raw, 4, 16, 1, 2, both[:16].view(np.int64), 0, 0)
+    with pytest.raises(ValueError, match="apart"):
+        whole(both[:16], raw, 4, 16, 1, 2, both[8:24].view(np.int64), 0, 0)
+    assert (both == 1).all()
+    out = whole(both[:8], raw, 4, 8, 1, 2, both[8:].view(np.int64), 0, 0)  # side by side: fine
+    assert np.frombuffer(out, np.int64).tolist() == [0] and both[:2].tolist() == [2, 0]
     state = np.ones(4, np.int8)
     with pytest.raises((TypeError, BufferError)):
         whole(state, raw, 4, 4, 1, 2, bytes(32), 0, 0)  # read-only

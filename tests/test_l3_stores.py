@@ -271,6 +271,8 @@ def test_the_mooncake_batch_budget_follows_the_engine_settings(monkeypatch):
         ("0", 1024),
         ("-5", 1024),
         ("junk", 1024),
+        ("0" * 4300 + "100", 100),  # (leading zeros are fine, as the engine reads them)
+        ("1" * 5000, 1024),  # (int() refuses that many digits)
     ]:
         monkeypatch.setenv("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", text)
         assert mooncake_pages_per_call(runs) == min(512, queue // 2 // 33), text
@@ -281,14 +283,17 @@ def test_the_mooncake_batch_budget_follows_the_engine_settings(monkeypatch):
 
 
 class DeadAfter:
-    """A Mooncake client whose calls fail whole (-800, a dead peer) from call ``n`` on."""
+    """A Mooncake client whose calls fail whole from call ``n`` on: -800 (a dead peer) for
+    every key, or a wrong number of codes (``count``: a code per key plus this many)."""
 
-    def __init__(self, n: int, size: int):
-        self.n, self.size, self.calls = n, size, 0
+    def __init__(self, n: int, size: int, count: int = 0):
+        self.n, self.size, self.count, self.calls = n, size, count, 0
 
     def _codes(self, keys: list[str], ok: int) -> list[int]:
         self.calls += 1
-        return [ok if self.calls <= self.n else -800 for _ in keys]
+        if self.calls <= self.n:
+            return [ok] * len(keys)
+        return [ok] * max(0, len(keys) + self.count) if self.count else [-800] * len(keys)
 
     def batch_get_into_multi_buffers(self, keys, ptrs, sizes):
         return self._codes(keys, self.size)
@@ -297,10 +302,12 @@ class DeadAfter:
         return self._codes(keys, 0)
 
 
+@pytest.mark.parametrize("count", [0, -4, -1, 1])  # -800 for every key, or too few/many codes
 @pytest.mark.parametrize("dead_from", [0, 1, 2])
-def test_a_split_mooncake_batch_keeps_what_came_before_a_dead_call(dead_from):
-    """A batch is split into calls; one that fails whole ends the batch: the calls before it
-    count (a fetch keeps the leading pages), and only a batch with nothing done is StoreDown."""
+def test_a_split_mooncake_batch_keeps_what_came_before_a_dead_call(dead_from, count):
+    """A batch is split into calls; one that fails whole (or answers with a code list of the
+    wrong length) ends the batch: the calls before it count (a fetch keeps the leading
+    pages), and only a batch with nothing answered is StoreDown."""
     from hicache.l3.mooncake import MAX_BATCH, TRAILER_BYTES, MooncakeStore
 
     store = MooncakeStore.__new__(MooncakeStore)  # (no server: the client is the fake)
@@ -309,7 +316,7 @@ def test_a_split_mooncake_batch_keeps_what_came_before_a_dead_call(dead_from):
     store.pages = PageSegments(filled_pool(config(), 5))  # (attach() would register it)
     keys = [f"k{i}" for i in range(10)]
     for call in ("get", "put"):
-        store.store = fake = DeadAfter(dead_from, store.pages.page_bytes + TRAILER_BYTES)
+        store.store = fake = DeadAfter(dead_from, store.pages.page_bytes + TRAILER_BYTES, count)
         args = (keys, list(range(10))) + (([bytes(TRAILER_BYTES)] * 10,) if call == "put" else ())
         if dead_from == 0:
             with pytest.raises(StoreDown):
@@ -317,5 +324,5 @@ def test_a_split_mooncake_batch_keeps_what_came_before_a_dead_call(dead_from):
             continue
         got = getattr(store, call)(*args)
         done = [g is not None and g is not False for g in got]
-        assert done == [True] * 4 * dead_from + [False] * (10 - 4 * dead_from)
+        assert len(got) == 10 and done == [True] * 4 * dead_from + [False] * (10 - 4 * dead_from)
         assert fake.calls == dead_from + 1  # no call after the dead one

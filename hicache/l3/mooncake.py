@@ -22,9 +22,9 @@ Over TCP, the transfer engine queues at most ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_P
 default) transfers per peer and rejects the rest of a call ("TCP lane queue-full", -800 for
 those keys). A page is one transfer per run plus its trailer, so a call holds at most half that
 many transfers: with 32 runs a page, 15 pages, not 128. A batch is split into such calls; a call
-whose every key failed with -800/-900 ends the batch there (a dead store fails each call in
-seconds): the pages before it are kept, the rest fail, and only a batch with no page done
-raises StoreDown.
+whose every key failed with -800/-900 (or that did not answer a code per key) ends the batch
+there (a dead store fails each call in seconds): the pages before it are kept, the rest fail,
+and only a batch in which no call got any other answer raises StoreDown.
 """
 
 from __future__ import annotations
@@ -97,14 +97,16 @@ class MooncakeStore(L3Store):
             sizes.append([*s, TRAILER_BYTES])
         return ptrs, sizes
 
-    def _dead(self, codes: list[int], answered: bool, what: str) -> bool:
-        """Whether the call that returned ``codes`` failed whole (the store or the peer is
-        down): the batch ends there. StoreDown when no earlier call of the batch got another
-        answer for any key (``answered``: stored, read, not found, ...)."""
-        if not codes or not all(c in DOWN_CODES for c in codes):
+    def _dead(self, codes: list[int], keys: int, answered: bool, what: str) -> bool:
+        """Whether the call for ``keys`` keys that returned ``codes`` failed whole (the store
+        or the peer is down, or the answer does not have a code per key): the batch ends
+        there. StoreDown when no earlier call of the batch got another answer for any key
+        (``answered``: stored, read, not found, ...)."""
+        if len(codes) == keys and not all(c in DOWN_CODES for c in codes):
             return False
         if not answered:
-            raise StoreDown(f"{self.url}: {what} failed ({codes[0]})")
+            why = codes[0] if len(codes) == keys else f"{len(codes)} codes for {keys} keys"
+            raise StoreDown(f"{self.url}: {what} failed ({why})")
         return True
 
     def exists(self, keys: list[str]) -> list[bool]:
@@ -127,7 +129,7 @@ class MooncakeStore(L3Store):
             codes = self.store.batch_put_from_multi_buffers(
                 keys[at : at + step], ptrs, sizes, self.replicate
             )
-            if self._dead(codes, answered, "put"):
+            if self._dead(codes, len(part), answered, "put"):
                 return out + [False] * (len(keys) - len(out))
             answered = True
             out.extend(c == 0 for c in codes)
@@ -141,7 +143,7 @@ class MooncakeStore(L3Store):
             part = pages[at : at + step]
             ptrs, sizes = self._buffers(part, 1)
             codes = self.store.batch_get_into_multi_buffers(keys[at : at + step], ptrs, sizes)
-            if self._dead(codes, answered, "get"):
+            if self._dead(codes, len(part), answered, "get"):
                 return out + [None] * (len(keys) - len(out))
             answered = True
             out.extend(
@@ -176,8 +178,9 @@ def engine_setting(name: str, default: int, most: int) -> int:
     """A transfer engine setting as the engine parses it: plain ASCII digits for a value in
     [1, most]; anything else (spaces, signs, other digits, out of range) means ``default``."""
     text = os.environ.get(name, "")
-    if text.isascii() and text.isdigit() and 1 <= int(text) <= most:
-        return int(text)
+    digits = text.lstrip("0")  # (leading zeros are fine; more than 5 digits is out of range)
+    if text.isascii() and text.isdigit() and len(digits) <= 5 and 1 <= int(digits or 0) <= most:
+        return int(digits)
     return default
 
 
