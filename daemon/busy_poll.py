@@ -8,7 +8,10 @@ for ``busy_poll_us`` first, yielding the CPU and the GIL each turn.
 It watches only while it pays: while requests came back within one watch of the reply before
 them. The pace is learnt only from real waits: a message already queued behind a reply is read
 at once and teaches nothing, and a watch that ran out stops the watching until a request comes
-back that fast again. Heartbeats, slow peers and junk never make the daemon spin.
+back that fast again. Watches that ran out also fill a leaky bucket (``WASTE_CAP`` seconds,
+draining at ``WASTE_SHARE`` of a core): while it is full the loop does not watch, so no pattern
+of requests (bursts of two or three, then a pause) makes the daemon spend more than that share
+of a core on watching in vain. Heartbeats, slow peers and junk never make the daemon spin.
 
 Used by the control thread only.
 """
@@ -21,6 +24,8 @@ import time
 import zmq
 
 POLLIN = int(zmq.POLLIN)
+WASTE_SHARE = 0.05  # of a core: the most that watches which ran out may take over time
+WASTE_CAP = 0.02  # seconds of such watches allowed in a burst
 _yield_cpu = getattr(os, "sched_yield", lambda: None)  # (releases the GIL while it yields)
 
 
@@ -48,6 +53,8 @@ class BusyPoll:
         self.replied = 0.0
         self.worth = True  # requests came back within a spin of such a reply
         self.until = 0.0  # the watch due before the next blocking recv ends then (0: none)
+        self.wasted = 0.0  # seconds of watches that ran out, leaking at WASTE_SHARE
+        self.leaked = time.perf_counter()  # when ``wasted`` was last drained
 
     def request(self) -> None:
         """A request was read: learn from the wait since the reply, if it was a real one."""
@@ -58,12 +65,15 @@ class BusyPoll:
         """A reply went out: plan a watch, unless a message is queued (read at once)."""
         self.replied = 0.0
         if self.spin and not queued(self.sock):
-            self.replied = time.perf_counter()
-            self.until = self.replied + self.spin if self.worth else 0.0
+            self.replied = now = time.perf_counter()
+            self.wasted = max(0.0, self.wasted - (now - self.leaked) * WASTE_SHARE)
+            self.leaked = now
+            self.until = now + self.spin if self.worth and self.wasted < WASTE_CAP else 0.0
 
     def before_recv(self) -> None:
         """Run the planned watch (if any) before the loop blocks on the socket."""
         if self.until:
             if not watch(self.sock, self.until):
                 self.worth = False  # a whole spin watched for nothing
+                self.wasted += self.spin
             self.until = 0.0

@@ -122,3 +122,21 @@ def test_pairs_of_messages_from_a_slow_peer_never_make_the_daemon_spin(polling_d
         assert cpu_share(pid, pairs) < 0.2
     finally:
         peer.close(linger=0)
+
+
+@needs_proc
+def test_bursts_of_requests_then_a_pause_cost_at_most_a_small_share_of_a_core(polling_daemon):
+    """Two or three requests, each sent after the reply to the one before, then 20 ms of quiet:
+    each burst teaches that requests come back fast, so the daemon watches after the burst's
+    last reply and the watch runs out. Without a bound that costs 10 ms in every 20-26 ms (half
+    a core); watches that ran out may take at most WASTE_SHARE of a core over time."""
+    endpoint, pid = polling_daemon
+    with HiCacheClient(endpoint, name="bursts") as hc:
+
+        def bursts() -> None:
+            for n in range(60):
+                for _ in range(2 + n % 2):
+                    assert hc.match_prefix(PROMPT, lock=False).device_hit_length == 64
+                time.sleep(0.02)
+
+        assert cpu_share(pid, bursts) < 0.2
