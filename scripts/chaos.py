@@ -33,6 +33,7 @@ import multiprocessing as mp
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -490,6 +491,7 @@ def main(argv: list[str] | None = None) -> dict:
                 p.kill()
         stop_daemon(daemon)
         HostKeeper(ep, "chaos", 0).discard_previous()  # what the last daemon kept goes too
+        shutil.rmtree(tmp, ignore_errors=True)  # (the socket's folder and its lock file)
     print(json.dumps(report), flush=True)
     return report
 
