@@ -8,7 +8,9 @@ if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
 pip() { .venv/bin/python -m pip "$@" --disable-pip-version-check -q; }
+step() { echo "setup: $*" >&2; }  # (a fresh machine takes 3-4 minutes: say what runs)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  step "installing torch"
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install torch 2>&1 | grep -v "^WARNING: Location" || true
   else
@@ -22,15 +24,18 @@ command -v redis-server >/dev/null 2>&1 || need+=(redis-server redis-tools)
 ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    step "installing ${need[*]} (apt)"
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
   else
     echo "setup: install ${need[*]} for the L3 tests (they are skipped without them)" >&2
   fi
 fi
+step "installing hicache and its test extras"
 pip install -e '.[test,l3,metrics,plot]' 2>&1 | grep -v "^WARNING: Location" || true
 # vLLM for the connector's tests (the CPU build without a GPU). Its torchvision, torchaudio and
 # torchcodec do not load with this torch and vLLM does not need them: removed.
 if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+  step "installing vLLM"
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     pip install 'vllm>=0.32' 2>&1 | grep -v "^WARNING: Location" || true
   else
