@@ -9,6 +9,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* interned attribute names */
@@ -139,26 +140,25 @@ static PyObject *tally(PyObject *self, PyObject *args) {
 #if defined(__x86_64__) && defined(__linux__) && defined(__GLIBC__) && !defined(__clang__) && \
     defined(__GNUC__) && __GNUC__ >= 6
 #define WIDE_CLONES __attribute__((target_clones("avx2", "default")))
+#define HAVE_AVX2_PATH 1
+#include <immintrin.h>
 #else
 #define WIDE_CLONES
+#define HAVE_AVX2_PATH 0
 #endif
+static int cpu_has_avx2 = 0; /* set once at import (HAVE_AVX2_PATH builds only) */
 
-/* Whether the ``avail`` int64 slots at ``sl`` begin with exactly the slots of the int64 page
- * ids ``pg`` (``n`` of them): page * ps + 0, 1, ... in order. A negative or overflowing page
- * id never matches (above page size 1; at 1 the slots are the pages, byte for byte). */
-WIDE_CLONES static int slots_are_pages(const char *sl, Py_ssize_t avail, const char *pg,
-                                       Py_ssize_t n, Py_ssize_t ps) {
-    if (n > avail / ps) return 0; /* no n * ps: it may wrap */
-    if (ps == 1) return memcmp(sl, pg, (size_t)n * 8) == 0;
-    /* any bit set: some slot differs. No early exit: a branch per page stops the vectorizing
-     * (0.85 against 1.0 us for 3,000 slots), and a mismatch costs at most this node's compare */
+/* The bits in which the ``n * ps`` int64 slots at ``sl`` differ from those of the int64 page
+ * ids ``pg`` (page * ps + 0, 1, ... in order), nonzero also for a page id above ``most`` or
+ * negative. No early exit: a branch per page stops the vectorizing, and a mismatch costs at most
+ * this node's compare. */
+WIDE_CLONES static uint64_t slot_diff(const char *sl, const char *pg, Py_ssize_t n, Py_ssize_t ps,
+                                      uint64_t most) {
     uint64_t bad = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t page;
         memcpy(&page, pg + 8 * i, 8); /* memcpy: the buffers need not be aligned */
-        /* a page whose last slot wraps (page * ps + ps - 1 >= 2**63) could alias a real slot */
-        bad |= page < 0 ||
-               (uint64_t)page > ((uint64_t)INT64_MAX - (uint64_t)(ps - 1)) / (uint64_t)ps;
+        bad |= page < 0 || (uint64_t)page > most;
         uint64_t first = (uint64_t)page * (uint64_t)ps; /* unsigned: wraps, never UB */
         const char *run = sl + 8 * i * ps;
         for (Py_ssize_t j = 0; j < ps; j++) {
@@ -167,7 +167,49 @@ WIDE_CLONES static int slots_are_pages(const char *sl, Py_ssize_t avail, const c
             bad |= slot ^ (first + (uint64_t)j);
         }
     }
-    return bad == 0;
+    return bad;
+}
+
+#if HAVE_AVX2_PATH
+/* slot_diff for a page size that is a multiple of 4, four slots a vector: GCC's own vectorizing
+ * of the loop above ran 0.85 us for 3,000 slots (page size 16), more than memcmp of page ids
+ * and slots at page size 1 (0.72 us, twice the bytes). */
+__attribute__((target("avx2"))) static uint64_t slot_diff_avx2(const char *sl, const char *pg,
+                                                               Py_ssize_t n, Py_ssize_t ps,
+                                                               uint64_t most) {
+    const __m256i four = _mm256_set1_epi64x(4), iota = _mm256_setr_epi64x(0, 1, 2, 3);
+    __m256i acc = _mm256_setzero_si256();
+    uint64_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t page;
+        memcpy(&page, pg + 8 * i, 8);
+        bad |= page < 0 || (uint64_t)page > most;
+        uint64_t first = (uint64_t)page * (uint64_t)ps;
+        __m256i want = _mm256_add_epi64(_mm256_set1_epi64x((long long)first), iota);
+        const char *run = sl + 8 * i * ps;
+        for (Py_ssize_t j = 0; j < ps; j += 4) {
+            __m256i got = _mm256_loadu_si256((const __m256i *)(const void *)(run + 8 * j));
+            acc = _mm256_or_si256(acc, _mm256_xor_si256(got, want));
+            want = _mm256_add_epi64(want, four);
+        }
+    }
+    return bad | (uint64_t)!_mm256_testz_si256(acc, acc);
+}
+#endif
+
+/* Whether the ``avail`` int64 slots at ``sl`` begin with exactly the slots of the int64 page
+ * ids ``pg`` (``n`` of them): page * ps + 0, 1, ... in order. A negative page id, or one whose
+ * last slot would pass 2**63 - 1 (and wrap onto a real slot), never matches (above page size 1;
+ * at 1 the slots are the pages, byte for byte). */
+static int slots_are_pages(const char *sl, Py_ssize_t avail, const char *pg, Py_ssize_t n,
+                           Py_ssize_t ps) {
+    if (n > avail / ps) return 0; /* no n * ps: it may wrap */
+    if (ps == 1) return memcmp(sl, pg, (size_t)n * 8) == 0;
+    uint64_t most = ((uint64_t)INT64_MAX - (uint64_t)(ps - 1)) / (uint64_t)ps;
+#if HAVE_AVX2_PATH
+    if (cpu_has_avx2 && ps % 4 == 0) return slot_diff_avx2(sl, pg, n, ps, most) == 0;
+#endif
+    return slot_diff(sl, pg, n, ps, most) == 0;
 }
 
 /* own_nodes(path, i, pos, slots, page_size) -> (i, pos)
@@ -232,6 +274,10 @@ PyMODINIT_FUNC PyInit__tree(void) {
     s_host_pages = PyUnicode_InternFromString("host_pages");
     s_io = PyUnicode_InternFromString("io");
     one = PyLong_FromLong(1);
+#if HAVE_AVX2_PATH
+    __builtin_cpu_init();
+    cpu_has_avx2 = __builtin_cpu_supports("avx2") && !getenv("HICACHE_NO_AVX2");
+#endif
     if (!s_children || !s_key || !s_last_access || !s_hit_count || !s_device_pages ||
         !s_host_pages || !s_io || !one)
         return NULL;

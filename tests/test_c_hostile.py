@@ -5,6 +5,10 @@ corruption in a process that many engines share, so every case runs the C path a
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -308,3 +312,48 @@ def test_misaligned_buffers_read_as_the_twin_reads_them(monkeypatch):
         assert bytes(fastpath.page_slots(ids, 4)) == bytes(
             fastpath.page_slots(memoryview(b"\0" + ids)[1:], 4)
         )
+
+
+OWN_NODES_CASES = """
+import sys
+import numpy as np
+from hicache import fastpath
+from hicache.node import TreeNode
+
+rng = np.random.default_rng(int(sys.argv[1]))
+for case in range(400):
+    ps = int(rng.choice([2, 3, 4, 8, 16, 32]))
+    nodes, slots = [], []
+    for _ in range(int(rng.integers(1, 4))):
+        pages = rng.integers(0, 50, int(rng.integers(1, 6))).astype(np.int64)
+        node = TreeNode(0, b"", None, None)
+        node.device_pages = pages.tobytes()
+        nodes.append(node)
+        slots.append((pages[:, None] * ps + np.arange(ps)).ravel())
+    raw = np.concatenate(slots)
+    if case % 2:  # one slot wrong, anywhere (or a page id that wraps)
+        raw[int(rng.integers(0, len(raw)))] += int(rng.choice([1, -1, 2**62]))
+    if case % 7 == 0:
+        nodes[-1].device_pages = np.array([2**62, -1], np.int64)[: 1 + case % 2].tobytes()
+    got = fastpath._tree.own_nodes(nodes, 0, 0, raw.tobytes(), ps)
+    fastpath.USE_C = False
+    want = fastpath.own_nodes(nodes, 0, 0, raw.tobytes(), ps)
+    fastpath.USE_C = True
+    assert got == want, (case, ps, got, want)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("no_avx2", ["", "1"])
+def test_own_nodes_agrees_with_the_twin_on_both_c_paths(no_avx2):
+    """The compare has an AVX2 path (page sizes that are multiples of 4, on CPUs with AVX2)
+    and a plain one (HICACHE_NO_AVX2=1, read at import): both as the Python twin."""
+    if fastpath._tree is None:
+        pytest.skip("C helpers not built")
+    env = {**os.environ, "HICACHE_NO_AVX2": no_avx2}
+    if not no_avx2:
+        env.pop("HICACHE_NO_AVX2")
+    out = subprocess.run(
+        [sys.executable, "-c", OWN_NODES_CASES, "7"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
