@@ -191,12 +191,13 @@ class PagedAllocator:
     def unwatch_frees(self) -> None:
         self.freed = None
 
-    def push_slot(self) -> int | None:
-        """Where a C helper may write one freed page on the stack (``_fast.whole_pages``; the
-        caller then calls ``pushed()``), or None while frees are watched or grouped (they must
-        go through ``release_page``) or the stack is full (no page is out to be freed)."""
+    def push_slot(self) -> tuple[np.ndarray, int] | None:
+        """The free stack and the index where a C helper may write one freed page
+        (``_fast.whole_pages``; the caller then calls ``pushed()``), or None while frees are
+        watched or grouped (they must go through ``release_page``) or the stack is full (no
+        page is out to be freed)."""
         free = self.freed is None and self._group is None and self._top < len(self._stack)
-        return self._top if free else None
+        return (self._stack, self._top) if free else None
 
     def pushed(self) -> None:
         """Count the page a C helper wrote at ``push_slot()`` (with its state already FREE)."""

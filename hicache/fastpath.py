@@ -219,30 +219,26 @@ def claim_pages(
     ps = alloc.page_size
     tail = free_tail and len(raw) // 8 % ps != 0
     if USE_C:
-        top = alloc.push_slot() if tail else None
-        if top is not None:
-            out = _fast.whole_pages(
-                alloc.state, raw, ps, alloc.num_pages, expected, claim, alloc._stack, top, FREE
-            )
-        else:
-            out = _fast.whole_pages(alloc.state, raw, ps, alloc.num_pages, expected, claim)
+        slot = alloc.push_slot() if tail else None
+        extra = () if slot is None else (*slot, FREE)  # C frees the tail page itself
+        out = _fast.whole_pages(alloc.state, raw, ps, alloc.num_pages, expected, claim, *extra)
         if isinstance(out, bytes):
-            if top is not None:
-                alloc.pushed()
-                return np.frombuffer(out, dtype=np.int64)
             pages = np.frombuffer(out, dtype=np.int64)
-            if tail:
-                alloc.release_page(int(pages[-1]))
-                return pages[:-1]
-            return pages
+            if slot is not None:
+                alloc.pushed()
+                return pages
+            return _release_last(alloc, pages) if tail else pages
     pages = _caller_pages_numpy(alloc, np.frombuffer(raw, dtype=np.int64), expected)
     if USE_C:  # numpy accepted what C refused: never silently
         raise InvalidIndicesError(f"device_indices: rejected (code {out})")
     alloc.state[pages] = claim
-    if tail:
-        alloc.release_page(int(pages[-1]))
-        return pages[:-1]
-    return pages
+    return _release_last(alloc, pages) if tail else pages
+
+
+def _release_last(alloc: PagedAllocator, pages: np.ndarray) -> np.ndarray:
+    """Free the last of the claimed ``pages`` (the partial tail); the others."""
+    alloc.release_page(int(pages[-1]))
+    return pages[:-1]
 
 
 def _caller_pages_numpy(alloc: PagedAllocator, slots: np.ndarray, expected: PageState):
