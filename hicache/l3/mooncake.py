@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -97,17 +98,31 @@ class MooncakeStore(L3Store):
             sizes.append([*s, TRAILER_BYTES])
         return ptrs, sizes
 
-    def _dead(self, codes: list[int], keys: int, answered: bool, what: str) -> bool:
-        """Whether the call for ``keys`` keys that returned ``codes`` failed whole (the store
-        or the peer is down, or the answer does not have a code per key): the batch ends
-        there. StoreDown when no earlier call of the batch got another answer for any key
-        (``answered``: stored, read, not found, ...)."""
-        if len(codes) == keys and not all(c in DOWN_CODES for c in codes):
-            return False
-        if not answered:
-            why = codes[0] if len(codes) == keys else f"{len(codes)} codes for {keys} keys"
-            raise StoreDown(f"{self.url}: {what} failed ({why})")
-        return True
+    def _split(
+        self,
+        keys: list[str],
+        what: str,
+        call: Callable[[slice], list[int]],
+        take: Callable[[int, int], object],
+        miss: object,
+    ) -> list:
+        """One batch as calls of at most ``per_call`` pages: ``call(part)`` (a slice) returns
+        the store's codes, ``take(i, code)`` the result of the part's i-th key. A call that
+        fails whole (every code -800/-900, or not a code per key: the store or the peer is
+        down) ends the batch: its keys and the rest get ``miss``, and when it was the first
+        call, nothing was answered: StoreDown."""
+        out: list = []
+        for at in range(0, len(keys), self.per_call):
+            part = slice(at, at + self.per_call)
+            codes = call(part)
+            n = len(keys[part])
+            if len(codes) != n or all(c in DOWN_CODES for c in codes):
+                if at == 0:
+                    why = codes[0] if len(codes) == n else f"{len(codes)} codes for {n} keys"
+                    raise StoreDown(f"{self.url}: {what} failed ({why})")
+                return out + [miss] * (len(keys) - len(out))
+            out.extend(take(i, c) for i, c in enumerate(codes))
+        return out
 
     def exists(self, keys: list[str]) -> list[bool]:
         out: list[bool] = []
@@ -119,37 +134,25 @@ class MooncakeStore(L3Store):
         return out
 
     def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
-        out: list[bool] = []
-        step, answered = self.per_call, False
-        for at in range(0, len(keys), step):
-            part = pages[at : at + step]
-            for i, tail in enumerate(trailers[at : at + step]):
+        def call(part: slice) -> list[int]:
+            for i, tail in enumerate(trailers[part]):
                 self.tails[0, i] = np.frombuffer(tail, dtype=np.uint8)
-            ptrs, sizes = self._buffers(part, 0)
-            codes = self.store.batch_put_from_multi_buffers(
-                keys[at : at + step], ptrs, sizes, self.replicate
-            )
-            if self._dead(codes, len(part), answered, "put"):
-                return out + [False] * (len(keys) - len(out))
-            answered = True
-            out.extend(c == 0 for c in codes)
-        return out
+            ptrs, sizes = self._buffers(pages[part], 0)
+            return self.store.batch_put_from_multi_buffers(keys[part], ptrs, sizes, self.replicate)
+
+        return self._split(keys, "put", call, lambda i, c: c == 0, False)
 
     def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
-        out: list[bytes | None] = []
         want = self.pages.page_bytes + TRAILER_BYTES
-        step, answered = self.per_call, False
-        for at in range(0, len(keys), step):
-            part = pages[at : at + step]
-            ptrs, sizes = self._buffers(part, 1)
-            codes = self.store.batch_get_into_multi_buffers(keys[at : at + step], ptrs, sizes)
-            if self._dead(codes, len(part), answered, "get"):
-                return out + [None] * (len(keys) - len(out))
-            answered = True
-            out.extend(
-                self.tails[1, i].tobytes() if c == want else None for i, c in enumerate(codes)
-            )
-        return out
+
+        def call(part: slice) -> list[int]:
+            ptrs, sizes = self._buffers(pages[part], 1)
+            return self.store.batch_get_into_multi_buffers(keys[part], ptrs, sizes)
+
+        def take(i: int, code: int) -> bytes | None:
+            return self.tails[1, i].tobytes() if code == want else None
+
+        return self._split(keys, "get", call, take, None)
 
     def remove(self, keys: list[str]) -> None:
         self.store.batch_remove(keys, True)  # (force: a value read a moment ago is leased)
