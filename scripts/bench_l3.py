@@ -151,16 +151,17 @@ def throughput(url: str, options: dict, pages: int = 256, reps: int = 6) -> dict
             writer.insert(tokens, writer.alloc(len(tokens)))
             writer.engine.wait(list(writer.records))
             keys = [f"raw-{model}-{rep}-{i}" for i in range(pages)]
-            now = {  # name: (seconds, pages that failed)
+            steps = {
                 "tier_write": partial(_tier_write, writer),
                 "raw_write": partial(_raw_write, writer, keys),
                 "tier_read": partial(_tier_read, reader, tokens),
                 "raw_read": partial(_raw_read, reader, keys),
             }
+            now: dict[str, tuple[float, int]] = {}  # name: (seconds, pages that failed)
             # which side goes first alternates: the second of a pair finds the store warmer
             for pair in (("tier_write", "raw_write"), ("tier_read", "raw_read")):
                 for name in pair[:: 1 if rep % 2 else -1]:
-                    now[name] = now[name]()
+                    now[name] = steps[name]()
             for name, (seconds, bad) in now.items():
                 failed[name] += bad
                 if not bad:  # (a failed transfer returns early: not a sample)
