@@ -212,10 +212,15 @@ class HiCacheClient:
         return None if raw is None else EngineLayout.from_dict(raw)
 
     # ---- cache operations ----
-    def match_prefix(self, token_ids: Any, namespace: Any = None, lock: bool = True) -> Match:
+    def match_prefix(
+        self, token_ids: Any, namespace: Any = None, lock: bool = True, l3_wait: bool = True
+    ) -> Match:
         """The longest cached prefix of ``token_ids`` (whole pages) on the device and, after
         it, on the host. ``lock=True`` (the default): the device prefix stays valid for this
         session until ``release(match)``; without a lock its slots may be reused at any time.
+        With a third tier, ``l3_wait=True`` lets the reply wait (up to the daemon's prefetch
+        bound) for pages coming from it; ``l3_wait=False`` never waits, and
+        ``match.l3_pending`` says more is coming (a later match finds it).
 
         A full hit covers every whole page of the prompt: an engine that must compute at least
         one token backs off a whole page (uses ``device_indices[:-page_size]``). Raises
@@ -223,6 +228,8 @@ class HiCacheClient:
         ids >= 2**31, nested lists)."""
         tokens = as_tokens(token_ids)
         fields = {"lengths": [len(tokens)], "lock": lock, "namespaces": [namespace]}
+        if not l3_wait:
+            fields["l3_wait"] = False
         return self._matches(fields, [tokens])[1][0]
 
     def match_batch(
@@ -250,6 +257,8 @@ class HiCacheClient:
             Match(frame, ids, dev, host, lock, gen)
             for dev, host, lock, ids in reply.fields["results"]
         ]
+        for i in reply.fields.get("l3_pending") or ():
+            matches[i].l3_pending = True
         return reply.fields, matches
 
     def load_back(self, match: Match) -> torch.Tensor | None:

@@ -43,6 +43,7 @@ class Match:
         "lock_id",
         "released",
         "generation",
+        "l3_pending",
         "_frame",
         "_ids",
         "_pages",
@@ -62,6 +63,7 @@ class Match:
         self.lock_id = lock_id  # the session's lock on this prefix (0: not locked)
         self.released = False  # after release its slots may hold other KV: they are refused
         self.generation = generation  # the client's session it belongs to (see reconnect)
+        self.l3_pending = False  # more of the prefix is coming from the third tier (ask again)
         self._frame = frame
         self._ids = ids  # the nodes of the prefix, in order (indices into the frame)
         self._pages: np.ndarray | None = None

@@ -115,8 +115,9 @@ class CacheOpsMixin:
         lock = self._bool(fields, "lock", True)
         if lock:
             self.limits.check_locks(session, len(batch))
+        fetches = None
         if self.cache.l3 is not None:
-            self._prefetch(batch, spaces, self._bool(fields, "l3_wait", True))
+            fetches = self._prefetch(batch, spaces, self._bool(fields, "l3_wait", True))
         match_key, feed = self.cache.match_key, self.capacity
         results, state = [], ([], {})
         try:
@@ -132,20 +133,27 @@ class CacheOpsMixin:
         except BaseException:
             self._undo_locks(session, results)  # a failed request holds nothing
             raise
-        return self._match_reply(results, state[0])
+        out, frames = self._match_reply(results, state[0])
+        if fetches:  # still coming: an engine that did not wait may ask again later
+            pending = [i for i, f in fetches if not f.done]
+            if pending:
+                out["l3_pending"] = pending
+        return out, frames
 
-    def _prefetch(self, batch: list, spaces: list, wait: bool) -> None:
+    def _prefetch(self, batch: list, spaces: list, wait: bool) -> list:
         """Ask the third tier for what the tree lacks of each prompt; under a waiting policy
-        (and when the request and the server allow it) raise Deferred until it arrives."""
+        (and when the request and the server allow it) raise Deferred until it arrives.
+        Returns the (index, fetch) of each prompt with a fetch still running."""
         l3, match_key = self.cache.l3, self.cache.match_key
         waiting = []
-        for tokens, space in zip(batch, spaces, strict=True):
+        for i, (tokens, space) in enumerate(zip(batch, spaces, strict=True)):
             m = match_key(tokens, space, True, count=False)
             fetch = l3.prefetch(tokens, space, m.device_hit_length + m.host_hit_length)
             if fetch is not None and not fetch.done:
-                waiting.append(fetch)
+                waiting.append((i, fetch))
         if waiting and wait and self.may_wait and l3.config.wait_bound(1) > 0:
-            raise Deferred(waiting, max(f.deadline for f in waiting))
+            raise Deferred([f for _, f in waiting], max(f.deadline for _, f in waiting))
+        return waiting
 
     def _undo_locks(self, session: Session, results: list) -> None:
         """Release the locks a request took before it failed (their ids never reach the

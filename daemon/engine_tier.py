@@ -32,7 +32,7 @@ class Made(NamedTuple):
     info: dict[str, Any]  # what hello and REGISTER publish from now on: config, pools, layout
 
 
-MakeCache = Callable[[HiCacheConfig], tuple[HiRadixCache, dict[str, Any]]]
+MakeCache = Callable[[HiCacheConfig, EngineLayout], tuple[HiRadixCache, dict[str, Any]]]
 
 
 class EngineTier:
@@ -65,7 +65,7 @@ class EngineTier:
             )
         cfg = layout.pool_config(tokens, eviction_policy=s.config.eviction_policy)
         try:
-            cache, pools = self.make_cache(cfg)
+            cache, pools = self.make_cache(cfg, layout)
         except InsufficientMemoryError as exc:
             raise ProtocolError(ErrorCode.OUT_OF_MEMORY, str(exc)) from None
         self.layout = layout

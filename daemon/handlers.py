@@ -333,13 +333,14 @@ class Handlers(CacheOpsMixin):
         freed_host = self.cache.evict_host(host) if host else 0
         return {"device_freed": freed, "host_freed": freed_host}, []
 
-    def _evict_device(self, tokens: int) -> int:
+    def _evict_device(self, tokens: int, to_l3: bool = True) -> int:
         """Evict and settle until ``tokens`` are freed or nothing moves. Backups started by the
-        eviction free their pages only at the ack, and only then do parents become leaves."""
+        eviction free their pages only at the ack, and only then do parents become leaves.
+        ``to_l3=False`` (a flush): nothing is written back to a third tier."""
         self._settle()
         freed = 0
         while freed < tokens:
-            result = self.cache.evict(tokens - freed)
+            result = self.cache.evict(tokens - freed, to_l3)
             self._settle()
             freed += result.freed + result.pending
             if not result.freed and not result.pending:
@@ -348,7 +349,7 @@ class Handlers(CacheOpsMixin):
 
     def flush(self, session: Session, fields: dict, frames: Frames) -> Result:
         """Evict every unlocked token from both tiers (locked data stays)."""
-        freed = self._evict_device(self.cache.config.device_tokens)
+        freed = self._evict_device(self.cache.config.device_tokens, to_l3=False)
         freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens, to_l3=False)
         if self.cache.events is not None:
             self.cache.events.flushed()

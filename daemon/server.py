@@ -44,6 +44,7 @@ from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
 from hicache.daemon.snapshot import HostKeeper
 from hicache.endpoints import admin_token_path
+from hicache.engine_layout import EngineLayout
 from hicache.kv_events import TierEvents
 from hicache.l3.store import LazyStore
 from hicache.l3.tier import L3Tier
@@ -198,10 +199,12 @@ class Daemon:
         sock.curve_publickey = public
         sock.curve_server = True
 
-    def _make_cache(self, cfg: HiCacheConfig) -> tuple[HiRadixCache, dict]:
+    def _make_cache(
+        self, cfg: HiCacheConfig, layout: EngineLayout | None = None
+    ) -> tuple[HiRadixCache, dict]:
         """Create the pools and the cache for ``cfg`` (at start, or when the first engine
-        registers its layout); returns the cache and the pools' description. A failure leaves
-        nothing behind."""
+        registers its ``layout``); returns the cache and the pools' description. A failure
+        leaves nothing behind."""
         token = self._token
         device = (
             SharedMemoryBacking(segment_name("device", token))
@@ -224,7 +227,9 @@ class Daemon:
             l3 = self.settings.l3
             if l3 is not None:
                 store = LazyStore(l3.url, **l3.options)  # opened (and reopened) by its IO thread
-                self.cache.attach_l3(L3Tier(self.cache, l3, store, self.waits.wake))
+                ident = None if layout is None else layout.identity()  # part of every key
+                tier = L3Tier(self.cache, l3, store, self.waits.wake, layout=ident)
+                self.cache.attach_l3(tier)
                 self.waits.counters = self.cache.l3.counters
             if self.events is not None:  # an engine-owned device tier is this host pool
                 device_medium = "CPU" if self.settings.engine_tier else "GPU"

@@ -423,9 +423,7 @@ def _checked(merged: dict[str, Any]) -> DaemonSettings:
     daemon = {name: merged.pop(name) for name in DAEMON_FIELDS}
     l3_settings = {name: merged.pop(name) for name in L3_FIELDS}
     l3 = l3_config(l3_settings, parse_bytes)
-    if l3 is not None and daemon["device_tier"] == "engine":
-        raise ValueError("l3: a third tier needs device_tier=daemon (its host pool) for now")
-    if l3 is not None and merged.get("host_tokens") == 0:
+    if l3 is not None and daemon["device_tier"] != "engine" and merged.get("host_tokens") == 0:
         raise ValueError("l3: a third tier needs a host tier (host_tokens > 0)")
     engine_tokens = None
     if daemon["device_tier"] == "engine":  # the pool's shape comes from the engines' layout

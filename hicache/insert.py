@@ -61,6 +61,8 @@ class InsertMixin:
         self._push_device(last)
         if self.host_alloc is not None:
             self._backup_hot(path + [leaf] if leaf else path)
+        elif self.l3 is not None and leaf is not None:  # the store sits under this pool
+            self.l3.after_backup([leaf])
         return n_covered
 
     def _claim(self, root: TreeNode, theirs: bytes, tail: bool) -> np.ndarray:

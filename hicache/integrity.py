@@ -151,12 +151,14 @@ def check_cache_integrity(cache: HiRadixCache) -> None:
             f"evictable/protected counters {tree.evictable_tokens}/{tree.protected_tokens} "
             f"!= {evictable}/{protected} device tokens in the tree"
         )
-    _check_pages(cache.device_alloc, [n.device_page_ids() for n in device], "device")
-    if cache.host_alloc is not None:
+    # pages the tree gave up while a write to the third tier still reads them
+    held = cache.l3.held_pages() if cache.l3 is not None else []
+    under_host = cache.host_alloc is not None
+    on_device = [n.device_page_ids() for n in device]
+    _check_pages(cache.device_alloc, on_device + ([] if under_host else held), "device")
+    if under_host:
         host = [n.host_pages for n in nodes if n.host_pages is not None]
-        if cache.l3 is not None:  # pages the tree gave up while a write still reads them
-            host += cache.l3.held_pages()
-        _check_pages(cache.host_alloc, host, "host")
+        _check_pages(cache.host_alloc, host + held, "host")
     elif any(n.host_pages is not None for n in nodes):
         _fail("host pages in a cache without a host tier")
     for record in cache.records.values():

@@ -49,7 +49,10 @@ class Op(IntEnum):
     MATCH = 4  # frame: token ids; fields: lengths, shared (optional: leading tokens each sequence
     # takes from the previous one instead of the frame), namespaces, lock -> frame: page ids (int64)
     # of the distinct nodes matched; fields: chunk_pages (pages per node), results
-    # [device_len, host_len, lock_id, chunk ids]. Slot = page * page_size + offset.
+    # [device_len, host_len, lock_id, chunk ids], l3_pending (indices of the sequences whose
+    # fetch from the third tier still runs; absent when none). Slot = page * page_size + offset.
+    # l3_wait (default true): under a waiting prefetch policy the reply waits for those fetches,
+    # at most the policy's bound; false: it never waits (ask again once they have landed).
     LOAD_BACK = 5  # fields: lock_id (from a match), wait (default true) -> frame: slots of the
     # loaded part; fields: loaded, ticket (wait=false: read layers once the progress table
     # shows them; 0: complete), events (CUDA pools: one IPC event handle per layer)

@@ -59,9 +59,10 @@ class TieringMixin:
                 self.host_heap.rebuild(n for n in nodes if self._host_candidate(n))
 
     # ---- device ---------------------------------------------------------------------------
-    def evict(self, num_tokens: int) -> EvictResult:
+    def evict(self, num_tokens: int, to_l3: bool = True) -> EvictResult:
         """Evict at least ``num_tokens`` device tokens if candidates allow (whole nodes, so it
-        may free more). ``pending`` tokens are freed when their backup is acknowledged."""
+        may free more). ``pending`` tokens are freed when their backup is acknowledged.
+        ``to_l3=False`` (a flush): no write-back to a third tier under the only pool."""
         freed = pending = 0
         backups: dict[TreeNode, None] = {}  # ordered set: stays a candidate until issued
         while freed + pending < num_tokens:
@@ -78,11 +79,11 @@ class TieringMixin:
                 backups[node] = None
                 pending += node.num_tokens
             else:
-                freed += self._delete_device_leaf(node)
+                freed += self._delete_device_leaf(node, to_l3)
         if backups and not self._backup(list(backups), evict_on_ack=True):
             for node in backups:  # the host is full: fall back to dropping them
                 self._drop_host_subtrees(node)
-                freed += self._delete_device_leaf(node)
+                freed += self._delete_device_leaf(node, to_l3)
             pending = 0
         self.counters.evicted_device_tokens += freed
         return EvictResult(freed, pending)
@@ -95,10 +96,14 @@ class TieringMixin:
         self._push_device(node.parent)
         return node.num_tokens
 
-    def _delete_device_leaf(self, node: TreeNode) -> int:
-        """Free a device-only childless node and remove it from the tree."""
+    def _delete_device_leaf(self, node: TreeNode, to_l3: bool = True) -> int:
+        """Free a device-only childless node and remove it from the tree. Without a host tier,
+        a third tier under the device pool may take its pages (a write-back, or a write still
+        reading them): it frees them when that write ends."""
         parent = node.parent
-        self.device_alloc.release(node.device_page_ids())
+        l3 = self.l3
+        if l3 is None or self.host_alloc is not None or not l3.evicting(node, to_l3):
+            self.device_alloc.release(node.device_page_ids())
         self.tree.set_device(node, None)
         self.tree.remove_leaf(node)
         self._push_device(parent)
@@ -169,7 +174,7 @@ class TieringMixin:
         """Give back a node's host pages, unless the third tier takes them (a write-back, or a
         write still reading them): then they are freed when that write ends."""
         l3 = self.l3
-        if l3 is not None and (to_l3 or node.l3 is not None) and l3.evicting(node):
+        if l3 is not None and l3.evicting(node, to_l3):
             return
         self.host_alloc.release(node.host_pages)
 

@@ -79,7 +79,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.sched.block_ids = lambda rid: kv_cache_manager.get_block_ids(rid)[0]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple:
-        n = self.sched.lookup(request, num_computed_tokens)
+        n = self.sched.lookup(request, num_computed_tokens)  # None: ask again next step
         return n, False  # loaded synchronously, before the forward pass of its step
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):

@@ -9,6 +9,9 @@ what is cached.
 - Lookup (``get_num_new_matched_tokens``): the prompt's whole blocks, never the last token's
   block (at least one token is left to compute), matched and locked; the hit beyond vLLM's own
   (block-aligned) hit is reported, and loaded synchronously before the step's forward pass.
+  The match never waits for the daemon's third tier: while more of the prefix is coming from
+  it, the lookup answers "not yet" (None; vLLM skips the request this step and asks again),
+  for up to ``l3_wait_s``, asking the daemon at most once per ``L3_POLL_S``.
 - Stores: a block is planned once vLLM will have computed all its tokens by the end of the
   step (speculative tokens not counted); pool pages are allocated for it, every worker copies
   it after the forward pass (``wait_for_save``), and only when every rank reported the step
@@ -36,6 +39,7 @@ from hicache.client.vllm.settings import ConnectorSettings, request_namespace
 from hicache.client.vllm.tracking import Figures, Store, Tracked, timed
 
 log = logging.getLogger("hicache.vllm")
+L3_POLL_S = 0.005  # a request waiting for the third tier is looked up at most this often
 
 
 class SchedulerSide:
@@ -56,12 +60,20 @@ class SchedulerSide:
         self.reserve = _NO_PAGES  # first slots of pages the session owns for later stores
         self.reserve_generation = 0
         self.block_ids = None  # callable(req_id) -> block ids of group 0 (vLLM's manager)
+        # requests whose prefix is coming from the third tier: (first "not yet", last ask)
+        self.l3_waiting: dict[str, tuple[float, float]] = {}
 
     # ---- lookup ---------------------------------------------------------------------------
     @timed
-    def lookup(self, request: Any, num_computed: int) -> int:
+    def lookup(self, request: Any, num_computed: int) -> int | None:
         """Tokens hicache has beyond ``num_computed`` (vLLM's own block-aligned hit), whole
-        blocks, never the prompt's last token; the prefix is locked until the request ends."""
+        blocks, never the prompt's last token; the prefix is locked until the request ends.
+        None: more of it is coming from the daemon's third tier (ask again next step)."""
+        waiting = self.l3_waiting.pop(request.request_id, None)
+        now = time.monotonic()
+        if waiting is not None and now - waiting[1] < L3_POLL_S:
+            self.l3_waiting[request.request_id] = waiting  # asked a moment ago
+            return None
         self._end(request.request_id)  # a lookup again (not scheduled, preempted): start over
         if not _cacheable(request):
             return 0
@@ -73,16 +85,22 @@ class SchedulerSide:
         if limit < bs:
             return 0
         namespace = request_namespace(self.namespace_base, request)
+        prompt = np.asarray(tokens[:limit], np.int64)
         try:
-            match = self.link.call(
-                lambda c: c.match_prefix(np.asarray(tokens[:limit], np.int64), namespace)
-            )
+            match = self.link.call(lambda c: c.match_prefix(prompt, namespace, l3_wait=False))
         except Unavailable:
             self.figures.unavailable += 1
             return 0
         except DaemonError as exc:
             log.warning("hicache lookup refused: %s", exc)
             return 0
+        if match.l3_pending:
+            since = now if waiting is None else waiting[0]
+            if now - since < self.settings.l3_wait_s:
+                self.l3_waiting[request.request_id] = (since, now)
+                self.figures.l3_not_yet += 1
+                self._release_match(match)
+                return None
         hit = match.device_hit_length
         self.tracked[request.request_id] = Tracked(
             request,
@@ -346,6 +364,7 @@ class SchedulerSide:
         self._end(req_id)
 
     def _end(self, req_id: str) -> None:
+        self.l3_waiting.pop(req_id, None)
         t = self.tracked.pop(req_id, None)
         if t is None:
             return
@@ -358,11 +377,14 @@ class SchedulerSide:
 
     def _release(self, t: Tracked) -> None:
         if t.chain is not None and t.generation == self.link.generation:
-            try:
-                self.link.call(lambda c: c.release(t.chain), generation=t.generation)
-            except (Unavailable, DaemonError) as exc:
-                log.debug("hicache: release failed: %s", exc)
+            self._release_match(t.chain, t.generation)
         t.chain = None
+
+    def _release_match(self, match: Any, generation: int | None = None) -> None:
+        try:
+            self.link.call(lambda c: c.release(match), generation=generation)
+        except (Unavailable, DaemonError) as exc:
+            log.debug("hicache: release failed: %s", exc)
 
     def _free(self, slots: torch.Tensor, generation: int) -> None:
         try:

@@ -23,6 +23,7 @@ class ConnectorSettings:
     store_generated: bool = True  # also blocks of generated tokens (the next chat turn's prefix)
     namespace: str = ""  # kept apart from engines with another namespace (tenants)
     layerwise: str = "auto"  # load one layer ahead of the forward pass: auto (CUDA), on, off
+    l3_wait_s: float = 1.0  # a prefix coming from the daemon's third tier: wait this long at most
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -49,6 +50,11 @@ class ConnectorSettings:
         if not 0 <= out.retry_s <= MAX_WAIT_S:
             raise ValueError(
                 f"kv_connector_extra_config: hicache.retry_s={out.retry_s!r} must be in "
+                f"[0, {MAX_WAIT_S:.0f}] seconds"
+            )
+        if not 0 <= out.l3_wait_s <= MAX_WAIT_S:
+            raise ValueError(
+                f"kv_connector_extra_config: hicache.l3_wait_s={out.l3_wait_s!r} must be in "
                 f"[0, {MAX_WAIT_S:.0f}] seconds"
             )
         if out.layerwise not in ("auto", "on", "off"):

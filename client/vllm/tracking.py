@@ -77,5 +77,6 @@ class Figures:
     stored_tokens: int = 0  # published
     failed_stores: int = 0
     unavailable: int = 0  # lookups answered as misses because the daemon was not usable
+    l3_not_yet: int = 0  # lookups answered "ask again": the prefix was coming from the store
     scheduler_s: float = 0.0  # CPU time of the scheduler side's calls, plus daemon waits
     worker_s: float = 0.0  # spent copying in the workers (the slowest rank per step)

@@ -19,17 +19,18 @@ class L3Counters:
     lookup_pages: int = 0  # pages asked about
     hit_pages: int = 0  # pages the store had
     read_pages: int = 0  # pages read and verified
-    adopted_pages: int = 0  # pages that became host nodes
+    adopted_pages: int = 0  # pages that joined the tree (host-only, or leaves of the only pool)
     read_bytes: int = 0
     written_pages: int = 0  # pages put
     present_pages: int = 0  # pages the store had already (not put again)
     written_bytes: int = 0
+    write_back_pages: int = 0  # pages eviction handed to a write (write_back)
     dropped_pages: int = 0  # writes dropped: queue full
     failed_write_pages: int = 0  # writes the store refused or could not take
     corrupt_pages: int = 0  # values that did not verify (never served)
     skipped_cost: int = 0  # fetches skipped: slower than recomputing
     skipped_breaker: int = 0  # fetches not started: the breaker is open
-    skipped_room: int = 0  # fetches dropped: no host pages for them
+    skipped_room: int = 0  # fetches dropped: no free pages for them
     errors: int = 0  # jobs that failed as a whole (store down, breaker open)
     wait_timeouts: int = 0  # matches answered at their bound before the fetch ended
 

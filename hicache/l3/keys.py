@@ -2,7 +2,8 @@
 
 ``key_0 = sha256(seed ‖ namespace)``, ``key_i = sha256(key_{i-1} ‖ tokens of page i)``, where
 the seed hashes everything that makes KV differ for the same tokens: model identity, dtype,
-KV format and shape, page size, the host layout (the value's byte order), the shard (tensor
+KV format and shape, page size, the pool layout (the value's byte order; with engine-owned
+device tiers, the engines' block layout too), the shard (tensor
 parallel rank) and a format version. A key therefore names the page's tokens, every token before
 them, and the exact bytes that hold their KV: nothing else can ever hit it. Tokens are hashed in
 the wire form (int32 little-endian), the same bytes the tree keys on.
@@ -20,10 +21,20 @@ FORMAT = 1  # bump when the value's layout or the key derivation changes
 PREFIX = "hc1:"
 
 
-def identity_of(config: HiCacheConfig, model: str, shard: str) -> dict[str, object]:
-    """What the seed covers, for a daemon-owned cache of ``config`` serving ``model``."""
+def identity_of(
+    config: HiCacheConfig,
+    model: str,
+    shard: str,
+    layout: Mapping[str, object] | None = None,
+    under_host: bool = True,
+) -> dict[str, object]:
+    """What the seed covers, for a cache of ``config`` serving ``model``. ``under_host``:
+    values come from the host pool (else from the cache's one pool, in the device layout).
+    ``layout``: the engines' layout identity when the store sits under their pool
+    (``--device-tier engine``); its own model name is left out (``model`` names the model on
+    every machine, where local paths differ), the rest (heads, block shape, backend) is in."""
     heads, dim = config.head_shape
-    return {
+    out: dict[str, object] = {
         "format": FORMAT,
         "model": model,
         "dtype": config.dtype,
@@ -33,9 +44,12 @@ def identity_of(config: HiCacheConfig, model: str, shard: str) -> dict[str, obje
         "heads": heads,
         "head_dim": dim,
         "page_size": config.page_size,
-        "host_layout": str(config.host_layout),
+        "host_layout": str(config.host_layout) if under_host else "device",
         "shard": shard,
     }
+    if layout is not None:
+        out["engine"] = {k: v for k, v in layout.items() if k != "model"}
+    return out
 
 
 class KeyChain:

@@ -1,18 +1,22 @@
-"""L3Tier: the store under the host pool, as the cache's control thread sees it.
+"""L3Tier: the store under a pool of the cache, as the cache's control thread sees it.
 
 Composed into HiRadixCache (``cache.l3``); every method runs on the cache's one thread. The
-IO thread (``worker.py``) makes the store calls. What it changes in the cache:
+IO thread (``worker.py``) makes the store calls. The tier sits under the host pool, or under
+the cache's one pool when it has no host tier (``sides.py``: engines that own their device
+tier); "the side" below is that pool. What it changes in the cache:
 
 - ``node.l3``: None (not known to be in the store), True (stored, or came from it) or the
-  ``Write`` putting it now. A node whose write runs keeps its host pages readable: if the tree
-  gives them up (host eviction), the write holds them and frees them when it ends.
-- Writes (``offer``): a node and its not-yet-stored host-resident ancestors, in prefix order,
-  after their host copy exists (write_through), once hit often enough (selective) or when the
-  host tier evicts them (write_back). A bounded queue: past ``queue_pages`` a write is dropped.
+  ``Write`` putting it now. A node whose write runs keeps its pages on the side readable: if
+  the tree gives them up (eviction), the write holds them and frees them when it ends.
+- Writes (``offer``): a node and its not-yet-stored ancestors that have pages on the side, in
+  prefix order, once their pages there are complete (write_through: a backup's ack on the host
+  side, an insert on the only pool), once hit often enough (selective) or when the side evicts
+  them (write_back). A bounded queue: past ``queue_pages`` a write is dropped.
 - Fetches (``prefetch``): the part of a prefix beyond what the tree holds; the store's leading
-  run of hits gets host pages (OWNED by the fetch, allocated only once hits are known), is read,
-  verified, and becomes host-only nodes. A value that does not verify ends the run: wrong KV
-  is never inserted. The cost model skips a fetch that would be slower than recomputing.
+  run of hits gets pages on the side (OWNED by the fetch, allocated only once hits are known),
+  is read, verified, and becomes a leaf (host-only, or an ordinary unlocked leaf of the only
+  pool). A value that does not verify ends the run: wrong KV is never inserted. The cost
+  model skips a fetch that would be slower than recomputing.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from hicache.l3.counters import L3Counters, ewma, keys_above, tokens_above
 from hicache.l3.jobs import Fetch, Write
 from hicache.l3.keys import KeyChain, identity_of
 from hicache.l3.pages import PageSegments
+from hicache.l3.sides import side_of
 from hicache.l3.store import L3Store
 from hicache.l3.worker import IOWorker
 
@@ -51,18 +56,20 @@ class L3Tier:
         store: L3Store,
         notify: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        layout: dict[str, Any] | None = None,  # engines' layout identity (device_tier=engine)
     ):
-        if cache.host_pool is None:
-            raise ValueError("l3: needs a host tier (host_tokens > 0)")
+        self.side = side_of(cache)  # the pool the store sits under (ValueError: none fits)
         self.cache, self.config, self.store, self.clock = cache, config, store, clock
         self.page_size = cache.page_size
-        self.pages = PageSegments(cache.host_pool)
+        self.pages = PageSegments(self.side.pool)
         store.attach(self.pages)
-        identity = identity_of(cache.config, config.model, config.shard)
+        under_host = self.side.name == "host"
+        identity = identity_of(cache.config, config.model, config.shard, layout, under_host)
         self.chain = KeyChain(identity, cache.page_size)
         self.breaker = Breaker(config.breaker_failures, config.breaker_cooldown_s)
         self.io = IOWorker(store, self.chain, self.pages, self.breaker, config.batch_pages, notify)
-        self.io.page_sums = cache.engine.sums if cache.engine is not None else None
+        sums = under_host and cache.engine is not None
+        self.io.page_sums = cache.engine.sums if sums else None
         self.writes: set[Write] = set()
         self.fetches: dict[tuple[Any, bytes], Fetch] = {}
         self.misses: dict[tuple[Any, bytes], float] = {}  # prefixes the store lacked, until
@@ -77,7 +84,8 @@ class L3Tier:
 
     # ---- writes -------------------------------------------------------------------------------
     def after_backup(self, nodes: list[TreeNode]) -> None:
-        """Their host copies now exist (a backup's ack)."""
+        """Their pages on the side are now complete (a backup's ack; an insert into the only
+        pool)."""
         if self.through:
             for node in nodes:
                 self.offer(node)
@@ -88,22 +96,25 @@ class L3Tier:
 
     def after_hit(self, path: list[TreeNode]) -> None:
         """write_through_selective: a match went through ``path``."""
+        pages = self.side.pages
         for node in path:
-            if node.l3 is None and node.host_pages is not None:
+            if node.l3 is None and pages(node) is not None:
                 if node.hit_count >= self.config.write_threshold:
                     self.offer(node)
 
     def offer(self, node: TreeNode) -> None:
-        """Write ``node`` and its host-resident ancestors not yet in the store, prefix first."""
-        if node.l3 is not None or node.host_pages is None or node.parent is None:
+        """Write ``node`` and its ancestors with pages on the side not yet in the store,
+        prefix first."""
+        on_side = self.side.pages
+        if node.l3 is not None or on_side(node) is None or node.parent is None:
             return
         run = [node]
         up = node.parent
-        while up.parent is not None and up.l3 is None and up.host_pages is not None:
+        while up.parent is not None and up.l3 is None and on_side(up) is not None:
             run.append(up)
             up = up.parent
         run.reverse()
-        pages = np.concatenate([n.host_pages for n in run])
+        pages = np.concatenate([on_side(n) for n in run])
         if self.queued_pages + len(pages) > self.config.queue_pages:
             self.counters.dropped_pages += len(pages)
             return
@@ -114,22 +125,24 @@ class L3Tier:
             n.l3 = job
         self._submit_write(job)
 
-    def evicting(self, node: TreeNode) -> bool:
-        """The host tier evicts host-only leaf ``node``. True: the tier took its pages (a
-        write-back, or a write still reading them): the caller must not free them."""
+    def evicting(self, node: TreeNode, to_l3: bool = True) -> bool:
+        """The side evicts leaf ``node`` (its last copy there). True: the tier took its pages
+        (a write-back, or a write still reading them): the caller must not free them.
+        ``to_l3=False`` (a flush): no write-back."""
         job = node.l3
+        pages = self.side.pages(node)
         if isinstance(job, Write):
-            job.held.append(node.host_pages)
+            job.held.append(pages)
             return True
-        if not self.write_back or job is True:
+        if not (self.write_back and to_l3) or job is True:
             return False
-        pages = node.host_pages
         if self.queued_pages + len(pages) > self.config.queue_pages:
             self.counters.dropped_pages += len(pages)
             return False
         key = b"".join([*keys_above(node), node.key])
         before = tokens_above(node)
         write = Write(key, node.namespace, before // self.page_size, pages, [], [pages], True)
+        self.counters.write_back_pages += len(pages)
         self._submit_write(write)
         return True
 
@@ -157,7 +170,7 @@ class L3Tier:
             if node.l3 is job:
                 node.l3 = True if ok else None
         for pages in job.held:
-            self.cache.host_alloc.release(pages)
+            self.side.alloc.release(pages)
 
     # ---- fetches --------------------------------------------------------------------------------
     def prefetch(self, key: bytes, namespace: Any, covered: int) -> Fetch | None:
@@ -206,13 +219,16 @@ class L3Tier:
                 c.skipped_cost += 1
                 self._end_fetch(fetch)
             else:
-                pages = self._room(fetch.hits)
+                pages = self.side.room(fetch.hits)
+                if pages is None:  # even eviction made too little room: the leading ones
+                    have = self.side.alloc.free_pages
+                    pages = self.side.alloc.alloc_pages(have, PageState.OWNED) if have else None
                 if pages is None:
                     fetch.skipped = "no_room"
                     c.skipped_room += 1
                     self._end_fetch(fetch)
                     return
-                fetch.hits = len(pages)  # (fewer when the host could not make room for all)
+                fetch.hits = len(pages)  # (fewer when the side could not make room for all)
                 fetch.pages, fetch.stage = pages, "get"
                 self.io.submit(fetch)
             return
@@ -226,20 +242,6 @@ class L3Tier:
         self._adopt(fetch)
         self._end_fetch(fetch)
 
-    def _room(self, want: int) -> np.ndarray | None:
-        """Host pages (OWNED) for up to ``want`` fetched pages: host-only leaves are evicted
-        first, then device copies of nodes the host holds too (they become host-only, and
-        evictable); when even that is short, as many as there are (the leading pages)."""
-        cache = self.cache
-        pages = cache._alloc_host_pages(want, PageState.OWNED)
-        if pages is None:
-            cache.evict(want * self.page_size)  # synced device leaves drop to the host tier
-            pages = cache._alloc_host_pages(want, PageState.OWNED)
-        if pages is None:
-            have = cache.host_alloc.free_pages
-            pages = cache.host_alloc.alloc_pages(have, PageState.OWNED) if have else None
-        return pages
-
     def _too_slow(self, pages: int) -> bool:
         """Whether reading ``pages`` from the store takes longer than recomputing them."""
         rate = self.config.prefill_tokens_per_s
@@ -249,7 +251,7 @@ class L3Tier:
         return load_s > pages * self.page_size / rate
 
     def _adopt(self, fetch: Fetch) -> None:
-        """The verified leading pages become a host-only leaf where the tree ends now (it may
+        """The verified leading pages become a leaf on the side where the tree ends now (it may
         have changed since the fetch began); pages the tree holds by now, or that no longer
         join the tree, are freed."""
         pages = fetch.pages
@@ -265,13 +267,9 @@ class L3Tier:
             have = covered // pb  # pages the tree holds now
             if fetch.first <= have < fetch.first + m:
                 start = have - fetch.first
-                mine = pages[start:m]
-                cache.host_alloc.state[mine] = PageState.TREE
-                if cache.engine.sums is not None:  # verified by the store's own checksum
-                    cache.engine.sums.seal(mine)
-                leaf = tree.add_host_leaf(path[-1] if path else root, fetch.key[covered:end], mine)
+                parent = path[-1] if path else root
+                leaf = self.side.add_leaf(parent, fetch.key[covered:end], pages[start:m])
                 leaf.l3 = True
-                cache._push_host(leaf)
                 keep = start, m
                 fetch.adopted = m - start
                 self.counters.adopted_pages += fetch.adopted
@@ -283,11 +281,11 @@ class L3Tier:
         else:
             rest = pages
         if len(rest):
-            cache.host_alloc.release(rest)
+            self.side.alloc.release(rest)
 
     def _end_fetch(self, fetch: Fetch) -> None:
         if fetch.pages is not None:  # (ended before its pages were used)
-            self.cache.host_alloc.release(fetch.pages)
+            self.side.alloc.release(fetch.pages)
             fetch.pages = None
         fetch.done = True
         fetch.stage = "done"
@@ -333,7 +331,7 @@ class L3Tier:
 
     # ---- checks and figures ---------------------------------------------------------------------
     def held_pages(self) -> list[np.ndarray]:
-        """Host pages in the TREE state that writes hold after the tree gave them up."""
+        """Pages of the side in the TREE state that writes hold after the tree gave them up."""
         return [p for job in self.writes for p in job.held]
 
     def check(self, nodes: list[TreeNode]) -> list[str]:
@@ -345,9 +343,14 @@ class L3Tier:
                 continue
             if not isinstance(job, Write) or job not in self.writes or node not in job.nodes:
                 bad.append(f"{node}: l3={job!r} is not a live write listing it")
-        owned = sum(len(f.pages) for f in self.fetches.values() if f.pages is not None)
-        if self.cache.host_alloc.count(PageState.OWNED) != owned:
-            bad.append(f"host: OWNED pages != the {owned} pages fetches hold")
+        held = [f.pages for f in self.fetches.values() if f.pages is not None]
+        owned = sum(map(len, held))
+        state = self.side.alloc.state
+        if held and (state[np.concatenate(held)] != PageState.OWNED).any():
+            bad.append(f"{self.side.name}: a page a fetch holds is not OWNED")
+        count = self.side.alloc.count(PageState.OWNED)
+        if count != owned and not (self.side.sessions_own_pages and count > owned):
+            bad.append(f"{self.side.name}: {count} OWNED pages, fetches hold {owned}")
         if self.queued_pages != sum(len(j.pages) for j in self.writes):
             bad.append("l3: queued_pages does not match the writes in flight")
         return bad

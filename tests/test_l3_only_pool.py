@@ -1,0 +1,190 @@
+"""The third tier under a cache's one pool (no host tier: a daemon for engines that own their
+device tier, ``--device-tier engine``), on the in-memory store: what one machine inserted is
+written through and served to another from its pool byte for byte, device eviction hands pages
+to a write-back and a write that still reads them, fetches make room by eviction, and the keys
+never match a host-tier cache's or another engine layout's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hicache.allocator import PageState
+from hicache.l3.config import L3Config
+from hicache.l3.keys import KeyChain, identity_of
+from hicache.l3.memory import drop_space, space
+from hicache.l3.store import open_store
+from hicache.l3.tier import L3Tier
+from tests.conftest import make_cache
+from tests.reference import expected_kv, read_kv, write_kv
+
+PS = 4
+LAYOUT = {"num_layers": 2, "backend": "TEST", "block_shape": [2, PS, 4], "model": "local/path"}
+
+
+def machine(name: str, device_tokens: int = 64, **l3: object):
+    """A cache whose one pool (CPU, no host tier) has the memory store ``name`` under it."""
+    cache = make_cache(
+        manual=False, page_size=PS, num_kv_heads=2, head_dim=4, device_tokens=device_tokens,
+        host_tokens=0,
+    )  # fmt: skip
+    config = L3Config(f"memory://{name}", "test-model", **l3)  # type: ignore[arg-type]
+    cache.attach_l3(L3Tier(cache, config, open_store(config.url), layout=LAYOUT))
+    return cache
+
+
+@pytest.fixture
+def space_name():
+    drop_space("only")
+    yield "only"
+    drop_space("only")
+
+
+def tokens_of(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 5000, n).astype(np.int32)
+
+
+def compute(cache, tokens: np.ndarray) -> None:
+    """An engine computes ``tokens`` into pages it owns and inserts them."""
+    slots = cache.alloc(len(tokens))
+    write_kv(cache.device_pool, slots, tokens, 0, tokens)
+    cache.insert(tokens, slots)
+    cache.check_integrity()
+
+
+def fetch(cache, tokens: np.ndarray):
+    m = cache.match_prefix(tokens)
+    f = cache.l3.prefetch(tokens.tobytes(), None, m.device_hit_length)
+    if f is not None:
+        assert cache.l3.wait(f, timeout=10)
+    cache.check_integrity()
+    return f
+
+
+def served(cache, tokens: np.ndarray) -> int:
+    """Tokens of ``tokens`` the pool serves now, checked against the KV computed for them."""
+    m = cache.match_prefix(tokens)
+    assert m.host_hit_length == 0
+    n = m.device_hit_length
+    kv = read_kv(cache.device_pool, m.device_indices)
+    assert kv.shape[-1] == n and bool((kv == expected_kv(tokens[:n], 2, 2)).all())
+    return n
+
+
+def close(*caches) -> None:
+    for c in caches:
+        c.l3.drain()
+        c.check_integrity()
+        c.close()
+
+
+def test_an_insert_is_written_through_and_another_machine_serves_it_from_its_pool(space_name):
+    a, b = machine(space_name), machine(space_name)
+    try:
+        tokens = tokens_of(40, 1)
+        compute(a, tokens)
+        a.l3.drain()
+        assert a.l3.counters.written_pages == 10
+        assert served(b, tokens) == 0
+        f = fetch(b, tokens)
+        assert (f.hits, f.arrived, f.adopted) == (10, 10, 10)
+        assert served(b, tokens) == 40
+        # the fetched pages are an ordinary unlocked leaf: evictable like any insert
+        assert b.tree.evictable_tokens == 40 and b.device_alloc.count(PageState.OWNED) == 0
+        assert b.evict(40).freed == 40
+        assert served(b, tokens) == 0
+    finally:
+        close(a, b)
+
+
+def test_write_back_takes_what_eviction_gives_up_and_frees_it_after_the_write(space_name):
+    a, b = machine(space_name, write_policy="write_back"), machine(space_name)
+    space(space_name).faults.latency_s = 0.2  # the write still runs while we look
+    try:
+        tokens = tokens_of(20, 2)
+        compute(a, tokens)
+        a.l3.drain()
+        assert a.l3.counters.written_pages == 0  # nothing until eviction
+        free = a.device_alloc.free_pages
+        assert a.evict(20).freed == 20
+        assert a.l3.writes and a.device_alloc.free_pages == free  # the write holds the pages
+        a.check_integrity()
+        assert a.alloc(a.device_alloc.free_pages * PS) is not None  # the rest is usable ...
+        assert a.alloc(PS) is None  # ... and the held pages are not handed out
+        a.l3.drain()
+        assert a.l3.counters.written_pages == 5 and a.l3.counters.write_back_pages == 5
+        assert a.device_alloc.count(PageState.TREE) == 0
+        a.check_integrity()
+        space(space_name).faults.latency_s = 0.0
+        fetch(b, tokens)
+        assert served(b, tokens) == 20
+    finally:
+        close(a, b)
+
+
+def test_a_leaf_evicted_while_its_write_runs_keeps_its_pages_until_the_write_ends(space_name):
+    a = machine(space_name)
+    space(space_name).faults.latency_s = 0.2
+    try:
+        tokens = tokens_of(16, 3)
+        compute(a, tokens)
+        assert a.l3.writes  # written through at the insert; sleeping in the store
+        free = a.device_alloc.free_pages
+        assert a.evict(16).freed == 16
+        assert a.device_alloc.free_pages == free
+        a.check_integrity()
+        a.l3.drain()
+        assert a.device_alloc.free_pages == free + 4
+        assert a.l3.counters.written_pages == 4
+    finally:
+        close(a)
+
+
+def test_a_flush_writes_nothing_back(space_name):
+    a = machine(space_name, write_policy="write_back")
+    try:
+        compute(a, tokens_of(16, 4))
+        assert a.evict(16, to_l3=False).freed == 16
+        a.l3.drain()
+        assert a.l3.counters.written_pages == 0 and not space(space_name).values
+    finally:
+        close(a)
+
+
+def test_a_fetch_into_a_full_pool_evicts_unlocked_leaves_and_never_locked_ones(space_name):
+    a = machine(space_name)
+    b = machine(space_name, device_tokens=32)  # 8 pages
+    try:
+        wanted = tokens_of(24, 5)
+        compute(a, wanted)
+        a.l3.drain()
+        locked = tokens_of(12, 6)
+        compute(b, locked)
+        held = b.match_prefix(locked).last_device_node
+        b.inc_lock_ref(held)
+        compute(b, tokens_of(8, 7))  # unlocked: may go
+        b.l3.drain()  # (a leaf whose write still runs keeps its pages until the write ends)
+        assert b.device_alloc.free_pages == 8 - 5
+        f = fetch(b, wanted)
+        assert f.arrived == 5 and f.adopted == 5  # room for 5 of 6 pages: the leading ones
+        assert served(b, wanted) == 20 and served(b, locked) == 12
+        b.dec_lock_ref(held)
+    finally:
+        close(a, b)
+
+
+def test_keys_differ_from_a_host_tier_cache_and_from_another_engine_layout():
+    host = make_cache(manual=False, page_size=PS, num_kv_heads=2, head_dim=4)
+    try:
+        cfg = host.config
+        chains = [
+            KeyChain(identity_of(cfg, "m", "0"), PS),  # a host tier: values in its layout
+            KeyChain(identity_of(cfg, "m", "0", LAYOUT, under_host=False), PS),
+            KeyChain(identity_of(cfg, "m", "0", {**LAYOUT, "backend": "OTHER"}, False), PS),
+        ]
+        assert len({c.seed for c in chains}) == 3
+        # the engines' own model name (a local path) is not part of it: --l3-model is
+        elsewhere = KeyChain(identity_of(cfg, "m", "0", {**LAYOUT, "model": "/x"}, False), PS)
+        assert elsewhere.seed == chains[1].seed
+    finally:
+        host.close()
