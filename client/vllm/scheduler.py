@@ -39,7 +39,7 @@ from hicache.client.vllm.settings import ConnectorSettings, request_namespace
 from hicache.client.vllm.tracking import Figures, Store, Tracked, timed
 
 log = logging.getLogger("hicache.vllm")
-L3_POLL_S = 0.005  # a request waiting for the third tier is looked up at most this often
+L3_POLL_S = 0.002  # a request waiting for the third tier is looked up at most this often
 
 
 class SchedulerSide:
