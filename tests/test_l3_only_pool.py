@@ -97,6 +97,22 @@ def test_an_insert_is_written_through_and_another_machine_serves_it_from_its_poo
         close(a, b)
 
 
+def test_a_value_that_does_not_verify_ends_the_run_and_the_rest_is_freed(space_name):
+    a, b = machine(space_name), machine(space_name)
+    try:
+        tokens = tokens_of(24, 8)
+        compute(a, tokens)
+        a.l3.drain()
+        space(space_name).faults.corrupt.add(list(space(space_name).values)[3])
+        free = b.device_alloc.free_pages
+        f = fetch(b, tokens)
+        assert (f.hits, f.arrived, f.corrupt, f.adopted) == (6, 3, 1, 3)
+        assert served(b, tokens) == 12  # the good pages before it, and nothing after
+        assert b.device_alloc.free_pages == free - 3  # the other pages went back
+    finally:
+        close(a, b)
+
+
 def test_write_back_takes_what_eviction_gives_up_and_frees_it_after_the_write(space_name):
     a, b = machine(space_name, write_policy="write_back"), machine(space_name)
     space(space_name).faults.latency_s = 0.2  # the write still runs while we look

@@ -40,6 +40,7 @@ from hicache.client.vllm.tracking import Figures, Store, Tracked, timed
 
 log = logging.getLogger("hicache.vllm")
 L3_POLL_S = 0.002  # a request waiting for the third tier is looked up at most this often
+MAX_L3_WAITING = 4096  # waiting requests tracked before stale ones are looked for
 
 
 class SchedulerSide:
@@ -97,6 +98,8 @@ class SchedulerSide:
         if match.l3_pending:
             since = now if waiting is None else waiting[0]
             if now - since < self.settings.l3_wait_s:
+                if len(self.l3_waiting) >= MAX_L3_WAITING:  # requests vLLM dropped unsaid
+                    self._forget_l3_waits(now)
                 self.l3_waiting[request.request_id] = (since, now)
                 self.figures.l3_not_yet += 1
                 self._release_match(match)
@@ -116,6 +119,11 @@ class SchedulerSide:
         external = max(0, hit - num_computed)
         self.figures.hit_tokens += external
         return external
+
+    def _forget_l3_waits(self, now: float) -> None:
+        """Drop the waits of requests not asked about for far longer than they may wait."""
+        stale = now - self.settings.l3_wait_s - 60.0
+        self.l3_waiting = {r: w for r, w in self.l3_waiting.items() if w[1] > stale}
 
     @timed
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
