@@ -115,9 +115,10 @@ class CacheOpsMixin:
         lock = self._bool(fields, "lock", True)
         if lock:
             self.limits.check_locks(session, len(batch))
+        l3_wait = self._bool(fields, "l3_wait", True)
         fetches = None
         if self.cache.l3 is not None:
-            fetches = self._prefetch(batch, spaces, self._bool(fields, "l3_wait", True))
+            fetches = self._prefetch(batch, spaces, l3_wait)
         match_key, feed = self.cache.match_key, self.capacity
         results, state = [], ([], {})
         try:

@@ -82,5 +82,16 @@ def out_of_memory(cache: HiRadixCache, holders: Iterable[Session], pages: int) -
         f"the device pool cannot give {pages * ps} tokens: {stats.device_free_tokens} free, "
         f"{stats.device_owned_tokens} owned by sessions ({top or 'none'}), "
         f"{stats.device_protected_tokens} locked in the tree, "
-        f"{stats.device_evictable_tokens} evictable, {stats.inflight_transfers} copies in flight",
+        f"{stats.device_evictable_tokens} evictable, {stats.inflight_transfers} copies in flight"
+        + _held_by_writes(cache),
     )
+
+
+def _held_by_writes(cache: HiRadixCache) -> str:
+    """What pages of the device pool writes to a third tier under it hold (freed as each
+    write ends)."""
+    l3 = cache.l3
+    if l3 is None or cache.host_alloc is not None:
+        return ""
+    held = sum(map(len, l3.held_pages())) * cache.page_size
+    return f", {held} held by writes to the third tier (free when they end)" if held else ""

@@ -23,7 +23,7 @@ from hicache.copiers import resolve_backend
 from hicache.curve import is_loopback, load_secret
 from hicache.daemon.l3_settings import L3_FIELDS, l3_config
 from hicache.endpoints import env_endpoint
-from hicache.l3.config import L3Config
+from hicache.l3.config import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy
 from hicache.protocol import DEFAULT_LEASE_S
 
 # A small model that serves on any machine: 4 layers, 4 KV heads of 64, fp32, page 16.
@@ -425,6 +425,9 @@ def _checked(merged: dict[str, Any]) -> DaemonSettings:
     l3 = l3_config(l3_settings, parse_bytes)
     if l3 is not None and daemon["device_tier"] != "engine" and merged.get("host_tokens") == 0:
         raise ValueError("l3: a third tier needs a host tier (host_tokens > 0)")
+    if l3 is not None and daemon["device_tier"] == "engine":
+        if l3.write_policy is L3WritePolicy.WRITE_BACK:
+            raise ValueError(WRITE_BACK_NEEDS_HOST)
     engine_tokens = None
     if daemon["device_tier"] == "engine":  # the pool's shape comes from the engines' layout
         engine_tokens = merged.pop("host_tokens", None)

@@ -78,13 +78,16 @@ class TieringMixin:
             ):
                 backups[node] = None
                 pending += node.num_tokens
-            else:
-                freed += self._delete_device_leaf(node, to_l3)
+            elif self._delete_device_leaf(node, to_l3):
+                freed += node.num_tokens
+            else:  # a write to the third tier still reads its pages: freed when it ends
+                pending += node.num_tokens
         if backups and not self._backup(list(backups), evict_on_ack=True):
+            pending = 0
             for node in backups:  # the host is full: fall back to dropping them
                 self._drop_host_subtrees(node)
-                freed += self._delete_device_leaf(node, to_l3)
-            pending = 0
+                self._delete_device_leaf(node, to_l3)  # (free now: there is a host tier)
+                freed += node.num_tokens
         self.counters.evicted_device_tokens += freed
         return EvictResult(freed, pending)
 
@@ -96,19 +99,20 @@ class TieringMixin:
         self._push_device(node.parent)
         return node.num_tokens
 
-    def _delete_device_leaf(self, node: TreeNode, to_l3: bool = True) -> int:
-        """Free a device-only childless node and remove it from the tree. Without a host tier,
-        a third tier under the device pool may take its pages (a write-back, or a write still
-        reading them): it frees them when that write ends."""
+    def _delete_device_leaf(self, node: TreeNode, to_l3: bool = True) -> bool:
+        """Remove a device-only childless node from the tree; returns whether its pages are
+        free now. Without a host tier, a write to a third tier under the device pool that
+        still reads them takes them instead, and frees them when it ends (False)."""
         parent = node.parent
         l3 = self.l3
-        if l3 is None or self.host_alloc is not None or not l3.evicting(node, to_l3):
+        free = l3 is None or self.host_alloc is not None or not l3.evicting(node, to_l3)
+        if free:
             self.device_alloc.release(node.device_page_ids())
         self.tree.set_device(node, None)
         self.tree.remove_leaf(node)
         self._push_device(parent)
         self._push_host(parent)
-        return node.num_tokens
+        return free
 
     def _drop_host_subtrees(self, node: TreeNode) -> None:
         """Remove every (host-only) descendant of ``node``, freeing their host pages."""
@@ -145,6 +149,8 @@ class TieringMixin:
             if self.records:  # acks free write-back pages and release backup locks
                 self.engine.wait(list(self.records))
                 self.poll()
+            elif self.l3 is not None and self.l3.collect_writes():  # (never waits for one)
+                continue
             elif result.freed == 0:
                 return
 

@@ -382,6 +382,10 @@ def test_error_texts_point_at_the_mistake(daemon):
     with pytest.raises(DaemonError) as err:
         hc.match_prefix(list(range(8)), namespace="x" * 5000)
     assert err.value.code is ErrorCode.BAD_FIELD and "namespace" in err.value.message
+    fields = {"lengths": [8], "lock": False, "namespaces": [None], "l3_wait": "yes"}
+    with pytest.raises(DaemonError) as err:  # checked with or without a third tier
+        hc._matches(fields, [np.arange(8, dtype=np.int32)])
+    assert err.value.code is ErrorCode.BAD_FIELD and "l3_wait" in err.value.message
     hc.close()
     hc.close()  # twice is fine
     from hicache.client import ClientClosed

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hicache.allocator import PageState
+from hicache.daemon.settings import build_parser, resolve
 from hicache.l3.config import L3Config
 from hicache.l3.keys import KeyChain, identity_of
 from hicache.l3.memory import drop_space, space
@@ -113,29 +114,17 @@ def test_a_value_that_does_not_verify_ends_the_run_and_the_rest_is_freed(space_n
         close(a, b)
 
 
-def test_write_back_takes_what_eviction_gives_up_and_frees_it_after_the_write(space_name):
-    a, b = machine(space_name, write_policy="write_back"), machine(space_name)
-    space(space_name).faults.latency_s = 0.2  # the write still runs while we look
+def test_write_back_is_refused_under_the_only_pool(space_name):
+    cache = make_cache(manual=False, page_size=PS, device_tokens=64, host_tokens=0)
+    config = L3Config(f"memory://{space_name}", "m", write_policy="write_back")
     try:
-        tokens = tokens_of(20, 2)
-        compute(a, tokens)
-        a.l3.drain()
-        assert a.l3.counters.written_pages == 0  # nothing until eviction
-        free = a.device_alloc.free_pages
-        assert a.evict(20).freed == 20
-        assert a.l3.writes and a.device_alloc.free_pages == free  # the write holds the pages
-        a.check_integrity()
-        assert a.alloc(a.device_alloc.free_pages * PS) is not None  # the rest is usable ...
-        assert a.alloc(PS) is None  # ... and the held pages are not handed out
-        a.l3.drain()
-        assert a.l3.counters.written_pages == 5 and a.l3.counters.write_back_pages == 5
-        assert a.device_alloc.count(PageState.TREE) == 0
-        a.check_integrity()
-        space(space_name).faults.latency_s = 0.0
-        fetch(b, tokens)
-        assert served(b, tokens) == 20
+        with pytest.raises(ValueError, match="write_back needs a host tier"):
+            L3Tier(cache, config, open_store(config.url))
     finally:
-        close(a, b)
+        cache.close()
+    with pytest.raises(ValueError, match="write_back needs a host tier"):
+        argv = ["--device-tier", "engine", "--l3", "memory://x", "--l3-model", "m"]
+        resolve(build_parser().parse_args([*argv, "--l3-write-policy", "write_back"]), {})
 
 
 def test_a_leaf_evicted_while_its_write_runs_keeps_its_pages_until_the_write_ends(space_name):
@@ -146,7 +135,7 @@ def test_a_leaf_evicted_while_its_write_runs_keeps_its_pages_until_the_write_end
         compute(a, tokens)
         assert a.l3.writes  # written through at the insert; sleeping in the store
         free = a.device_alloc.free_pages
-        assert a.evict(16).freed == 16
+        assert a.evict(16) == (0, 16)  # pending: freed when the write ends
         assert a.device_alloc.free_pages == free
         a.check_integrity()
         a.l3.drain()
@@ -156,13 +145,19 @@ def test_a_leaf_evicted_while_its_write_runs_keeps_its_pages_until_the_write_end
         close(a)
 
 
-def test_a_flush_writes_nothing_back(space_name):
-    a = machine(space_name, write_policy="write_back")
+def test_an_allocation_evicts_no_more_than_it_needs_while_writes_hold_pages(space_name):
+    a = machine(space_name, device_tokens=32)  # 8 pages
+    space(space_name).faults.latency_s = 0.3  # every write still runs when we allocate
     try:
-        compute(a, tokens_of(16, 4))
-        assert a.evict(16, to_l3=False).freed == 16
-        a.l3.drain()
-        assert a.l3.counters.written_pages == 0 and not space(space_name).values
+        for seed in (4, 5, 6):
+            compute(a, tokens_of(8, seed))  # 3 leaves of 2 pages, each written through
+        free = a.device_alloc.free_pages
+        assert a.alloc((free + 1) * PS) is None  # the leaf it evicted is held by its write ...
+        assert a.tree.evictable_tokens == 16  # ... and the other two stay cached
+        a.check_integrity()
+        a.l3.drain()  # the writes end: the held pages are free
+        assert a.alloc((free + 1) * PS) is not None
+        a.check_integrity()
     finally:
         close(a)
 
@@ -204,3 +199,22 @@ def test_keys_differ_from_a_host_tier_cache_and_from_another_engine_layout():
         assert elsewhere.seed == chains[1].seed
     finally:
         host.close()
+
+
+def test_a_fetch_that_found_no_room_is_not_started_again_at_once(space_name):
+    a = machine(space_name)
+    b = machine(space_name, device_tokens=16)  # 4 pages
+    try:
+        wanted = tokens_of(16, 9)
+        compute(a, wanted)
+        a.l3.drain()
+        mine = tokens_of(16, 10)
+        compute(b, mine)
+        b.inc_lock_ref(b.match_prefix(mine).last_device_node)  # the pool is all locked
+        f = fetch(b, wanted)
+        assert f.skipped == "no_room" and b.l3.counters.skipped_room == 1
+        # asked again at once (an engine polling while it waits): nothing starts, no wait
+        assert b.l3.prefetch(wanted.tobytes(), None, 0) is None
+        assert b.l3.counters.lookups == 1
+    finally:
+        close(a, b)

@@ -25,6 +25,13 @@ class PrefetchPolicy(StrEnum):
     TIMEOUT = "timeout"  # up to timeout_s + timeout_per_ki_s per 1024 tokens, at most max
 
 
+WRITE_BACK_NEEDS_HOST = (
+    "l3_write_policy: write_back needs a host tier; under the engines' pool "
+    "(device_tier=engine) an evicted page is needed at once and cannot wait for its write: "
+    "use write_through or write_through_selective"
+)
+
+
 @dataclass(frozen=True)
 class L3Config:
     url: str  # memory://NAME, redis://HOST:PORT[,...], mooncake://HOST:PORT

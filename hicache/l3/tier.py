@@ -31,7 +31,7 @@ import numpy as np
 
 from hicache.allocator import PageState
 from hicache.l3.breaker import Breaker
-from hicache.l3.config import L3Config, L3WritePolicy
+from hicache.l3.config import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy
 from hicache.l3.counters import L3Counters, ewma, keys_above, tokens_above
 from hicache.l3.jobs import Fetch, Write
 from hicache.l3.keys import KeyChain, identity_of
@@ -59,6 +59,8 @@ class L3Tier:
         layout: dict[str, Any] | None = None,  # engines' layout identity (device_tier=engine)
     ):
         self.side = side_of(cache)  # the pool the store sits under (ValueError: none fits)
+        if self.side.name == "only" and config.write_policy is L3WritePolicy.WRITE_BACK:
+            raise ValueError(WRITE_BACK_NEEDS_HOST)
         self.cache, self.config, self.store, self.clock = cache, config, store, clock
         self.page_size = cache.page_size
         self.pages = PageSegments(self.side.pool)
@@ -287,6 +289,8 @@ class L3Tier:
         if fetch.pages is not None:  # (ended before its pages were used)
             self.side.alloc.release(fetch.pages)
             fetch.pages = None
+        if fetch.skipped or fetch.error:  # not asked for again at once: it would end the same
+            self.misses[(fetch.namespace, fetch.key)] = self.clock() + MISS_TTL_S
         fetch.done = True
         fetch.stage = "done"
         self.fetches.pop((fetch.namespace, fetch.key), None)
@@ -310,6 +314,18 @@ class L3Tier:
             now = self.clock()
             self.misses = {k: t for k, t in self.misses.items() if t > now}
         return ended
+
+    def collect_writes(self) -> bool:
+        """Apply the writes the IO thread finished (never waits; fetches stay queued): safe
+        inside a cache operation, it only frees pages writes held. Returns whether any were."""
+        done = self.io.done
+        ended = [job for job in list(done) if isinstance(job, Write)]
+        freed = False
+        for job in ended:
+            done.remove(job)
+            freed |= bool(job.held)
+            self._write_done(job)
+        return freed
 
     def wait(self, fetch: Fetch, timeout: float | None = None) -> bool:
         """Block until ``fetch`` ended (tests and single-threaded users; the daemon defers
@@ -363,6 +379,7 @@ class L3Tier:
             "breaker": self.breaker.state,
             "breaker_opened": self.breaker.opened,
             "queued_pages": self.queued_pages,
+            "held_pages": sum(map(len, self.held_pages())),  # evicted, freed when written
             "fetches_in_flight": len(self.fetches),
             "read_bytes_per_s": round(self.read_bps),
             "write_bytes_per_s": round(self.write_bps),
