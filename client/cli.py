@@ -68,6 +68,15 @@ _EMPTY = dict.fromkeys(
 )
 
 
+def _l3_section(stats: dict) -> dict:
+    if stats.get("l3"):
+        return {"enabled": 1, **stats["l3"]}
+    url = stats.get("config", {}).get("l3")
+    if url:  # a daemon for engines: the tier starts with the pool, at the first layout
+        return {"enabled": 1, "url": url, "waiting_for": "the first engine's KV layout"}
+    return {"enabled": 0}
+
+
 def sections(stats: dict) -> dict[str, dict]:
     """Group the daemon's stats into INFO sections (shared by `info` and tests)."""
     stats = {**_EMPTY, **stats}  # (a daemon for engine-owned tiers before any layout: zeros)
@@ -113,8 +122,8 @@ def sections(stats: dict) -> dict[str, dict]:
             "backup_failed_tokens",
             "transfer_errors",
         ),
-        # the third tier: the store under the host pool (off unless --l3)
-        "l3": {"enabled": 1, **stats["l3"]} if stats.get("l3") else {"enabled": 0},
+        # the third tier: the store under the daemon's pool (off unless --l3)
+        "l3": _l3_section(stats),
         "sessions": _pick(
             stats, "sessions", "sessions_quarantined", "quarantined_tokens", "replies_dropped"
         )

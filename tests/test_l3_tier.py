@@ -114,7 +114,7 @@ def test_a_value_that_does_not_verify_ends_the_run_and_is_never_inserted(pair):
     assert served(b, tokens) == 12  # the three good pages, and nothing after the bad one
 
 
-def test_a_store_that_is_down_is_a_miss_and_the_breaker_stops_asking(pair):
+def test_a_store_that_is_down_is_a_miss_and_the_breaker_stops_asking(pair, caplog):
     a, b = pair
     tokens = tokens_of(16, 4)
     store(a, tokens)
@@ -124,6 +124,8 @@ def test_a_store_that_is_down_is_a_miss_and_the_breaker_stops_asking(pair):
         f = fetch(b, np.concatenate([tokens, tokens_of(4, 100 + i)]))
         assert f is not None and f.error and f.arrived == 0
     assert b.l3.breaker.state == "open"
+    opened = [r.getMessage() for r in caplog.records if "failing" in r.getMessage()]
+    assert len(opened) == 1 and "memory://t" in opened[0]  # said once, naming the store
     assert fetch(b, tokens) is None and b.l3.counters.skipped_breaker == 1
     assert served(b, tokens) == 0  # the engine recomputes
     # writes meanwhile fail and are counted, nothing is held
@@ -133,6 +135,7 @@ def test_a_store_that_is_down_is_a_miss_and_the_breaker_stops_asking(pair):
     b.l3.breaker.open_until = time.monotonic()  # (the cooldown passed)
     f = fetch(b, tokens)
     assert f.arrived == 4 and b.l3.breaker.state == "closed"
+    assert any("answers again" in r.getMessage() for r in caplog.records)
     assert served(b, tokens) == 16
 
 

@@ -106,10 +106,10 @@ class IOWorker:
                 else:
                     self._get(job)
             except StoreDown as exc:
-                self.breaker.failure()
+                self._failed(exc)
                 job.error = f"store down: {exc}"
             except Exception as exc:  # a store client's bug: the job fails, the thread lives
-                self.breaker.failure()
+                self._failed(exc)
                 job.error = f"{type(exc).__name__}: {exc}"
                 log.exception("L3 job failed")
             job.io_s += time.perf_counter() - started
@@ -122,6 +122,19 @@ class IOWorker:
                 except Exception:  # noqa: BLE001  (waking the loop is best effort)
                     log.debug("notify failed", exc_info=True)
 
+    def _failed(self, exc: BaseException) -> None:
+        """A job failed as a whole: the breaker counts it; its opening is logged."""
+        opened = self.breaker.opened
+        self.breaker.failure()
+        if self.breaker.opened > opened:
+            log.warning(
+                "third tier %s failing (%s): not asked for %.0f s, then probed (lookups and "
+                "writes are misses meanwhile)",
+                self.store.url,
+                exc,
+                self.breaker.cooldown,
+            )
+
     def _call(self, fn: Callable, *args: object) -> list:
         self.calls += 1
         try:
@@ -129,6 +142,8 @@ class IOWorker:
         except StoreDown:
             self.call_errors += 1
             raise
+        if self.breaker.open_until:
+            log.warning("third tier %s answers again", self.store.url)
         self.breaker.success()
         return out
 
