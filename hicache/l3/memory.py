@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from hicache.l3.store import L3Store, StoreDown
+from hicache.l3.store import Check, Got, L3Store, StoreDown
 
 
 @dataclass
@@ -108,7 +108,8 @@ class MemoryStore(L3Store):
                 stored.popitem(last=False)
         return [True] * len(keys)
 
-    def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
+    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+        """(Trailers only: ``check`` is not used.)"""
         faults = self._enter()
         out: list[bytes | None] = []
         for key, page in zip(keys, pages, strict=True):

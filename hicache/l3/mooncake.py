@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hicache.l3.pages import TRAILER_BYTES, PageSegments
-from hicache.l3.store import L3Store, StoreDown
+from hicache.l3.store import Check, Got, L3Store, StoreDown
 
 DOWN_CODES = (-800, -900)
 MAX_BATCH = 512  # pages per call (the trailer arrays are sized for it)
@@ -142,7 +142,8 @@ class MooncakeStore(L3Store):
 
         return self._split(keys, "put", call, lambda i, c: c == 0, False)
 
-    def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
+    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+        """(Trailers only: the values land in the pool, zero-copy; ``check`` is not used.)"""
         want = self.pages.page_bytes + TRAILER_BYTES
 
         def call(part: slice) -> list[int]:

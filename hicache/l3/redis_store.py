@@ -15,7 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 from hicache.l3.pages import TRAILER_BYTES
-from hicache.l3.store import L3Store, StoreDown
+from hicache.l3.store import Check, Got, L3Store, StoreDown
+
+KEY_PIPELINE = 256  # commands per pipeline that carry only a key (exists, delete): small replies
 
 
 class RedisStore(L3Store):
@@ -78,17 +80,24 @@ class RedisStore(L3Store):
         return groups
 
     def _run(
-        self, keys: list[str], add: Callable[[Any, int], None], fill: list[Any], take: Callable
+        self,
+        keys: list[str],
+        add: Callable[[Any, int], None],
+        fill: list[Any],
+        take: Callable,
+        per_pipe: int = 0,
     ) -> None:
-        """Per node, pipelines of ``batch_pages`` commands built by ``add(pipe, i)``; each
-        reply goes through ``take(i, reply)`` into ``fill[i]``. A node that fails leaves its
-        entries as they are (misses); every node failing raises StoreDown."""
+        """Per node, pipelines of ``per_pipe`` commands (default ``batch_pages``: commands that
+        carry pages) built by ``add(pipe, i)``; each reply goes through ``take(i, reply)`` into
+        ``fill[i]``. A node that fails leaves its entries as they are (misses); every node
+        failing raises StoreDown."""
         groups = self._by_node(keys)
         failed, last = 0, None
+        per_pipe = per_pipe or self.batch_pages
         for client, idx in groups.items():
             try:
-                for at in range(0, len(idx), self.batch_pages):
-                    part = idx[at : at + self.batch_pages]
+                for at in range(0, len(idx), per_pipe):
+                    part = idx[at : at + per_pipe]
                     pipe = client.pipeline(transaction=False)
                     for i in part:
                         add(pipe, i)
@@ -104,7 +113,8 @@ class RedisStore(L3Store):
     # ---- the interface ----------------------------------------------------------------------
     def exists(self, keys: list[str]) -> list[bool]:
         out = [False] * len(keys)
-        self._run(keys, lambda pipe, i: pipe.exists(keys[i]), out, lambda i, r: bool(r))
+        exists = lambda pipe, i: pipe.exists(keys[i])  # noqa: E731
+        self._run(keys, exists, out, lambda i, r: bool(r), KEY_PIPELINE)
         return out
 
     def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
@@ -116,22 +126,25 @@ class RedisStore(L3Store):
         self._run(keys, add, out, lambda i, r: bool(r))
         return out
 
-    def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
+    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+        out: list[Got] = [None] * len(keys)
         size = self.pages.page_bytes
 
-        def take(i: int, value: bytes | None) -> bytes | None:
+        def take(i: int, value: bytes | None) -> Got:
             if value is None or len(value) != size + TRAILER_BYTES:
                 return None  # missing, evicted, or not one of our values
-            self.pages.write(pages[i], memoryview(value)[:size])
-            return value[size:]
+            data, tail = memoryview(value)[:size], value[size:]
+            if check is not None and not check(i, data, tail):  # (one hot pass, no thread)
+                return False
+            self.pages.write(pages[i], data)
+            return True if check is not None else tail
 
         self._run(keys, lambda pipe, i: pipe.get(keys[i]), out, take)
         return out
 
     def remove(self, keys: list[str]) -> None:
         done = [None] * len(keys)
-        self._run(keys, lambda pipe, i: pipe.delete(keys[i]), done, lambda i, r: r)
+        self._run(keys, lambda pipe, i: pipe.delete(keys[i]), done, lambda i, r: r, KEY_PIPELINE)
 
     def describe(self) -> dict[str, object]:
         return {"nodes": self.nodes, "node_errors": self.node_errors}

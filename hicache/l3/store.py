@@ -13,6 +13,7 @@ node asked, is unreachable). A store never raises anything else for a store-side
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from hicache.l3.pages import PageSegments
@@ -20,6 +21,10 @@ from hicache.l3.pages import PageSegments
 
 class StoreDown(Exception):
     """The store cannot be reached: every key of the call is a miss."""
+
+
+Check = Callable[[int, memoryview, bytes], bool]  # (index, a value's page bytes, its trailer)
+Got = bytes | bool | None  # a trailer to verify, a verdict of ``check``, or a miss
 
 
 class L3Store(ABC):
@@ -42,9 +47,12 @@ class L3Store(ABC):
         that is already stored counts as stored (values under one key are the same bytes)."""
 
     @abstractmethod
-    def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
-        """Read each key's page bytes into host page ``pages[i]``; its trailer, or None for a
-        miss (then the page's bytes are undefined). The caller verifies the trailer."""
+    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+        """Read each key's page bytes into page ``pages[i]``; its trailer, or None for a miss
+        (then the page's bytes are undefined). The caller verifies the trailers. A store that
+        holds a value's bytes in one buffer before copying them (Redis) may instead call
+        ``check(i, page_bytes, trailer)`` there, while they are hot in the cache, and return
+        its verdict (True, or False: then the page is not written)."""
 
     def remove(self, keys: list[str]) -> None:
         """Drop values that failed to verify, so the next write of those pages puts them again
@@ -110,8 +118,8 @@ class LazyStore(L3Store):
     def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
         return self._store().put(keys, pages, trailers)
 
-    def get(self, keys: list[str], pages: list[int]) -> list[bytes | None]:
-        return self._store().get(keys, pages)
+    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+        return self._store().get(keys, pages, check)
 
     def remove(self, keys: list[str]) -> None:
         self._store().remove(keys)
