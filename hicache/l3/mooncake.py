@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hicache.l3.pages import TRAILER_BYTES, PageSegments
-from hicache.l3.store import Check, Got, L3Store, StoreDown
+from hicache.l3.store import ZERO_COPY_READ_BYTES, Check, Got, L3Store, StoreDown
 
 DOWN_CODES = (-800, -900)
 MAX_BATCH = 512  # pages per call (the trailer arrays are sized for it)
@@ -47,6 +47,8 @@ TCP_QUEUE_MAX = 65535  # the largest value the engine takes (a larger one means 
 
 
 class MooncakeStore(L3Store):
+    read_chunk_bytes = ZERO_COPY_READ_BYTES  # (values land zero-copy: the worker checks them)
+
     def __init__(
         self,
         master: tuple[str, int],

@@ -31,6 +31,7 @@ class L3Store(ABC):
     """A batch key-value store for whole pages. One thread calls it at a time."""
 
     url: str = ""  # where it is, for messages and stats (no credentials)
+    read_chunk_bytes: int = 0  # pages per get, in bytes, when the caller checks them (0: its own)
 
     def attach(self, pages: PageSegments) -> None:
         """The host pool whose pages ``put`` reads and ``get`` writes (called once, before any
@@ -86,6 +87,11 @@ def check_url(url: str) -> str:
     return url
 
 
+# bytes per get of a store whose values land in the pool zero-copy (Mooncake): their checks run
+# on a second thread while the next get reads, so only the last chunk's checks wait
+ZERO_COPY_READ_BYTES = 16 << 20
+
+
 class LazyStore(L3Store):
     """A store opened on first use, on the thread that uses it, and opened again after it
     failed to open: a daemon starts, and keeps serving, while its store is down (every call
@@ -93,6 +99,7 @@ class LazyStore(L3Store):
 
     def __init__(self, url: str, **options: Any):
         self.url = check_url(url)
+        self.read_chunk_bytes = ZERO_COPY_READ_BYTES if url.startswith("mooncake://") else 0
         self.options = options
         self.inner: L3Store | None = None
 

@@ -289,7 +289,8 @@ class L3Tier:
         if fetch.pages is not None:  # (ended before its pages were used)
             self.side.alloc.release(fetch.pages)
             fetch.pages = None
-        if fetch.skipped or fetch.error:  # not asked for again at once: it would end the same
+        if fetch.skipped:  # not asked for again at once: it would end the same (a store
+            # error is not remembered: the breaker decides when the store is asked again)
             self.misses[(fetch.namespace, fetch.key)] = self.clock() + MISS_TTL_S
         fetch.done = True
         fetch.stage = "done"

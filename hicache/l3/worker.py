@@ -51,6 +51,10 @@ class IOWorker:
         self.busy = False
         self.calls = self.call_errors = 0
         self.chunk = max(1, min(batch, CHUNK_BYTES // max(1, pages.page_bytes)))
+        # reads: a store that leaves checking to us is read in smaller chunks, so that all but
+        # the last chunk's checks overlap the reads after them
+        read_bytes = store.read_chunk_bytes or CHUNK_BYTES
+        self.read_chunk = max(1, min(self.chunk, read_bytes // max(1, pages.page_bytes)))
         self.page_sums: PageSums | None = None  # host page checksums (verify_pages)
         self.sums = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-sum")
         self.thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
@@ -220,8 +224,8 @@ class IOWorker:
         pages = job.pages.tolist()
         checks: list[tuple[int, Future]] = []
         try:
-            for at in range(0, len(names), self.chunk):
-                part = slice(at, at + self.chunk)
+            for at in range(0, len(names), self.read_chunk):
+                part = slice(at, at + self.read_chunk)
                 mine = ds[part]
                 hot = lambda i, data, tail, mine=mine: verify([data], mine[i], tail)  # noqa: E731
                 tails = self._call(self.store.get, names[part], pages[part], hot)
