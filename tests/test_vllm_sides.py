@@ -500,6 +500,7 @@ def test_a_prefix_coming_from_the_store_is_asked_for_again_until_it_landed(tmp_p
                     _l3_settled(ep)
                 else:
                     assert first is None and b.sched.figures.l3_not_yet == 1
+                    assert b.sched.figures.lookups == 0  # (counted when answered)
                     assert daemon_state(ep, a, b)["locks"] == 0  # "not yet" pins nothing
                     while b.sched.lookup(req, 0) is None:
                         pass

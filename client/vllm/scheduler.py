@@ -102,6 +102,8 @@ class SchedulerSide:
                     self._forget_l3_waits(now)
                 self.l3_waiting[request.request_id] = (since, now)
                 self.figures.l3_not_yet += 1
+                self.figures.lookups -= 1  # (counted once, when it is answered)
+                self.figures.queried_tokens -= max(0, len(tokens) - num_computed)
                 self._release_match(match)
                 return None
         hit = match.device_hit_length
