@@ -180,3 +180,14 @@ def mooncake_master(**kw: object):
         yield master
     finally:
         master.stop()
+
+
+def l3_settled(endpoint: str) -> dict:
+    """A daemon's third-tier figures once nothing is queued to write or being fetched."""
+    from hicache.client import HiCacheClient
+
+    with HiCacheClient(endpoint, name="probe") as hc:
+        l3 = hc.stats()["l3"]
+        while l3["queued_pages"] or l3["fetches_in_flight"]:
+            l3 = hc.stats()["l3"]
+    return l3

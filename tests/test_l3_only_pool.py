@@ -18,6 +18,7 @@ from hicache.l3.store import open_store
 from hicache.l3.tier import L3Tier
 from tests.conftest import make_cache
 from tests.reference import expected_kv, read_kv, write_kv
+from tests.test_l3_tier import machine as tier_machine
 
 PS = 4
 LAYOUT = {"num_layers": 2, "backend": "TEST", "block_shape": [2, PS, 4], "model": "local/path"}
@@ -25,13 +26,15 @@ LAYOUT = {"num_layers": 2, "backend": "TEST", "block_shape": [2, PS, 4], "model"
 
 def machine(name: str, device_tokens: int = 64, **l3: object):
     """A cache whose one pool (CPU, no host tier) has the memory store ``name`` under it."""
-    cache = make_cache(
-        manual=False, page_size=PS, num_kv_heads=2, head_dim=4, device_tokens=device_tokens,
-        host_tokens=0,
-    )  # fmt: skip
-    config = L3Config(f"memory://{name}", "test-model", **l3)  # type: ignore[arg-type]
-    cache.attach_l3(L3Tier(cache, config, open_store(config.url), layout=LAYOUT))
-    return cache
+    return tier_machine(name, 0, device_tokens, LAYOUT, **l3)
+
+
+def writer(name: str, tokens: np.ndarray):
+    """A machine that computed ``tokens`` and wrote them to the store."""
+    a = machine(name)
+    compute(a, tokens)
+    a.l3.drain()
+    return a
 
 
 @pytest.fixture
@@ -80,11 +83,9 @@ def close(*caches) -> None:
 
 
 def test_an_insert_is_written_through_and_another_machine_serves_it_from_its_pool(space_name):
-    a, b = machine(space_name), machine(space_name)
+    tokens = tokens_of(40, 1)
+    a, b = writer(space_name, tokens), machine(space_name)
     try:
-        tokens = tokens_of(40, 1)
-        compute(a, tokens)
-        a.l3.drain()
         assert a.l3.counters.written_pages == 10
         assert served(b, tokens) == 0
         f = fetch(b, tokens)
@@ -99,11 +100,9 @@ def test_an_insert_is_written_through_and_another_machine_serves_it_from_its_poo
 
 
 def test_a_value_that_does_not_verify_ends_the_run_and_the_rest_is_freed(space_name):
-    a, b = machine(space_name), machine(space_name)
+    tokens = tokens_of(24, 8)
+    a, b = writer(space_name, tokens), machine(space_name)
     try:
-        tokens = tokens_of(24, 8)
-        compute(a, tokens)
-        a.l3.drain()
         space(space_name).faults.corrupt.add(list(space(space_name).values)[3])
         free = b.device_alloc.free_pages
         f = fetch(b, tokens)
@@ -163,12 +162,9 @@ def test_an_allocation_evicts_no_more_than_it_needs_while_writes_hold_pages(spac
 
 
 def test_a_fetch_into_a_full_pool_evicts_unlocked_leaves_and_never_locked_ones(space_name):
-    a = machine(space_name)
-    b = machine(space_name, device_tokens=32)  # 8 pages
+    wanted = tokens_of(24, 5)
+    a, b = writer(space_name, wanted), machine(space_name, device_tokens=32)  # 8 pages
     try:
-        wanted = tokens_of(24, 5)
-        compute(a, wanted)
-        a.l3.drain()
         locked = tokens_of(12, 6)
         compute(b, locked)
         held = b.match_prefix(locked).last_device_node
@@ -202,12 +198,9 @@ def test_keys_differ_from_a_host_tier_cache_and_from_another_engine_layout():
 
 
 def test_a_fetch_that_found_no_room_is_not_started_again_at_once(space_name):
-    a = machine(space_name)
-    b = machine(space_name, device_tokens=16)  # 4 pages
+    wanted = tokens_of(16, 9)
+    a, b = writer(space_name, wanted), machine(space_name, device_tokens=16)  # 4 pages
     try:
-        wanted = tokens_of(16, 9)
-        compute(a, wanted)
-        a.l3.drain()
         mine = tokens_of(16, 10)
         compute(b, mine)
         b.inc_lock_ref(b.match_prefix(mine).last_device_node)  # the pool is all locked

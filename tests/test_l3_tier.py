@@ -19,14 +19,15 @@ from tests.reference import expected_kv, read_kv, write_kv
 PS = 4
 
 
-def machine(name: str, **l3: object):
-    """A cache with a host tier and the memory store ``name`` under it."""
+def machine(name: str, host_tokens: int = 128, device_tokens: int = 64, layout=None, **l3: object):
+    """A cache with the memory store ``name`` under its host tier (``host_tokens=0``: under
+    its one pool, as a daemon for engines has it; ``layout``: the engines' identity)."""
     cache = make_cache(
-        manual=False, page_size=PS, num_kv_heads=2, head_dim=4, device_tokens=64,
-        host_tokens=128, load_back_threshold=0,
+        manual=False, page_size=PS, num_kv_heads=2, head_dim=4, device_tokens=device_tokens,
+        host_tokens=host_tokens, load_back_threshold=0,
     )  # fmt: skip
     config = L3Config(f"memory://{name}", "test-model", **l3)  # type: ignore[arg-type]
-    cache.attach_l3(L3Tier(cache, config, open_store(config.url)))
+    cache.attach_l3(L3Tier(cache, config, open_store(config.url), layout=layout))
     return cache
 
 

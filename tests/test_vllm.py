@@ -20,8 +20,8 @@ pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
 from hicache.client import HiCacheClient  # noqa: E402
 from hicache.daemon.launch import start_daemon, stop_daemon  # noqa: E402
 from hicache.engine_layout import EngineLayout  # noqa: E402
-from tests.l3_servers import mooncake_master  # noqa: E402
-from tests.vllm_runner import BLOCK, make_model, prompts  # noqa: E402
+from tests.l3_servers import l3_settled, mooncake_master  # noqa: E402
+from tests.vllm_runner import BLOCK, daemon_stats, make_model, prompts  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_TIMEOUT_S = 300
@@ -128,9 +128,7 @@ def test_engines_of_both_tensor_parallel_sizes_share_what_the_other_stored(model
     tp1_again = run("generate", model=model, endpoint=ep)
     assert [o["cached"] for o in tp1_again["run"]] == EXPECTED_CACHED
     assert same(tp1_again["run"], tp2_cold["run"], tol=1e-5)
-    with HiCacheClient(ep, name="test") as hc:
-        stats = hc.stats(check=True)
-    assert stats["integrity"] == "ok"
+    assert daemon_stats(ep)["integrity"] == "ok"
 
 
 def test_an_engine_with_another_layout_does_not_start(model, daemon, tmp_path):
@@ -170,18 +168,14 @@ def test_engines_on_two_machines_share_kv_through_a_store(model, tmp_path):
             (ep_a, _), (ep_b, _) = daemons
             first = run("generate", model=model, endpoint=ep_a)
             assert first["external"] == 0
-            with HiCacheClient(ep_a, name="test") as hc:
-                l3 = hc.stats()["l3"]
-                while l3["queued_pages"]:  # written through, in the background
-                    l3 = hc.stats()["l3"]
+            l3 = l3_settled(ep_a)  # written through, in the background
             assert l3["written_pages"] > 0 and l3["failed_write_pages"] == 0
             second = run("generate", model=model, endpoint=ep_b)
             assert [o["cached"] for o in second["run"]] == EXPECTED_CACHED
             # (requests that waited for their pages ran in other steps, beside other requests:
             # batches of another shape sum in another order, hence the tolerance)
             assert same(second["run"], first["run"], tol=1e-5)
-            with HiCacheClient(ep_b, name="test") as hc:
-                stats = hc.stats(check=True)
+            stats = daemon_stats(ep_b)
             assert stats["integrity"] == "ok"
             assert stats["l3"]["adopted_pages"] >= max(EXPECTED_CACHED) // BLOCK
             assert stats["l3"]["corrupt_pages"] == 0

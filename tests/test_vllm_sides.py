@@ -14,7 +14,7 @@ from hicache.client import HiCacheClient
 from hicache.client.vllm.meta import Copy, StepPlan
 from hicache.client.vllm.settings import ConnectorSettings
 from hicache.daemon.launch import start_daemon, stop_daemon
-from tests.l3_servers import redis_cluster
+from tests.l3_servers import l3_settled, redis_cluster
 from tests.vllm_fake import BS, FakeVllm
 
 ENGINE = ("--device-tier", "engine", "--host-tokens", "512", "--lease-seconds", "2")
@@ -50,8 +50,7 @@ def daemon_state(endpoint: str, *engines: FakeVllm) -> dict:
 
 def run_to_end(v: FakeVllm, rid: str, tokens: list[int], decode: int = 0, chunk: int = 64) -> None:
     req = v.add(rid, tokens)
-    while v.sched.lookup(req, 0) is None:  # (a daemon with a store: until it answered)
-        pass
+    v.lookup(req)  # (a daemon with a store: until it answered)
     v.admit(req)
     while req.computed < len(req.all_token_ids):
         v.step({rid: min(chunk, len(req.all_token_ids) - req.computed)})
@@ -466,15 +465,6 @@ def _out(todo: dict, req) -> object:
     )
 
 
-def _l3_settled(endpoint: str) -> dict:
-    """The daemon's third-tier figures once nothing is queued or fetched any more."""
-    with HiCacheClient(endpoint, name="probe") as hc:
-        l3 = hc.stats()["l3"]
-        while l3["queued_pages"] or l3["fetches_in_flight"]:
-            l3 = hc.stats()["l3"]
-    return l3
-
-
 def test_a_prefix_coming_from_the_store_is_asked_for_again_until_it_landed(tmp_path):
     """A daemon for engines with a store under its pool: what was flushed from the pool comes
     back from the store. The lookup never waits in the daemon: it answers "not yet" (None,
@@ -487,7 +477,7 @@ def test_a_prefix_coming_from_the_store_is_asked_for_again_until_it_landed(tmp_p
             tokens = prompt(42, seed=9)
             a = FakeVllm(ep)
             run_to_end(a, "a", tokens)
-            assert _l3_settled(ep)["written_pages"] == 10
+            assert l3_settled(ep)["written_pages"] == 10
             for impatient in (False, True):
                 with HiCacheClient(ep, name="admin", admin=True) as hc:
                     hc.flush()  # the pool forgets; the store keeps them
@@ -497,13 +487,12 @@ def test_a_prefix_coming_from_the_store_is_asked_for_again_until_it_landed(tmp_p
                 first = b.sched.lookup(req, 0)
                 if impatient:
                     assert first == 0  # no wait: the engine computes what is not there yet
-                    _l3_settled(ep)
+                    l3_settled(ep)
                 else:
                     assert first is None and b.sched.figures.l3_not_yet == 1
                     assert b.sched.figures.lookups == 0  # (counted when answered)
                     assert daemon_state(ep, a, b)["locks"] == 0  # "not yet" pins nothing
-                    while b.sched.lookup(req, 0) is None:
-                        pass
+                    b.lookup(req)
                 b.finish(req)
                 req = b.add("b2", tokens)
                 assert b.admit(req) == 40

@@ -5,6 +5,7 @@ order per step, a block table per request, and KV computed as a known function o
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -91,6 +92,14 @@ class FakeVllm:
         req = Req(rid, list(tokens), len(tokens), **kw)
         self.reqs[rid] = req
         return req
+
+    def lookup(self, req: Req) -> int:
+        """The scheduler's lookup, asked again each "step" while it answers "not yet" (None: a
+        daemon with a store fetches the prompt's pages; the connector says so for at most
+        ``l3_wait_s``)."""
+        while (ext := self.sched.lookup(req, 0)) is None:
+            time.sleep(0.001)  # (the next step)
+        return ext
 
     def admit(self, req: Req, alloc: bool = True) -> int:
         """The scheduler admits a new request: lookup, then (when ``alloc``) blocks for the
