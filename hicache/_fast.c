@@ -99,33 +99,37 @@ static PyObject *whole_pages(PyObject *self, PyObject *args) {
     const int64_t *s = aligned(&raw, &tmp);
     if (s == NULL) goto release;
     Py_ssize_t n = raw.len / 8, count = n / ps + (n % ps != 0), done = 0; /* no overflow */
+    /* a partial last page to free is kept apart (``last``), not in the returned ids */
+    Py_ssize_t kept = count - (stk.buf != NULL && n % ps);
+    int64_t last = -1;
     int err = 0;
-    out = PyBytes_FromStringAndSize(NULL, count * 8);
+    out = PyBytes_FromStringAndSize(NULL, kept * 8);
     if (out == NULL) goto release;
-    int64_t *pages = (int64_t *)PyBytes_AS_STRING(out);
+    int64_t *pages = (int64_t *)PyBytes_AS_STRING(out); /* (the empty singleton: never written) */
     for (Py_ssize_t i = 0; i < count && !err; i++) {
         int64_t first = s[i * ps];
         if (first < 0 || first / ps >= num_pages || first / ps >= st.len) { err = 1; break; }
         if (first % ps) { err = 2; break; }
         Py_ssize_t len = n - i * ps < ps ? n - i * ps : ps; /* i * ps < n: no overflow */
+        uint64_t diff = 0; /* no branch per slot: an early exit ran 12% slower at page size 16 */
         for (Py_ssize_t j = 1; j < len; j++)  /* first is a small slot id: first + j fits */
-            if (s[i * ps + j] != first + j) { err = 2; break; }
-        if (err) break;
+            diff |= (uint64_t)s[i * ps + j] ^ (uint64_t)(first + j);
+        if (diff) { err = 2; break; }
         int64_t p = first / ps;
         if (state[p] != expected) { err = state[p] == MARK ? 4 : 3; break; }
         state[p] = MARK;
-        pages[i] = p;
+        if (i < kept) pages[i] = p;
+        else last = p;
         done = i + 1;
     }
-    for (Py_ssize_t i = 0; i < done; i++) state[pages[i]] = (int8_t)(err ? expected : claim);
+    for (Py_ssize_t i = 0; i < done; i++)
+        state[i < kept ? pages[i] : last] = (int8_t)(err ? expected : claim);
     if (err) {
         Py_DECREF(out);
         out = PyLong_FromLong(err);
-    } else if (stk.buf != NULL && n % ps) { /* the partial last page: freed, not returned */
-        int64_t tail = pages[count - 1];
-        state[tail] = (int8_t)free_state;
-        ((int64_t *)stk.buf)[top] = tail;
-        if (_PyBytes_Resize(&out, (count - 1) * 8) < 0) out = NULL; /* (cannot fail: smaller) */
+    } else if (kept < count) { /* the partial last page: freed, not returned */
+        state[last] = (int8_t)free_state;
+        ((int64_t *)stk.buf)[top] = last;
     }
 release:
     PyMem_Free(tmp);

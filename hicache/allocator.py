@@ -18,6 +18,7 @@ from enum import IntEnum
 import numpy as np
 import torch
 
+from hicache import fastpath
 from hicache.errors import DoubleFreeError, IntegrityError, InvalidIndicesError
 
 
@@ -29,6 +30,7 @@ class PageState(IntEnum):
 
 
 FREE, OWNED, TREE, RESERVED = PageState.FREE, PageState.OWNED, PageState.TREE, PageState.RESERVED
+_whole_pages = fastpath._fast.whole_pages if fastpath._fast is not None else None  # (claim)
 
 IntArrayLike = torch.Tensor | np.ndarray | Sequence[int]
 
@@ -191,17 +193,65 @@ class PagedAllocator:
     def unwatch_frees(self) -> None:
         self.freed = None
 
-    def push_slot(self) -> tuple[np.ndarray, int] | None:
-        """The free stack and the index where a C helper may write one freed page
-        (``_fast.whole_pages``; the caller then calls ``pushed()``), or None while frees are
-        watched or grouped (they must go through ``release_page``) or the stack is full (no
-        page is out to be freed)."""
-        free = self.freed is None and self._group is None and self._top < len(self._stack)
-        return (self._stack, self._top) if free else None
+    def claim(
+        self, raw: bytes, expected: PageState, state: PageState, free_tail: bool = False
+    ) -> bytes:
+        """Move a caller's pages from ``expected`` to ``state``; returns their ids (int64 bytes).
 
-    def pushed(self) -> None:
-        """Count the page a C helper wrote at ``push_slot()`` (with its state already FREE)."""
-        self._top += 1
+        ``raw`` holds the slots (int64 bytes). They must fill whole pages in order, except that
+        the last run may be a partial page (its first slots); every page must be in range, in
+        state ``expected`` and appear once. Otherwise raises InvalidIndicesError
+        (DoubleFreeError for a repeated page) and changes nothing. With ``free_tail`` a partial
+        last page is checked like the rest, then freed and left out of the ids (an insert's
+        tail). One C pass when built (it pushes the tail page on the free stack itself, unless
+        frees are watched or grouped); the numpy twin otherwise, and for the precise error.
+        """
+        ps = self.page_size
+        tail = free_tail and len(raw) // 8 % ps != 0
+        if fastpath.USE_C:
+            top = self._top  # (a full stack: no page is out to be freed)
+            if tail and self.freed is None and self._group is None and top < len(self._stack):
+                # the same pass writes the tail page at stack[top], with state FREE
+                out = _whole_pages(
+                    self.state, raw, ps, self.num_pages, expected, state, self._stack, top, FREE
+                )
+                if type(out) is bytes:
+                    self._top = top + 1
+                    return out
+            else:
+                out = _whole_pages(self.state, raw, ps, self.num_pages, expected, state)
+                if type(out) is bytes:
+                    if tail:
+                        self.release_page(int.from_bytes(out[-8:], "little"))
+                        return out[:-8]
+                    return out
+        pages = self._caller_pages(np.frombuffer(raw, dtype=np.int64), expected)
+        if fastpath.USE_C:  # numpy accepted what C refused: never silently
+            raise InvalidIndicesError(f"device_indices: rejected (code {out})")
+        self.state[pages] = state
+        if tail:
+            self.release_page(int(pages[-1]))
+            pages = pages[:-1]
+        return pages.tobytes()
+
+    def _caller_pages(self, slots: np.ndarray, expected: PageState) -> np.ndarray:
+        """claim's checks in numpy: the page ids of ``slots``, or the precise error."""
+        ps = self.page_size
+        whole = len(slots) // ps * ps
+        pages = self.whole_pages(slots[:whole])
+        tail = slots[whole:]
+        if len(tail):
+            first = int(tail[0])
+            if first < 0 or first // ps >= self.num_pages:
+                raise InvalidIndicesError("device_indices: slot outside the pool")
+            if first % ps or tail.tolist() != list(range(first, first + len(tail))):
+                raise InvalidIndicesError("device_indices: a partial page must be its first slots")
+            pages = np.append(pages, first // ps)
+        if len(pages):
+            self.check_pages(pages, expected)
+        if self.has_duplicates(pages):
+            raise DoubleFreeError("the same page is passed twice")
+        return pages
 
     def release_page(self, page: int) -> None:
         """``release`` of one page (an insert's partial tail page: no array on the way)."""

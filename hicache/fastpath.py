@@ -13,8 +13,6 @@ import os
 
 import numpy as np
 
-from hicache.allocator import FREE, PagedAllocator, PageState
-from hicache.errors import DoubleFreeError, InvalidIndicesError
 from hicache.node import TreeNode
 
 try:
@@ -198,66 +196,6 @@ def tally_py(path: list[TreeNode], io_load: object) -> tuple[list[bytes], int, b
 # than the step itself (tests compare the C functions with the *_py twins directly).
 descend = _tree.descend if USE_C else descend_py
 tally = _tree.tally if USE_C else tally_py
-
-
-def claim_pages(
-    alloc: PagedAllocator,
-    raw: bytes,
-    expected: PageState,
-    claim: PageState,
-    free_tail: bool = False,
-) -> np.ndarray:
-    """Move a caller's pages from ``expected`` to ``claim``; returns their ids.
-
-    ``raw`` holds the slots (int64 bytes). They must fill whole pages in order, except that the
-    last run may be a partial page (its first slots); every page must be in range, in state
-    ``expected`` and appear once. Otherwise raises InvalidIndicesError (DoubleFreeError for a
-    repeated page) and changes nothing. With ``free_tail`` a partial last page is checked like
-    the rest, then freed and left out of the ids (an insert's tail: in C, pushed on the free
-    stack in the same call).
-    """
-    ps = alloc.page_size
-    tail = free_tail and len(raw) // 8 % ps != 0
-    if USE_C:
-        slot = alloc.push_slot() if tail else None
-        extra = () if slot is None else (*slot, FREE)  # C frees the tail page itself
-        out = _fast.whole_pages(alloc.state, raw, ps, alloc.num_pages, expected, claim, *extra)
-        if isinstance(out, bytes):
-            pages = np.frombuffer(out, dtype=np.int64)
-            if slot is not None:
-                alloc.pushed()
-                return pages
-            return _release_last(alloc, pages) if tail else pages
-    pages = _caller_pages_numpy(alloc, np.frombuffer(raw, dtype=np.int64), expected)
-    if USE_C:  # numpy accepted what C refused: never silently
-        raise InvalidIndicesError(f"device_indices: rejected (code {out})")
-    alloc.state[pages] = claim
-    return _release_last(alloc, pages) if tail else pages
-
-
-def _release_last(alloc: PagedAllocator, pages: np.ndarray) -> np.ndarray:
-    """Free the last of the claimed ``pages`` (the partial tail); the others."""
-    alloc.release_page(int(pages[-1]))
-    return pages[:-1]
-
-
-def _caller_pages_numpy(alloc: PagedAllocator, slots: np.ndarray, expected: PageState):
-    ps = alloc.page_size
-    whole = len(slots) // ps * ps
-    pages = alloc.whole_pages(slots[:whole])
-    tail = slots[whole:]
-    if len(tail):
-        first = int(tail[0])
-        if first < 0 or first // ps >= alloc.num_pages:
-            raise InvalidIndicesError("device_indices: slot outside the pool")
-        if first % ps or tail.tolist() != list(range(first, first + len(tail))):
-            raise InvalidIndicesError("device_indices: a partial page must be its first slots")
-        pages = np.append(pages, first // ps)
-    if len(pages):
-        alloc.check_pages(pages, expected)
-    if alloc.has_duplicates(pages):
-        raise DoubleFreeError("the same page is passed twice")
-    return pages
 
 
 def store_release(words: np.ndarray, index: int, value: int) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.allocator import OWNED, TREE
-from hicache.fastpath import claim_pages, own_nodes, slot_pages
+from hicache.fastpath import own_nodes, slot_pages
 from hicache.node import IO_LOAD, TreeNode
 from hicache.radix_tree import Namespace
 
@@ -42,18 +42,19 @@ class InsertMixin:
         if dup or adopt:
             theirs = b"".join([*dup, *(m for _, m in adopt), theirs])
         tail = aligned < len(tokens)  # a partial tail page: freed by the claim itself
-        pages = self._claim(root, theirs, tail)
-        used = n_dup = sum(map(len, dup)) // (8 * ps) if dup else 0
+        pages = self._claim(
+            root, theirs, tail
+        )  # page ids: 8 bytes where a page's slots take 8 * ps
+        at = dup_bytes = sum(map(len, dup)) // ps if dup else 0  # (bytes into ``pages``)
         for node, mine in adopt:
-            n = len(mine) // (8 * ps)
-            self.tree.set_device(node, pages[used : used + n].tobytes())
-            used += n
+            self.tree.set_device(node, pages[at : at + len(mine) // ps])
+            at += len(mine) // ps
         leaf = None
-        if aligned > n_covered:  # the rest becomes one new leaf
-            new = pages[used : used + (aligned - n_covered) // ps].tobytes()
+        if aligned > n_covered:  # the rest becomes one new leaf (often all of ``pages``)
+            new = pages[at : at + 8 * (aligned - n_covered) // ps]
             leaf = self.tree.add_leaf(path[-1] if path else root, key[covered : 4 * aligned], new)
         if dup:  # duplicates go back
-            alloc.release(pages[:n_dup])
+            alloc.release(np.frombuffer(pages, dtype=np.int64, count=dup_bytes // 8))
         last = leaf or (path[-1] if path else None)
         if last is None:
             self._drop_empty_root(root)
@@ -65,9 +66,9 @@ class InsertMixin:
             self.l3.after_backup([leaf])
         return n_covered
 
-    def _claim(self, root: TreeNode, theirs: bytes, tail: bool) -> np.ndarray:
-        """Page ids of the caller's slots ``theirs``, now TREE (in their order), without the
-        partial tail page (``tail``: checked like the rest, then freed).
+    def _claim(self, root: TreeNode, theirs: bytes, tail: bool) -> bytes:
+        """Page ids (int64 bytes) of the caller's slots ``theirs``, now TREE (in their order),
+        without the partial tail page (``tail``: checked like the rest, then freed).
 
         Only slots that are not the tree's own (at their own place) reach here: they must be
         the caller's whole pages (plus one partial tail page), distinct. Tree pages are TREE,
@@ -75,7 +76,7 @@ class InsertMixin:
         releases the duplicates right after.
         """
         try:
-            return claim_pages(self.device_alloc, theirs, OWNED, TREE, free_tail=tail)
+            return self.device_alloc.claim(theirs, OWNED, TREE, tail)
         except Exception:
             self._drop_empty_root(root)
             raise

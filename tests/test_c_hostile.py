@@ -322,7 +322,7 @@ from hicache.node import TreeNode
 
 rng = np.random.default_rng(int(sys.argv[1]))
 for case in range(400):
-    ps = int(rng.choice([2, 3, 4, 8, 16, 32]))
+    ps = int(rng.choice([2, 3, 4, 8, 16, 32, 48, 64]))
     nodes, slots = [], []
     for _ in range(int(rng.integers(1, 4))):
         pages = rng.integers(0, 50, int(rng.integers(1, 6))).astype(np.int64)
