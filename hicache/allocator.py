@@ -31,6 +31,7 @@ class PageState(IntEnum):
 
 FREE, OWNED, TREE, RESERVED = PageState.FREE, PageState.OWNED, PageState.TREE, PageState.RESERVED
 _whole_pages = fastpath._fast.whole_pages if fastpath._fast is not None else None  # (claim)
+_CLAIMABLE = frozenset((OWNED, TREE))  # the states claim moves pages between
 
 IntArrayLike = torch.Tensor | np.ndarray | Sequence[int]
 
@@ -196,7 +197,8 @@ class PagedAllocator:
     def claim(
         self, raw: bytes, expected: PageState, state: PageState, free_tail: bool = False
     ) -> bytes:
-        """Move a caller's pages from ``expected`` to ``state``; returns their ids (int64 bytes).
+        """Move a caller's pages from ``expected`` to ``state`` (OWNED or TREE: ValueError for
+        another); returns their ids (int64 bytes).
 
         ``raw`` holds the slots (int64 bytes). They must fill whole pages in order, except that
         the last run may be a partial page (its first slots); every page must be in range, in
@@ -206,6 +208,8 @@ class PagedAllocator:
         tail). One C pass when built (it pushes the tail page on the free stack itself, unless
         frees are watched or grouped); the numpy twin otherwise, and for the precise error.
         """
+        if expected not in _CLAIMABLE or state not in _CLAIMABLE:
+            raise ValueError("claim: pages move between OWNED and TREE only")
         ps = self.page_size
         tail = free_tail and len(raw) // 8 % ps != 0
         if fastpath.USE_C:

@@ -182,6 +182,9 @@ def test_whole_pages_with_a_huge_page_size_never_wraps():
     assert np.frombuffer(out, np.int64).tolist() == [0] and state.tolist() == [2] + [1] * 7
     far = np.array([2**62, 2**62 + 1], np.int64).tobytes()  # page 1 of 8: out of range
     assert fastpath._fast.whole_pages(np.ones(1, np.int8), far, 2**62, 1, 1, 2) == 1
+    # a slot beside the largest id: first + offset would pass 2**63 - 1 (compared unsigned)
+    top = np.array([2**63 - 1, 0], np.int64).tobytes()
+    assert fastpath._fast.whole_pages(np.ones(5, np.int8), top, 2**63 - 1, 5, 1, 2) == 2
 
 
 def test_whole_pages_refuses_a_bad_stack_and_changes_nothing():

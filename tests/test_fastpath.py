@@ -311,3 +311,27 @@ def test_a_free_tail_page_of_a_pool_with_nothing_out_is_refused_as_free(monkeypa
     with pytest.raises(DoubleFreeError):
         alloc.claim(raw, PageState.OWNED, PageState.TREE, free_tail=True)
     assert alloc.free_pages == 3 and alloc.count(PageState.FREE) == 3
+
+
+@pytest.mark.parametrize("use_c", [pytest.param(True, marks=needs_c), False])
+@pytest.mark.parametrize(
+    "expected, state",
+    [
+        (PageState.FREE, PageState.TREE),
+        (PageState.RESERVED, PageState.TREE),
+        (PageState.OWNED, PageState.FREE),
+        (PageState.OWNED, PageState.RESERVED),
+    ],
+)
+def test_claim_moves_pages_between_owned_and_tree_only(monkeypatch, use_c, expected, state):
+    """Claiming free or reserved pages (or freeing by claim) would take pages the free stack
+    still lists: refused on both paths, nothing changed."""
+    monkeypatch.setattr(fastpath, "USE_C", use_c)
+    alloc = PagedAllocator(num_pages=4, page_size=4, reserved_pages=1)
+    alloc.alloc_pages(1)  # page 1 is OWNED, pages 2 and 3 free, page 0 the padding
+    before, free = alloc.state.copy(), alloc.free_pages
+    for raw in (np.arange(0, 6), np.arange(4, 8), np.arange(8, 10)):  # padding, owned, free
+        with pytest.raises(ValueError, match="OWNED and TREE"):
+            alloc.claim(raw.astype(np.int64).tobytes(), expected, state, free_tail=True)
+    assert np.array_equal(alloc.state, before) and alloc.free_pages == free
+    alloc.check_integrity()
