@@ -44,4 +44,7 @@ if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
   fi
 fi
 .venv/bin/python -c "import hicache, hicache.kernels" # fails loudly if the install did not work
-.venv/bin/python -c "import hicache.client.vllm.compat" >/dev/null 2>&1 # vLLM loads
+if ! .venv/bin/python -c "import hicache.client.vllm.compat" >/dev/null 2>&1; then
+  echo "setup: vLLM did not install or does not load; see: .venv/bin/python -c 'import vllm'" >&2
+  exit 1
+fi

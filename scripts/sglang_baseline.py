@@ -23,7 +23,7 @@ def _wheel() -> Path:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     found = sorted(CACHE_DIR.glob(f"sglang-{VERSION}-*.whl"))
     if not found:
-        subprocess.run(
+        done = subprocess.run(
             [
                 sys.executable,
                 "-m",
@@ -35,8 +35,11 @@ def _wheel() -> Path:
                 "-d",
                 str(CACHE_DIR),
             ],
-            check=True,
+            capture_output=True,  # (pip's warnings about this machine's index are noise here)
+            text=True,
         )
+        if done.returncode:
+            raise RuntimeError(f"pip download sglang=={VERSION} failed:\n{done.stderr}")
         found = sorted(CACHE_DIR.glob(f"sglang-{VERSION}-*.whl"))
     return found[0]
 
