@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -46,10 +48,13 @@ def daemon(tmp_path):
 
 
 def run(scenario: str, **args) -> dict:
-    """One engine process; its whole process group is killed whatever happens."""
+    """One engine process; its whole process group is killed whatever happens, and the files
+    vLLM leaves in its temporary folder (IPC sockets, dist-init files) go with it."""
+    tmp = tempfile.mkdtemp(prefix="hicache-vllm-")
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.vllm_runner", scenario, json.dumps(args)],
         cwd=ROOT,
+        env={**os.environ, "TMPDIR": tmp},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -63,6 +68,7 @@ def run(scenario: str, **args) -> dict:
         except ProcessLookupError:
             pass
         proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
     results = [line for line in out.splitlines() if line.startswith("RESULT ")]
     assert results, f"{scenario} printed no result (exit {proc.returncode}):\n{err[-4000:]}"
     return json.loads(results[-1][len("RESULT ") :])
