@@ -42,13 +42,13 @@ class InsertMixin:
         if dup or adopt:
             theirs = b"".join([*dup, *(m for _, m in adopt), theirs])
         tail = aligned < len(tokens)  # a partial tail page: freed by the claim itself
-        pages = self._claim(
-            root, theirs, tail
-        )  # page ids: 8 bytes where a page's slots take 8 * ps
-        at = dup_bytes = sum(map(len, dup)) // ps if dup else 0  # (bytes into ``pages``)
+        # page ids as int64 bytes: a page's 8 * ps slot bytes become 8 (``at`` counts bytes)
+        pages = self._claim(root, theirs, tail)
+        at = dup_bytes = sum(map(len, dup)) // ps if dup else 0
         for node, mine in adopt:
-            self.tree.set_device(node, pages[at : at + len(mine) // ps])
-            at += len(mine) // ps
+            n = len(mine) // ps
+            self.tree.set_device(node, pages[at : at + n])
+            at += n
         leaf = None
         if aligned > n_covered:  # the rest becomes one new leaf (often all of ``pages``)
             new = pages[at : at + 8 * (aligned - n_covered) // ps]
