@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hicache.kernels.shadowing import defer_to_installed
 from hicache.lazy import lazy_exports
+
+defer_to_installed(__name__, __file__)
 
 _EXPORTS = {
     "HiCacheClient": "hicache.client.client",
