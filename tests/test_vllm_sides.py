@@ -10,12 +10,14 @@ import time
 import numpy as np
 import pytest
 
-from hicache.client import HiCacheClient
-from hicache.client.vllm.meta import Copy, StepPlan
-from hicache.client.vllm.settings import ConnectorSettings
-from hicache.daemon.launch import start_daemon, stop_daemon
-from tests.l3_servers import l3_settled, redis_cluster
-from tests.vllm_fake import BS, FakeVllm
+pytest.importorskip("vllm", reason="the connector's sides subclass vLLM's; setup.sh installs it")
+
+from hicache.client import HiCacheClient  # noqa: E402
+from hicache.client.vllm.meta import Copy, StepPlan  # noqa: E402
+from hicache.client.vllm.settings import ConnectorSettings  # noqa: E402
+from hicache.daemon.launch import start_daemon, stop_daemon  # noqa: E402
+from tests.l3_servers import l3_settled, redis_cluster  # noqa: E402
+from tests.vllm_fake import BS, FakeVllm  # noqa: E402
 
 ENGINE = ("--device-tier", "engine", "--host-tokens", "512", "--lease-seconds", "2")
 
