@@ -93,17 +93,22 @@ class HiCacheClient:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         heartbeat: bool = True,
         admin: bool = False,
+        daemon_user: str | int | None = None,
     ):
         """Open a session (hello). ``admin=True``: this session may also flush and evict for
         everyone (operators' tools; engines never need it); it reads the daemon's admin token
         from the file ``hicache.endpoints.admin_token_path(endpoint)`` names (PermissionError
         when this user cannot).
 
+        Before anything is sent, the daemon must be this user's, root's or ``daemon_user``'s
+        (default ``$HICACHE_DAEMON_USER``): checked on the socket (client/trust.py), else
+        UntrustedDaemon (a PermissionError) and nothing is sent.
+
         The session ends with ``close()``, or when the client is garbage-collected, or when the
         process exits: the daemon then frees what it still holds."""
         self.endpoint = endpoint or env_endpoint()
         self.timeout_s = timeout_s
-        self._link = SessionLink(self.endpoint, name, timeout_s, admin, heartbeat)
+        self._link = SessionLink(self.endpoint, name, timeout_s, admin, heartbeat, daemon_user)
         self._finalizer = weakref.finalize(self, self._link.close)  # holds the link, not us
         self._attach_lock = threading.Lock()
         self._reset()
@@ -122,6 +127,11 @@ class HiCacheClient:
     def session(self) -> int:
         """The session's key (secret: what requests name it by)."""
         return self._link.key
+
+    @property
+    def daemon_uid(self) -> int | None:
+        """The user the daemon runs as, as checked on its socket (None: a CurveZMQ daemon)."""
+        return self._link.daemon_uid
 
     @property
     def conn(self) -> Connection:
@@ -188,7 +198,10 @@ class HiCacheClient:
         page 0) is the padding slot, never handed out."""
         with self._attach_lock:
             if self.pools is None:
-                self.pools = attach_pools(self.config, self.info["pools"])
+                link = self._link
+                self.pools = attach_pools(
+                    self.config, self.info["pools"], link.daemon_uid, link.trusted
+                )
             return self.pools
 
     def register_layout(self, layout: EngineLayout) -> EngineLayout:
@@ -329,7 +342,9 @@ class HiCacheClient:
                 raise RuntimeError("this daemon shares no layer-progress table")
             layers = int(self.info["config"]["num_layers"])
             try:
-                self._progress_map, self._progress_table = attach_progress(desc, layers)
+                self._progress_map, self._progress_table = attach_progress(
+                    desc, layers, self._link.daemon_uid, self._link.trusted
+                )
             except FileNotFoundError:  # the daemon is gone (or another life runs)
                 self._link.check_alive()
                 raise DaemonTimeout("the daemon's layer-progress table is gone") from None

@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from hicache.client.trust import trusted_uids, verify_endpoint
 from hicache.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, apply_client, client_keys
 from hicache.endpoints import admin_token_path
 from hicache.errors import InvalidIndicesError
@@ -119,8 +120,22 @@ class Connection:
         endpoint: str,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         closing: threading.Event | None = None,
+        trusted: frozenset[int] | None = None,
     ):
+        """Checks who listens on ``endpoint`` first (client/trust.py: UntrustedDaemon, or
+        DaemonTimeout when nothing does); ``trusted``: the uids a daemon may run as (default:
+        this user, root and $HICACHE_DAEMON_USER)."""
         self.endpoint = endpoint
+        keys = client_keys()  # CurveZMQ, from HICACHE_CURVE_* (None: plain)
+        trusted = trusted_uids() if trusted is None else trusted
+        try:
+            self.daemon_uid = verify_endpoint(endpoint, trusted, curve=keys is not None)
+        except (FileNotFoundError, ConnectionRefusedError, TimeoutError):
+            raise DaemonTimeout(
+                f"no daemon at {endpoint}: start hicache-daemon, or pass the endpoint of the one "
+                "that runs (or set HICACHE_ENDPOINT)"
+            ) from None
+        self.trusted = trusted
         self.timeout_ms = int(timeout_s * 1000)
         self.closing = closing
         self.busy = False  # a call is under way (set by the owning thread; see SessionLink)
@@ -129,7 +144,6 @@ class Connection:
         self.sock.setsockopt(zmq.LINGER, 0)
         slice_ms = self.timeout_ms if closing is None else min(self.timeout_ms, SLICE_MS)
         self.sock.setsockopt(zmq.RCVTIMEO, max(slice_ms, 1))  # recv raises zmq.Again after it
-        keys = client_keys()  # CurveZMQ, from HICACHE_CURVE_* (None: plain)
         if keys is not None:
             apply_client(self.sock, keys)
         self.sock.connect(endpoint)

@@ -37,6 +37,7 @@ from hicache.client.connection import (
     LeaseLost,
     hello_fields,
 )
+from hicache.client.trust import trusted_uids
 from hicache.protocol import HEARTBEAT_INTERVAL_S, ErrorCode, Op, Reply
 
 GIVE_BACK_OPS = (Op.MATCH, Op.INSERT, Op.LOCK, Op.ALLOC, Op.ALLOC_EXTEND, Op.ALLOC_DECODE)
@@ -45,8 +46,18 @@ log = logging.getLogger("hicache.client")
 
 
 class SessionLink:
-    def __init__(self, endpoint: str, name: str, timeout_s: float, admin: bool, beat: bool):
+    def __init__(
+        self,
+        endpoint: str,
+        name: str,
+        timeout_s: float,
+        admin: bool,
+        beat: bool,
+        daemon_user: str | int | None = None,
+    ):
         self.endpoint, self.name, self.timeout_s, self.admin = endpoint, name, timeout_s, admin
+        self.trusted = trusted_uids(daemon_user)  # who the daemon may run as (client/trust.py)
+        self.daemon_uid: int | None = None  # who it runs as (None: a CurveZMQ daemon)
         self._lock = threading.Lock()
         self._reconnecting = threading.Lock()
         self._closing = threading.Event()  # close() began: calls in flight end, new ones refuse
@@ -65,17 +76,12 @@ class SessionLink:
     # ---- opening ----------------------------------------------------------------------------
     def _open(self) -> None:
         """hello on a fresh connection; (re)starts the heartbeat."""
-        if self.endpoint.startswith("ipc://") and not self.endpoint.startswith("ipc://@"):
-            if not os.path.exists(self.endpoint[len("ipc://") :]):  # fail at once, not in 30 s
-                raise DaemonTimeout(
-                    f"no daemon at {self.endpoint} (no socket file): start hicache-daemon, or "
-                    "pass the endpoint of the one that runs (or set HICACHE_ENDPOINT)"
-                )
         if self._beat is not None and self._beat is not threading.current_thread():
             self._stop_beat.set()  # the old session's heartbeat ends before the new one starts
             self._beat.join()
         conn = self._new_conn()
         reply, _ = conn.call(Op.HELLO, hello_fields(self.name, self.admin, self.endpoint))
+        self.daemon_uid = conn.daemon_uid
         self.info = reply.fields
         self.key, self.epoch = reply.fields["session"], conn.epoch
         conn.session = self.key
@@ -95,7 +101,7 @@ class SessionLink:
             self._beat.start()
 
     def _new_conn(self) -> Connection:
-        conn = Connection(self.endpoint, self.timeout_s, self._closing)
+        conn = Connection(self.endpoint, self.timeout_s, self._closing, self.trusted)
         conn.on_late = self._late
         return conn
 
@@ -203,7 +209,9 @@ class SessionLink:
             if silent > self.lease_s:
                 raise DaemonTimeout(f"the daemon has not answered for {silent:.1f} s")
             return
-        probe = Connection(self.endpoint, min(self.timeout_s, self.lease_s), self._closing)
+        probe = Connection(
+            self.endpoint, min(self.timeout_s, self.lease_s), self._closing, self.trusted
+        )
         probe.session, probe.epoch, generation = self.key, self.epoch, self.generation
         try:
             probe.call(Op.HEARTBEAT)
@@ -232,11 +240,13 @@ class SessionLink:
         if self._beat is not None and self._beat is not threading.current_thread():
             self._beat.join()
         if os.getpid() == self._pid:
-            goodbye = Connection(self.endpoint, min(self.timeout_s, 2.0))
-            goodbye.session, goodbye.epoch = self.key, self.epoch
             with contextlib.suppress(Exception):  # daemon gone or restarted: nothing to give
-                goodbye.call(Op.GOODBYE)
-            goodbye.close()
+                goodbye = Connection(self.endpoint, min(self.timeout_s, 2.0), None, self.trusted)
+                goodbye.session, goodbye.epoch = self.key, self.epoch
+                try:
+                    goodbye.call(Op.GOODBYE)
+                finally:
+                    goodbye.close()
         for conn in conns:
             if not conn.busy:  # (one still busy after the wait is left to the collector)
                 conn.close()
@@ -265,7 +275,10 @@ def _heartbeat(link: SessionLink, stop: threading.Event, generation: int) -> Non
     the link, never the client: a client dropped without close() is still collected. Stops
     on EpochChanged, LeaseLost or an unknown session (every later call raises it)."""
     interval = min(HEARTBEAT_INTERVAL_S, link.lease_s / 3)
-    conn = Connection(link.endpoint, interval * 2)
+    try:
+        conn = Connection(link.endpoint, interval * 2, None, link.trusted)
+    except (DaemonTimeout, PermissionError):  # gone (or replaced) since the hello: calls tell
+        return
     conn.session, conn.epoch = link.key, link.epoch
     try:
         while not stop.wait(interval) and link.lost is None:

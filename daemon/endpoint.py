@@ -1,14 +1,15 @@
 """Claiming the endpoint the daemon listens on, so that no two daemons share it.
 
-For ``ipc://PATH``: the folder must be ours (or root's) and not writable by others unless it is
-sticky (as /tmp is), or another user could swap the socket for their own; it is created 0700
-when missing. A live daemon holds an exclusive ``flock`` on ``PATH.lock`` for its whole life: a
+For ``ipc://PATH``: the folder must be ours (or root's) and writable by nobody else, sticky
+shared folders such as /tmp included, or another user could put their own socket there first
+(``hicache.endpoints.folder_problem``, the rule engines check too); it is created 0700 when
+missing. A live daemon holds an exclusive ``flock`` on ``PATH.lock`` for its whole life: a
 second daemon on the same path is refused at once instead of taking the socket over, and a
 socket file left by a dead daemon is removed. The lock file itself stays (removing it while
 another daemon opens it would let two daemons hold "the" lock).
 
-``tcp://`` endpoints and abstract ``ipc://@name`` sockets need no claim: the kernel refuses a
-second bind itself.
+``tcp://`` endpoints need no claim: the kernel refuses a second bind itself. Abstract
+``ipc://@name`` sockets are refused (settings): they have no owner, anyone may bind one first.
 
 The admin token (``AdminToken``) is written 0600 where ``hicache.endpoints.admin_token_path``
 says: a session that opens as admin (flush, evict for everyone) must show it, so only the
@@ -21,7 +22,8 @@ import contextlib
 import fcntl
 import os
 import secrets
-import stat
+
+from hicache.endpoints import folder_problem
 
 
 class EndpointError(RuntimeError):
@@ -36,24 +38,13 @@ def bind_address(endpoint: str) -> str:
 
 
 def check_folder(folder: str) -> None:
-    """Raise EndpointError unless ``folder`` is a directory only we (or root) control."""
-    try:
-        st = os.lstat(folder)
-    except FileNotFoundError:
+    """Raise EndpointError unless ``folder`` is a directory only we (or root) control; made
+    0700 when missing."""
+    if not os.path.lexists(folder):
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode):
-        raise EndpointError(f"{folder}: not a directory (a symlink is refused too)")
-    if st.st_uid not in (os.getuid(), 0):
-        raise EndpointError(
-            f"{folder}: owned by uid {st.st_uid}, not by you ({os.getuid()}): whoever owns it "
-            "could replace the daemon's socket; use a folder of your own"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
-        raise EndpointError(
-            f"{folder}: writable by other users (mode {oct(stat.S_IMODE(st.st_mode))}): they "
-            "could replace the daemon's socket; chmod go-w it or use another folder"
-        )
+    problem = folder_problem(folder, {os.getuid(), 0})
+    if problem:
+        raise EndpointError(problem)
 
 
 class EndpointClaim:

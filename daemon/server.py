@@ -28,10 +28,16 @@ from hicache.allocator import PageState
 from hicache.backing import CudaBacking, SharedMemoryBacking
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
-from hicache.curve import load_secret
+from hicache.curve import is_loopback, load_secret
 from hicache.daemon.busy_poll import BusyPoll
 from hicache.daemon.capacity_feed import IDLE_BUDGET_S
-from hicache.daemon.endpoint import AdminToken, EndpointClaim, EndpointError, bind_address
+from hicache.daemon.endpoint import (
+    AdminToken,
+    EndpointClaim,
+    EndpointError,
+    bind_address,
+    check_folder,
+)
 from hicache.daemon.engine_tier import EngineTier
 from hicache.daemon.events import EventPublisher
 from hicache.daemon.handlers import Handlers
@@ -126,6 +132,10 @@ class Daemon:
             self.waits = L3Waits(self.ctx, wake)
         self._admin = AdminToken(admin_token_path(settings.endpoint))
         if settings.events_endpoint:
+            for ep in (settings.events_endpoint, settings.events_replay_endpoint):
+                if ep and ep.startswith("ipc://"):  # the control socket's rule (endpoint.py)
+                    check_folder(os.path.dirname(os.path.abspath(ep[len("ipc://") :])))
+            old = os.umask(0o177)  # ipc event sockets are born 0600, as the control socket
             try:
                 self.events = EventPublisher(
                     self.ctx,
@@ -138,6 +148,8 @@ class Daemon:
                 )
             except zmq.ZMQError as exc:
                 raise EndpointError(f"cannot publish KV events: {exc}") from None
+            finally:
+                os.umask(old)
         self._token = instance_token()
         self._lock = InstanceLock(self._token)  # taken before any segment exists
         l3 = settings.l3  # its model and shard say what the KV means: part of the snapshot's name
@@ -176,6 +188,13 @@ class Daemon:
         )
         self.handlers.server_counters = self._counters
         if settings.metrics_port:
+            if not is_loopback(f"tcp://{settings.metrics_host}:0"):
+                log.warning(
+                    "metrics on %s:%d can be read by anyone who reaches that address (no "
+                    "authentication): cache sizes, hit rates and client names",
+                    settings.metrics_host,
+                    settings.metrics_port,
+                )
             try:
                 self.metrics = MetricsServer(settings.metrics_host, settings.metrics_port)
             except OSError as exc:

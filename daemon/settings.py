@@ -110,6 +110,13 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
         None,
         "CurveZMQ: the folder of the public .key files of the clients let in (default: off)",
     ),
+    "insecure_local_tcp": (
+        bool,
+        False,
+        "accept a loopback tcp:// endpoint (control or events) without CurveZMQ keys: EVERY "
+        "local user can then connect, read cached prompts' token ids and insert KV under any "
+        "tokens (default: refused; use ipc://, private to your user, or CurveZMQ keys)",
+    ),
     "keep_host": (
         bool,
         True,
@@ -181,6 +188,7 @@ class DaemonSettings:
     snapshot_seconds: float = 30.0  # periodic host snapshots (0: only at a clean stop)
     curve_secret_key: str | None = None  # CurveZMQ: the daemon's secret key file
     curve_clients: str | None = None  # CurveZMQ: folder of the allowed clients' public keys
+    insecure_local_tcp: bool = False  # loopback tcp without CurveZMQ: any local user connects
 
     @property
     def curve(self) -> bool:
@@ -294,16 +302,24 @@ def _address(endpoint: str) -> str:
     if not endpoint.startswith(("ipc://", "tcp://")):
         hint = f" (did you mean ipc://{endpoint}?)" if endpoint.startswith(("/", ".")) else ""
         raise ValueError(f"endpoint: {endpoint!r} is neither ipc://PATH nor tcp://HOST:PORT{hint}")
-    if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):
+    if endpoint.startswith("ipc://@"):
+        raise ValueError(
+            f"endpoint: {endpoint} is an abstract socket, which has no owner: any local user "
+            "could bind the name first or connect; use ipc://PATH in a folder of your own"
+        )
+    if endpoint.startswith("ipc://"):
         return "ipc://" + os.path.abspath(endpoint[len("ipc://") :])
     if endpoint.startswith(("tcp://*:", "tcp://:")):
         return "tcp://127.0.0.1:" + endpoint.rsplit(":", 1)[1]
     return endpoint
 
 
-def _check_curve(curve: dict[str, Any], endpoint: str, events: dict[str, Any]) -> None:
-    """Both CurveZMQ settings or neither; usable key files; no tcp address other than loopback
-    without them (anyone on the network could use the daemon, or read prompts' tokens)."""
+def _check_curve(
+    curve: dict[str, Any], endpoint: str, events: dict[str, Any], insecure_local: bool
+) -> None:
+    """Both CurveZMQ settings or neither; usable key files; no tcp address without them
+    (anyone on the network could use the daemon, or read prompts' tokens), loopback included
+    unless ``insecure_local`` (every local user could)."""
     secret, clients = curve["curve_secret_key"], curve["curve_clients"]
     if (secret is None) != (clients is None):
         raise ValueError("curve_secret_key and curve_clients: give both or neither")
@@ -320,6 +336,13 @@ def _check_curve(curve: dict[str, Any], endpoint: str, events: dict[str, Any]) -
                 f"{name}: {value} is reachable from other machines; listening there needs "
                 "CurveZMQ keys (hicache keygen; --curve-secret-key, --curve-clients), or use "
                 "a loopback or ipc:// address"
+            )
+        if value is not None and str(value).startswith("tcp://") and not insecure_local:
+            raise ValueError(
+                f"{name}: {value} without CurveZMQ keys lets every local user connect: read "
+                "cached prompts' token ids and insert KV under any tokens. Use ipc://PATH "
+                "(private to your user), CurveZMQ keys (hicache keygen), or accept the risk "
+                "with --insecure-local-tcp true"
             )
 
 
@@ -469,7 +492,11 @@ def _checked(merged: dict[str, Any]) -> DaemonSettings:
                 raise ValueError(f"{name}: {value} is already the {taken[_address(value)]}")
             taken[_address(value)] = name
     curve = {k: daemon[k] for k in ("curve_secret_key", "curve_clients")}
-    _check_curve(curve, str(daemon["endpoint"]), events)
+    if not isinstance(daemon["insecure_local_tcp"], bool):
+        raise ValueError(
+            f"insecure_local_tcp: expected true or false, got {daemon['insecure_local_tcp']!r}"
+        )
+    _check_curve(curve, str(daemon["endpoint"]), events, daemon["insecure_local_tcp"])
     if not isinstance(daemon["keep_host"], bool):
         raise ValueError(f"keep_host: expected true or false, got {daemon['keep_host']!r}")
     every = _number(daemon, "snapshot_seconds")
@@ -513,6 +540,7 @@ def _checked(merged: dict[str, Any]) -> DaemonSettings:
         busy_poll_us=busy_poll_us,
         keep_host=daemon["keep_host"],
         snapshot_seconds=every,
+        insecure_local_tcp=daemon["insecure_local_tcp"],
         **curve,
         **events,
     )

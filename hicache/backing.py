@@ -19,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 
 import psutil
 import torch
@@ -206,18 +208,17 @@ class SharedMemoryBacking(Backing):
 
 class AttachedSharedMemory(Backing):
     """An existing shared-memory file mapped read-write (the engine side). close() unmaps and
-    never unlinks: the daemon that created the file owns it."""
+    never unlinks: the daemon that created the file owns it. ``owners``: the uids it may
+    belong to (the daemon's user); anything else, a link or a FIFO is refused unopened."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, owners: Collection[int] = ()):
         self.path = path
+        self.owners = frozenset(owners) or frozenset({os.getuid()})
         self._mm: mmap.mmap | None = None
         self._pinned: int | None = None
 
     def allocate(self, nbytes: int, what: str) -> torch.Tensor:
-        size = os.stat(self.path).st_size
-        if size < nbytes:
-            raise ValueError(f"{what}: {self.path} holds {size} bytes, expected {nbytes}")
-        self._mm, buf = attach_shared_memory(self.path, nbytes)
+        self._mm, buf = attach_shared_memory(self.path, nbytes, self.owners, what)
         self._pinned = register_pinned(buf)
         return buf
 
@@ -256,10 +257,25 @@ def register_pinned(buf: torch.Tensor) -> int | None:
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
-def attach_shared_memory(path: str, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
-    """Map an existing shared-memory file read-write (the engine side). Keep the mmap alive."""
-    fd = os.open(path, os.O_RDWR)
+def attach_shared_memory(
+    path: str, nbytes: int, owners: Collection[int], what: str = "pool"
+) -> tuple[mmap.mmap, torch.Tensor]:
+    """Map an existing shared-memory file read-write (the engine side). Keep the mmap alive.
+    Opened without following a link and without blocking (a FIFO), then checked on the open
+    file: a regular file of one of ``owners``, private to its owner, of at least ``nbytes``.
+    PermissionError or ValueError otherwise, with nothing mapped or written."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise PermissionError(f"{what}: {path} is not a regular file: not mapped")
+        if st.st_uid not in owners or stat.S_IMODE(st.st_mode) & 0o077:
+            raise PermissionError(
+                f"{what}: {path} belongs to uid {st.st_uid} with mode "
+                f"{oct(stat.S_IMODE(st.st_mode))}, not privately to the daemon's user: not mapped"
+            )
+        if st.st_size < nbytes:
+            raise ValueError(f"{what}: {path} holds {st.st_size} bytes, expected {nbytes}")
         mm = mmap.mmap(fd, nbytes, flags=MAP_FLAGS)
     finally:
         os.close(fd)

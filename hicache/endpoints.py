@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 
 def runtime_dir(environ: Mapping[str, str] | None = None) -> str:
@@ -15,6 +16,28 @@ def runtime_dir(environ: Mapping[str, str] | None = None) -> str:
     return environ.get("XDG_RUNTIME_DIR") or os.path.join(
         tempfile.gettempdir(), f"hicache-{os.getuid()}"
     )
+
+
+def folder_problem(folder: str, owners: Collection[int]) -> str | None:
+    """Why ``folder`` may not hold an ipc socket (None: it may): it must be a real directory
+    owned by one of ``owners`` and writable by no one else. A sticky shared folder such as /tmp
+    is refused too: anyone may create the socket's name there first. The one rule for the
+    daemon (where it listens) and its clients (whom they trust). FileNotFoundError if missing."""
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{folder}: not a directory (a symlink is refused too)"
+    if st.st_uid not in owners:
+        allowed = " or ".join(map(str, sorted(owners)))
+        return (
+            f"{folder}: owned by uid {st.st_uid}, not by uid {allowed}: whoever owns it could "
+            "put their own socket there; use a folder of your own"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (
+            f"{folder}: writable by other users (mode {oct(stat.S_IMODE(st.st_mode))}): they "
+            "could put their own socket there first; chmod go-w it or use a folder of your own"
+        )
+    return None
 
 
 def default_endpoint(environ: Mapping[str, str] | None = None) -> str:

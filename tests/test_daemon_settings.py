@@ -34,8 +34,11 @@ def test_precedence_default_toml_env_flags(tmp_path):
         ["--config", str(toml), "--device-tokens", "2048"], {"HICACHE_DEVICE_TOKENS": "1024"}
     )
     assert s.config.device_tokens == 2048
-    s = settings([], {"HICACHE_ENDPOINT": "tcp://*:5555", "HICACHE_LEASE_SECONDS": "2.5"})
-    assert s.endpoint == "tcp://*:5555" and s.lease_seconds == 2.5
+    env = {"HICACHE_ENDPOINT": "tcp://*:5555", "HICACHE_LEASE_SECONDS": "2.5"}
+    with pytest.raises(ValueError, match="every local user"):  # loopback tcp: asked for, or not
+        settings([], env)
+    s = settings([], {**env, "HICACHE_INSECURE_LOCAL_TCP": "true"})
+    assert s.endpoint == "tcp://*:5555" and s.lease_seconds == 2.5 and s.insecure_local_tcp
 
 
 @pytest.mark.parametrize(

@@ -156,10 +156,10 @@ def test_a_second_daemon_on_a_live_endpoint_is_refused_and_leaves_it_alone(ep):
         stop_daemon(proc)
 
 
-def failed_start(endpoint: str) -> subprocess.CompletedProcess:
+def failed_start(endpoint: str, *flags: str) -> subprocess.CompletedProcess:
     """A daemon start expected to fail (it must say why in one line)."""
     return subprocess.run(
-        [sys.executable, "-m", "hicache.daemon", "--endpoint", endpoint, *SMALL],
+        [sys.executable, "-m", "hicache.daemon", "--endpoint", endpoint, *SMALL, *flags],
         capture_output=True,
         text=True,
         timeout=60,
@@ -187,7 +187,7 @@ def test_a_failed_start_leaves_no_shared_memory_and_stale_segments_do_not_break_
     number = busy.bind_to_random_port("tcp://127.0.0.1")
     try:
         before = set(glob.glob(mine + "*"))
-        r = failed_start(f"tcp://*:{number}")
+        r = failed_start(f"tcp://*:{number}", "--insecure-local-tcp", "true")
         assert r.returncode == 2 and "cannot listen" in r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
         assert set(glob.glob(mine + "*")) == before  # nothing left behind

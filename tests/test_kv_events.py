@@ -17,7 +17,6 @@ from hicache.client import HiCacheClient  # noqa: E402
 from hicache.daemon.events import END_SEQ  # noqa: E402
 from tests.daemon_helpers import start_daemon, stop_daemon, wait_until  # noqa: E402
 from tests.event_model import TierModel  # noqa: E402
-from tests.l3_servers import free_port  # noqa: E402
 
 PS = 4  # the page size of tests.daemon_helpers.SMALL
 DECODE = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
@@ -25,7 +24,7 @@ DECODE = msgspec.msgpack.Decoder(kv_events.KVEventBatch)
 
 def events_daemon(tmp_path, *extra: str):  # noqa: ANN201
     ep = f"ipc://{tmp_path}/ev.sock"
-    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pub, replay = f"ipc://{tmp_path}/pub.sock", f"ipc://{tmp_path}/replay.sock"
     proc = start_daemon(ep, "--events-endpoint", pub, "--events-replay-endpoint", replay, *extra)
     return ep, pub, replay, proc
 
@@ -216,8 +215,9 @@ def test_subscribers_that_never_read_do_not_hold_the_daemon_up(tmp_path):
     ("argv", "field"),
     [
         (["--events-endpoint", "udp://x:1"], "events_endpoint"),
-        (["--events-replay-endpoint", "tcp://127.0.0.1:9"], "events_replay_endpoint"),
-        (["--events-endpoint", "tcp://127.0.0.1:9", "--events-buffer", "0"], "events_buffer"),
+        (["--events-replay-endpoint", "ipc:///run/x.sock"], "events_replay_endpoint"),
+        (["--events-endpoint", "ipc:///run/x.sock", "--events-buffer", "0"], "events_buffer"),
+        (["--events-endpoint", "tcp://127.0.0.1:9"], "events_endpoint"),  # no keys: refused
     ],
 )
 def test_bad_event_settings_name_the_field(argv, field):

@@ -87,7 +87,7 @@ def test_copies_leases_events_and_the_capacity_estimate_are_scraped(tmp_path):
     from tests.test_kv_events import serve_chats
 
     ep, port = f"ipc://{tmp_path}/c.sock", free_port()
-    events = f"tcp://127.0.0.1:{free_port()}"
+    events = f"ipc://{tmp_path}/events.sock"
     proc = small_daemon(ep, "--metrics-port", str(port), "--events-endpoint", events, lease=0.5)
     try:
         serve_chats(ep, 7, 60)

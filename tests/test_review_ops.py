@@ -75,7 +75,7 @@ def test_a_burst_of_dump_requests_does_not_stall_the_control_loop(tmp_path):
     control thread walk the whole tree again, back to back, while no engine is served (and
     /healthz goes 503 past 10 s). One walk per housekeeping pass would serve them all."""
     ep = f"ipc://{tmp_path}/d.sock"
-    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pub, rep = f"ipc://{tmp_path}/pub.sock", f"ipc://{tmp_path}/rep.sock"
     proc = launch.start_daemon(
         ep,
         *SHAPE[:6],
@@ -111,7 +111,7 @@ def test_a_dump_before_an_engine_registered_is_answered(tmp_path):
     that starts first and asks for a dump gets no answer at all (not even the end marker) until
     some engine registers, while replay requests are answered at once."""
     ep = f"ipc://{tmp_path}/e.sock"
-    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pub, rep = f"ipc://{tmp_path}/pub.sock", f"ipc://{tmp_path}/rep.sock"
     proc = start_daemon(
         ep, "--device-tier", "engine", "--host-bytes", "4MiB",
         "--events-endpoint", pub, "--events-replay-endpoint", rep,
@@ -153,7 +153,7 @@ def test_an_event_socket_on_the_daemons_own_ipc_path_is_refused(tmp_path, which)
     ep = f"ipc://{tmp_path}/d.sock"
     flags = ["--events-endpoint", ep]
     if which == "--events-replay-endpoint":
-        flags = ["--events-endpoint", f"tcp://127.0.0.1:{free_port()}", which, ep]
+        flags = ["--events-endpoint", f"ipc://{tmp_path}/pub.sock", which, ep]
     _refused_in_one_line(ep, "--device-tokens", "256", "--host-tokens", "1024", *flags)
 
 

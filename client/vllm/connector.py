@@ -56,7 +56,13 @@ class HiCacheConnector(KVConnectorBase_V1):
                 log.warning("hicache: this vLLM sends no worker reports: loads only")
             name = f"vllm-scheduler:{engine}"
             link = DaemonLink(
-                s.endpoint, name, s.timeout_s, s.retry_s, self.model, _known_layout(vllm_config)
+                s.endpoint,
+                name,
+                s.timeout_s,
+                s.retry_s,
+                self.model,
+                _known_layout(vllm_config),
+                s.daemon_user or None,
             )
             self.sched = SchedulerSide(
                 s if store else _no_store(s), link, self.block_size, parallel.world_size
@@ -65,7 +71,12 @@ class HiCacheConnector(KVConnectorBase_V1):
         else:
             rank = getattr(parallel, "rank", 0) % max(1, parallel.tensor_parallel_size)
             self.worker = WorkerSide(
-                s.endpoint, s.timeout_s, rank, f"vllm-worker{rank}:{engine}", s.layerwise
+                s.endpoint,
+                s.timeout_s,
+                rank,
+                f"vllm-worker{rank}:{engine}",
+                s.layerwise,
+                s.daemon_user or None,
             )
 
     @property

@@ -53,8 +53,10 @@ class DaemonLink:
         retry_s: float,
         model: str,
         expect: dict[str, Any] | None = None,
+        daemon_user: str | None = None,  # who else but this user or root may run the daemon
     ):
         self.endpoint = endpoint
+        self.daemon_user = daemon_user
         self.name = name
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -87,7 +89,9 @@ class DaemonLink:
     def _connect(self) -> HiCacheClient | None:
         try:
             if self.client is None:
-                self.client = HiCacheClient(self.endpoint, self.name, timeout_s=self.timeout_s)
+                self.client = HiCacheClient(
+                    self.endpoint, self.name, timeout_s=self.timeout_s, daemon_user=self.daemon_user
+                )
                 self.generation += 1
             client = self.client
             served = client.layout
@@ -98,7 +102,11 @@ class DaemonLink:
             client.register_layout(self.layout)
             info = client.info
             self.pool = PoolRef(
-                info["boot_epoch"], dict(info["config"]), dict(info["pools"]), info["layout"]
+                info["boot_epoch"],
+                dict(info["config"]),
+                dict(info["pools"]),
+                info["layout"],
+                client.daemon_uid,
             )
             self._said = None
             return client

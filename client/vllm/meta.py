@@ -23,6 +23,7 @@ class PoolRef:
     config: dict[str, Any]  # the pool's HiCacheConfig fields
     pools: dict[str, Any]  # the pools' descriptions (shared-memory paths)
     layout: dict[str, Any]  # the EngineLayout the pool was made for
+    daemon_uid: int | None = None  # the daemon's user, as the scheduler verified it (trust.py)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ class ConnectorSettings:
     namespace: str = ""  # kept apart from engines with another namespace (tenants)
     layerwise: str = "auto"  # load one layer ahead of the forward pass: auto (CUDA), on, off
     l3_wait_s: float = 1.0  # a prefix coming from the daemon's third tier: wait this long at most
+    daemon_user: str = ""  # the daemon may run as this user too (default: this user or root)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:

@@ -28,6 +28,7 @@ import torch
 from hicache.client.client import HiCacheClient
 from hicache.client.connection import DaemonError, LayoutMismatch
 from hicache.client.pools import AttachedPools, attach_pools
+from hicache.client.trust import trusted_uids
 from hicache.client.vllm.blocks import BlockCopier, block_format, engine_layout, ordered_layers
 from hicache.client.vllm.daemon_link import DOWN
 from hicache.client.vllm.layer_loads import StreamLoads, ThreadLoads
@@ -41,9 +42,17 @@ KEEP_POOLS = 2  # daemon lives whose pools stay mapped (the current one and the 
 
 class WorkerSide:
     def __init__(
-        self, endpoint: str, timeout_s: float, rank: int, name: str, layerwise: str = "auto"
+        self,
+        endpoint: str,
+        timeout_s: float,
+        rank: int,
+        name: str,
+        layerwise: str = "auto",
+        daemon_user: str | None = None,
     ):
         self.endpoint = endpoint
+        self.daemon_user = daemon_user
+        self.trusted = trusted_uids(daemon_user)  # whose pools this rank maps (client/trust.py)
         self.timeout_s = timeout_s
         self.rank = rank  # tensor-parallel rank: where this rank's share of a page starts
         self.name = name
@@ -80,7 +89,11 @@ class WorkerSide:
         )
         try:
             with HiCacheClient(
-                self.endpoint, self.name, timeout_s=self.timeout_s, heartbeat=False
+                self.endpoint,
+                self.name,
+                timeout_s=self.timeout_s,
+                heartbeat=False,
+                daemon_user=self.daemon_user,
             ) as hc:
                 hc.register_layout(layout)
         except LayoutMismatch as exc:
@@ -182,7 +195,7 @@ class WorkerSide:
                 raise RuntimeError(mismatch)
             names = HiCacheConfig.__dataclass_fields__
             cfg = HiCacheConfig(**{k: v for k, v in ref.config.items() if k in names})
-            pools = attach_pools(cfg, ref.pools)
+            pools = attach_pools(cfg, ref.pools, ref.daemon_uid, self.trusted)
             mapped = (pools, self.copier.pool_views(list(pools.kv_buffer)))
             self.pools[ref.epoch] = mapped
             for old in sorted(self.pools)[:-KEEP_POOLS]:
