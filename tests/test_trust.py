@@ -1,0 +1,297 @@
+"""An engine trusts only a daemon of a trusted user, and maps only that daemon's segments.
+
+The attacks of the security review (another local user squatting the default folder, the
+socket name, a loopback port, an abstract name; a hello naming any file as the pool) are played
+here with a second uid where it takes one (as root, as CI runs; skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import signal
+import socket
+import stat
+import tempfile
+import time
+
+import numpy as np
+import pytest
+
+from hicache.backing import attach_shared_memory
+from hicache.client import HiCacheClient
+from hicache.client.trust import (
+    UntrustedDaemon,
+    listener_uid,
+    peer_uid,
+    segment_path,
+    trusted_uids,
+    verify_endpoint,
+)
+from tests.daemon_helpers import start_daemon, stop_daemon
+from tests.l3_servers import free_port
+
+OTHER = 4242  # a uid that is neither ours nor root (no passwd entry needed)
+ME = trusted_uids()
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="plays another user (needs root)")
+
+
+@contextlib.contextmanager
+def shared_scratch():
+    """A folder under /tmp that another uid can pass through (tmp_path's parents are 0700)."""
+    folder = tempfile.mkdtemp(prefix="hicache-trust-", dir="/tmp")
+    os.chmod(folder, 0o711)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def listener_as(uid: int, bind, listen_after_setuid: bool = False):
+    """A forked child that binds with ``bind()`` (a socket) and listens, as ``uid`` (or binds
+    as root and drops to ``uid`` only before listen(): its socket file stays root's)."""
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no Python cleanup, no pytest
+        try:
+            if not listen_after_setuid:
+                os.setgid(uid)
+                os.setuid(uid)
+            sock = bind()
+            if listen_after_setuid:
+                os.setgid(uid)
+                os.setuid(uid)
+            sock.listen(8)
+            os.write(ready_w, b"1")
+            signal.pause()
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    try:
+        assert os.read(ready_r, 1) == b"1", "the listener did not start"
+        yield pid
+    finally:
+        os.close(ready_r)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def unix_listener(path: str):
+    def bind():
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        return sock
+
+    return bind
+
+
+# ---- ipc endpoints --------------------------------------------------------------------------
+def test_an_abstract_socket_is_refused_before_anything_is_sent():
+    with pytest.raises(UntrustedDaemon, match="abstract"):
+        verify_endpoint("ipc://@hicache", ME)
+    with pytest.raises(UntrustedDaemon, match="abstract"):
+        HiCacheClient("ipc://@hicache", timeout_s=1)
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o770, 0o777])
+def test_a_folder_other_users_can_write_is_refused(tmp_path, mode):
+    """Sticky shared folders too (s7): anyone may create the socket's name there first."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    path = str(folder / "hicache.sock")
+    sock = unix_listener(path)()
+    sock.listen(1)
+    try:
+        os.chmod(folder, mode)
+        with pytest.raises(UntrustedDaemon, match="writable by other users"):
+            verify_endpoint(f"ipc://{path}", ME)
+        os.chmod(folder, 0o700)
+        assert verify_endpoint(f"ipc://{path}", ME) == os.getuid()
+    finally:
+        sock.close()
+
+
+def test_a_link_in_place_of_the_socket_or_its_folder_is_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    path = str(real / "d.sock")
+    sock = unix_listener(path)()
+    sock.listen(1)
+    try:
+        (tmp_path / "via").symlink_to(real)
+        with pytest.raises(UntrustedDaemon, match="not a directory"):
+            verify_endpoint(f"ipc://{tmp_path}/via/d.sock", ME)
+        os.symlink(path, real / "link.sock")
+        with pytest.raises(UntrustedDaemon, match="not a socket"):
+            verify_endpoint(f"ipc://{real}/link.sock", ME)
+    finally:
+        sock.close()
+
+
+def test_nothing_listening_is_a_timeout_not_a_trust_error(tmp_path):
+    from hicache.client import DaemonTimeout
+
+    with pytest.raises(DaemonTimeout, match="no daemon"):
+        HiCacheClient(f"ipc://{tmp_path}/none.sock", timeout_s=1)
+
+
+@root_only
+def test_a_daemon_in_a_folder_another_user_made_is_refused_unless_named():
+    """s2/s3: another user pre-creates the default folder and serves there."""
+    with shared_scratch() as scratch:
+        squat = os.path.join(scratch, f"hicache-{os.getuid()}")
+        os.mkdir(squat, 0o700)
+        os.chown(squat, OTHER, OTHER)
+        path = os.path.join(squat, "hicache.sock")
+        with listener_as(OTHER, unix_listener(path)):
+            with pytest.raises(UntrustedDaemon, match=f"uid {OTHER}"):
+                verify_endpoint(f"ipc://{path}", ME)
+            with pytest.raises(UntrustedDaemon):
+                HiCacheClient(f"ipc://{path}", timeout_s=1)
+            named = trusted_uids(environ={"HICACHE_DAEMON_USER": str(OTHER)})
+            assert verify_endpoint(f"ipc://{path}", named) == OTHER  # the user it names
+
+
+@root_only
+def test_a_socket_file_of_another_user_is_refused(tmp_path):
+    path = str(tmp_path / "d.sock")
+    sock = unix_listener(path)()
+    sock.listen(1)
+    try:
+        os.chown(path, OTHER, OTHER)
+        with pytest.raises(UntrustedDaemon, match=f"uid {OTHER}"):
+            verify_endpoint(f"ipc://{path}", ME)
+    finally:
+        sock.close()
+
+
+@root_only
+def test_the_process_listening_must_be_trusted_whoever_owns_the_file():
+    with shared_scratch() as scratch:
+        path = os.path.join(scratch, "d.sock")
+        os.chmod(scratch, 0o700)
+        with listener_as(OTHER, unix_listener(path), listen_after_setuid=True):
+            assert os.lstat(path).st_uid == 0  # the file is root's, the listener is not
+            assert peer_uid(path) == OTHER
+            with pytest.raises(UntrustedDaemon, match="the process listening there"):
+                verify_endpoint(f"ipc://{path}", ME)
+
+
+# ---- tcp endpoints --------------------------------------------------------------------------
+def test_tcp_to_another_host_needs_curve_keys():
+    with pytest.raises(UntrustedDaemon, match="CurveZMQ"):
+        verify_endpoint("tcp://10.1.2.3:5555", ME)
+    assert verify_endpoint("tcp://10.1.2.3:5555", ME, curve=True) is None  # the key proves it
+
+
+def test_the_owner_of_a_loopback_listener_is_found():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    try:
+        port = sock.getsockname()[1]
+        assert listener_uid(port) == os.getuid()
+        assert verify_endpoint(f"tcp://127.0.0.1:{port}", ME) == os.getuid()
+    finally:
+        sock.close()
+    assert listener_uid(port) is None
+
+
+@root_only
+def test_a_loopback_port_another_user_took_is_refused():
+    """s14: the port was taken while the daemon was down."""
+    port = free_port()
+
+    def bind():
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", port))
+        return sock
+
+    with listener_as(OTHER, bind):
+        with pytest.raises(UntrustedDaemon, match=f"uid {OTHER}"):
+            verify_endpoint(f"tcp://127.0.0.1:{port}", ME)
+
+
+# ---- the pools a hello names ----------------------------------------------------------------
+NAME = f"hicache-{os.getuid()}-1-{'ab' * 16}-device"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../../etc/passwd", "/etc/passwd", "hicache-0-1-xyz-device", NAME + "/x", "", NAME + "\n"],
+)
+def test_a_pool_named_outside_the_daemons_form_is_refused(name):
+    with pytest.raises(UntrustedDaemon, match="not a hicache segment name"):
+        segment_path({"name": name, "path": "/dev/shm/" + NAME}, os.getuid(), ME)
+
+
+def test_a_pool_path_on_the_wire_is_never_used():
+    desc = {"name": NAME, "path": "/etc/shadow"}
+    assert segment_path(desc, os.getuid(), ME) == f"/dev/shm/{NAME}"
+    other = f"hicache-{OTHER}-1-{'ab' * 16}-device"
+    with pytest.raises(UntrustedDaemon, match=f"uid {OTHER}"):
+        segment_path({"name": other}, os.getuid(), ME)
+
+
+@pytest.fixture
+def shm_name():
+    name = f"hicache-{os.getuid()}-1-{os.urandom(16).hex()}-device"
+    yield name
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_planted_link_fifo_or_shared_file_is_not_mapped(tmp_path, shm_name):
+    path = f"/dev/shm/{shm_name}"
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 1024)
+    victim.chmod(0o600)  # (a private file of ours: only the link itself gives it away)
+    os.symlink(victim, path)
+    with pytest.raises(OSError) as refused:
+        attach_shared_memory(path, 4096, ME)
+    assert refused.value.errno == errno.ELOOP  # the link is not followed
+    os.unlink(path)
+    os.mkfifo(path, 0o600)
+    started = time.monotonic()
+    with pytest.raises(PermissionError, match="not a regular file"):
+        attach_shared_memory(path, 4096, ME)  # (a FIFO opened for reading would block)
+    assert time.monotonic() - started < 5
+    os.unlink(path)
+    with open(path, "wb") as fh:
+        fh.write(bytes(8192))
+    os.chmod(path, 0o644)
+    with pytest.raises(PermissionError, match="not privately"):
+        attach_shared_memory(path, 4096, ME)
+    os.chmod(path, 0o600)
+    with pytest.raises(PermissionError, match="uid"):
+        attach_shared_memory(path, 4096, {OTHER})  # a daemon of another user: not its file
+    mm, buf = attach_shared_memory(path, 4096, ME)
+    del buf
+    mm.close()
+    assert victim.read_bytes() == b"precious" * 1024
+
+
+def test_a_hello_that_names_another_file_maps_nothing(tmp_path):
+    """s3: whatever the hello says, the engine maps only the daemon's own segments."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 1024)
+    ep = f"ipc://{tmp_path}/d.sock"
+    proc = start_daemon(ep)
+    try:
+        with HiCacheClient(ep, name="engine") as hc:
+            hc.info["pools"]["device"] = {"kind": "shm", "name": "x", "path": str(victim)}
+            with pytest.raises(UntrustedDaemon):
+                hc.attach()
+            assert hc.pools is None
+        with HiCacheClient(ep, name="engine") as hc:  # the real hello maps as before
+            pools = hc.attach()
+            assert pools.device.num_pages > 1 and hc.daemon_uid == os.getuid()
+            tokens = np.arange(1, 17, dtype=np.int32)
+            hc.insert(tokens, hc.alloc(16))
+    finally:
+        stop_daemon(proc)
+    assert victim.read_bytes() == b"precious" * 1024
+    assert stat.S_IMODE(os.stat(tmp_path).st_mode) & 0o022 == 0
