@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import stat
 
 from hicache.endpoints import folder_problem
 
@@ -59,7 +60,15 @@ class EndpointClaim:
         if len(path.encode()) > 107:  # sun_path holds 108 bytes with the terminating NUL
             raise EndpointError(f"{endpoint}: an ipc path is at most 107 bytes; use a shorter one")
         check_folder(os.path.dirname(os.path.abspath(path)))
-        fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+        flags = os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(path + ".lock", flags, 0o600)
+        except OSError as exc:  # a link (ELOOP), or something we may not open
+            raise EndpointError(f"{path}.lock: cannot be our lock file ({exc.strerror})") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            raise EndpointError(f"{path}.lock: not a regular file of yours; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

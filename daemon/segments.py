@@ -11,6 +11,11 @@ A daemon that keeps its host tier across restarts (``keep_host``) also has a ``.
 marker: when it is gone, its host segment stays for the next daemon on its endpoint to adopt
 (daemon/snapshot.py) while the marker was touched within ``KEEP_TTL_S``; after that, or once
 adopted, it goes like the rest.
+
+/dev/shm is shared by every user, and anyone may create a file under a name of ours. So only
+regular files this user owns count as ours: a planted file, link or FIFO is ignored (never
+opened through, never waited on, never taken for a live daemon's lock), and every file is
+opened without following a link or blocking and checked on the open descriptor (``open_own``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import stat
 import time
 
 from hicache.backing import SHM_DIR
@@ -56,15 +62,38 @@ class InstanceLock:
         os.close(self.fd)
 
 
+def open_own(path: str, flags: int = os.O_RDONLY) -> int | None:
+    """A descriptor of ``path`` if it is a regular file of this user (else None): opened
+    without following a link and without blocking (a FIFO), then checked on what was opened."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:  # gone, a link (ELOOP), not ours to open
+        return None
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        return fd
+    os.close(fd)
+    return None
+
+
+def _is_own(path: str) -> bool:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
 def _instances(directory: str) -> dict[str, list[str]]:
-    """This user's segment names grouped by instance (``<pid>-<token>``)."""
+    """This user's segment names grouped by instance (``<pid>-<token>``): regular files of
+    ours only (another user may create files under our names)."""
     mine = f"{PREFIX}-{os.getuid()}-"
     groups: dict[str, list[str]] = {}
     for name in os.listdir(directory):
         if not name.startswith(mine) or name.endswith(".tmp"):
             continue
         parts = name[len(mine) :].split("-")
-        if len(parts) == 3:
+        if len(parts) == 3 and _is_own(os.path.join(directory, name)):
             groups.setdefault(f"{parts[0]}-{parts[1]}", []).append(name)
     return groups
 
@@ -76,12 +105,14 @@ def _kept(directory: str, instance: str, names: list[str]) -> set[str]:
     host = f"{PREFIX}-{os.getuid()}-{instance}-{HOST}"
     if marker not in names or host not in names:
         return set()
-    path = os.path.join(directory, marker)
+    fd = open_own(os.path.join(directory, marker))
+    if fd is None:
+        return set()
     try:
-        age = time.time() - os.stat(path).st_mtime
-        with open(path) as fh:
+        with open(fd) as fh:
+            age = time.time() - os.fstat(fd).st_mtime
             snapshot = fh.read(4096)
-    except (FileNotFoundError, UnicodeDecodeError):
+    except (OSError, UnicodeDecodeError):
         return set()
     if age >= KEEP_TTL_S or not snapshot or not os.path.exists(snapshot):
         return set()
@@ -98,10 +129,8 @@ def parse_name(name: str) -> tuple[int, str, str] | None:
 
 def instance_alive(instance: str, directory: str = SHM_DIR) -> bool:
     """Whether the daemon instance ``<pid>-<token>`` of this user still holds its lock."""
-    path = os.path.join(directory, f"{PREFIX}-{os.getuid()}-{instance}-{LOCK}")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    except (FileNotFoundError, OSError):
+    fd = open_own(os.path.join(directory, f"{PREFIX}-{os.getuid()}-{instance}-{LOCK}"))
+    if fd is None:  # none, or one another user planted (its flock proves nothing)
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -114,20 +143,26 @@ def instance_alive(instance: str, directory: str = SHM_DIR) -> bool:
 
 def kept_for(instance: str, directory: str = SHM_DIR) -> str | None:
     """The snapshot path a dead instance's keep marker names (None: no marker)."""
-    path = os.path.join(directory, f"{PREFIX}-{os.getuid()}-{instance}-{KEEP}")
+    fd = open_own(os.path.join(directory, f"{PREFIX}-{os.getuid()}-{instance}-{KEEP}"))
+    if fd is None:
+        return None
     try:
-        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)) as fh:
+        with open(fd) as fh:
             return fh.read(4096)
     except (OSError, UnicodeDecodeError):
         return None
 
 
 def mark_kept(token: str, snapshot: str, directory: str = SHM_DIR) -> str:
-    """Create (or touch) this instance's keep marker, naming the snapshot that will say what
-    its host segment holds; returns the marker's path."""
+    """Create (or renew) this instance's keep marker, naming the snapshot that will say what
+    its host segment holds; returns the marker's path. Written under a fresh private name and
+    renamed over the marker: whatever another user planted there (a link to a file of ours, a
+    FIFO) is replaced, never opened."""
     path = os.path.join(directory, segment_name(KEEP, token))
-    with open(os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600), "w") as fh:
+    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
+    with open(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600), "w") as fh:
         fh.write(snapshot)
+    os.rename(tmp, path)
     return path
 
 
@@ -139,9 +174,8 @@ def remove_stale(directory: str = SHM_DIR) -> list[str]:
         lock_name = f"{PREFIX}-{os.getuid()}-{instance}-{LOCK}"
         fd = None
         if lock_name in names:
-            try:
-                fd = os.open(os.path.join(directory, lock_name), os.O_RDWR)
-            except FileNotFoundError:  # its daemon just stopped and removed it
+            fd = open_own(os.path.join(directory, lock_name), os.O_RDWR)
+            if fd is None:  # its daemon just stopped and removed it
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -153,8 +187,8 @@ def remove_stale(directory: str = SHM_DIR) -> list[str]:
             for name in sorted(names, key=lambda n: n == lock_name):
                 if name in kept:
                     continue
-                with contextlib.suppress(FileNotFoundError):  # another cleaner got there first
-                    os.unlink(os.path.join(directory, name))
+                with contextlib.suppress(FileNotFoundError, PermissionError):  # another
+                    os.unlink(os.path.join(directory, name))  # cleaner got there first
                     removed.append(name)
         finally:
             if fd is not None:

@@ -168,10 +168,10 @@ class SharedMemoryBacking(Backing):
 
     def allocate(self, nbytes: int, what: str) -> torch.Tensor:
         if self.adopt is not None:
-            if os.stat(self.adopt).st_size != max(nbytes, 1):
+            if os.lstat(self.adopt).st_size != max(nbytes, 1):
                 raise ValueError(f"{what}: {self.adopt} is not {nbytes} bytes: not adopted")
             os.rename(self.adopt, self.path)
-            fd = os.open(self.path, os.O_RDWR)
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         else:
             check_ram(nbytes, what)
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
