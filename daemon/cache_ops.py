@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.allocator import OWNED
+from hicache.allocator import OWNED, TREE
 from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import out_of_memory
 from hicache.daemon.sessions import Session
@@ -169,11 +169,13 @@ class CacheOpsMixin:
         self.cache.wait_load(m.last_device_node)
         return self.cache.match_key(key, space, True, count=False)
 
-    def _result(self, session: Session, m: MatchResult, lock: bool, state: tuple) -> list:
+    def _result(
+        self, session: Session, m: MatchResult, lock: bool, state: tuple, inserted: int = 0
+    ) -> list:
         """One match's reply entry. A node shared by several matches (a system prompt) travels
         once: ``state`` holds each distinct node's page ids, and the entry lists the chunks its
-        prefix is made of."""
-        lock_id = self._lock(session, m) if lock else 0
+        prefix is made of. ``inserted``: pages of the session's the insert before it added."""
+        lock_id = self._lock(session, m, inserted) if lock else 0
         chunks, index = state
         ids = []
         for chunk in m.page_chunks:  # the nodes' own immutable bytes, alive meanwhile
@@ -184,10 +186,20 @@ class CacheOpsMixin:
             ids.append(i)
         return [m.device_hit_length, m.host_hit_length, lock_id, ids]
 
-    def _lock(self, session: Session, m: MatchResult) -> int:
-        """Lock a match's device prefix for ``session``; returns the lock id."""
-        self.cache.inc_lock_ref(m.last_device_node)
-        return session.add_lock(self.LockRecord(m.last_device_node, m.last_host_node))
+    def _lock(self, session: Session, m: MatchResult, inserted: int = 0) -> int:
+        """Lock a match's device prefix for ``session``; returns the lock id. What the lock
+        pins counts against the session's share of the pool, with what it owns: the pages no
+        lock held before (a backup's lock is one), and at least the session's own pages an
+        insert just added (``inserted``). QUOTA_EXCEEDED (nothing locked) past the share."""
+        made = -self.cache.inc_lock_ref(m.last_device_node) // self.cache.page_size
+        pinned = max(made, inserted)
+        try:
+            self.limits.check_pinned(session, pinned)
+        except ProtocolError:
+            self.cache.dec_lock_ref(m.last_device_node)
+            raise
+        session.pinned_pages += pinned
+        return session.add_lock(self.LockRecord(m.last_device_node, m.last_host_node, pinned))
 
     def _match_reply(self, results: list, chunks: list[bytes]) -> Result:
         """Pages, not slots, travel (the nodes' own page ids): page_size times fewer bytes than
@@ -225,9 +237,12 @@ class CacheOpsMixin:
         # the match's whole host part: another engine's load may have brought its head to the
         # device meanwhile, and then this load copied only the rest (loaded)
         part = self._host_part_slots(record)
-        self.cache.inc_lock_ref(record.host_node)  # the lock now covers the loaded part
-        self.cache.dec_lock_ref(record.node)
+        gained = -self.cache.inc_lock_ref(record.host_node)  # it covers the loaded part now
+        lost = self.cache.dec_lock_ref(record.node)
         record.node = record.host_node
+        change = max((gained - lost) // self.cache.page_size, -record.pinned)
+        record.pinned += change  # (a load of what was matched is not refused for its pages)
+        session.pinned_pages += change
         fields = {"loaded": len(part), "ticket": ticket}
         if events:
             fields["events"] = events  # opaque CUDA IPC handles, one per layer
@@ -265,9 +280,11 @@ class CacheOpsMixin:
         prefix_lens, results, state = [], [], ([], {})
         try:
             for seq, seq_slots, space in zip(tokens, slots, spaces, strict=True):
-                prefix_lens.append(self._insert_one(session, seq, seq_slots, space, lock))
+                prefix_len, joined = self._insert_one(session, seq, seq_slots, space, lock)
+                prefix_lens.append(prefix_len)
                 if lock:
-                    results.append(self._result(session, self._settled(seq, space), True, state))
+                    m = self._settled(seq, space)
+                    results.append(self._result(session, m, True, state, joined))
         except BaseException:
             self._undo_locks(session, results)  # (the sequences before stay inserted)
             raise
@@ -279,9 +296,10 @@ class CacheOpsMixin:
 
     def _insert_one(
         self, session: Session, seq: np.ndarray, slots: np.ndarray, space: Any, whole: bool
-    ) -> int:
+    ) -> tuple[int, int]:
         """Insert one sequence with the session's (or the tree's own) slots; ``whole``: only
-        its whole pages (the partial tail page stays the session's)."""
+        its whole pages (the partial tail page stays the session's). Returns the prefix
+        already cached and how many of the session's pages joined the tree."""
         if whole:
             aligned = len(seq) // self.cache.page_size * self.cache.page_size
             seq, slots = seq[:aligned], slots[:aligned]
@@ -293,8 +311,9 @@ class CacheOpsMixin:
         if self.capacity is not None:
             self.capacity.saw(False, seq, space)
         # what is no longer OWNED joined the tree or was freed as a duplicate
-        session.owned.difference_update(mine[state[mine] != OWNED].tolist())
-        return prefix_len
+        gone = mine[state[mine] != OWNED]
+        session.owned.difference_update(gone.tolist())
+        return prefix_len, int(np.count_nonzero(state[gone] == TREE))
 
     def _settled(self, seq: np.ndarray, space: Any) -> MatchResult:
         """The cached whole-page prefix of ``seq`` (a look-up, not a request), loads landed."""

@@ -12,6 +12,7 @@ Runs on the control thread only (the handlers call it).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -22,6 +23,8 @@ from hicache.daemon.settings import DaemonSettings
 from hicache.engine_layout import EngineLayout
 from hicache.errors import InsufficientMemoryError
 from hicache.protocol import ErrorCode, ProtocolError
+
+log = logging.getLogger("hicache.daemon")
 
 
 class Made(NamedTuple):
@@ -76,6 +79,7 @@ class EngineTier:
             s.session_max_locks,
             s.session_max_loads,
         )
+        log.info(limits.describe(s.max_sessions))
         info = {"config": s.as_dict(cfg), "pools": pools, "layout": layout.as_dict()}
         return layout, Made(cache, limits, info)
 

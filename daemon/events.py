@@ -201,7 +201,7 @@ class EventPublisher:
             self._buffer.append((int.from_bytes(seq, "big"), payload))
         elif frames[0] == b"D":
             seq = frames[2]
-            for peer in msgpack.unpackb(frames[1]):
+            for peer in msgpack.unpackb(frames[1]):  # every peer's copy is the same buffer
                 for payload in frames[3:]:
                     self._send(self._replay, [peer, b"", self.topic, seq, payload])
                 self._send(self._replay, [peer, b"", b"", END_SEQ, b""])
@@ -224,9 +224,14 @@ class EventPublisher:
 
     @staticmethod
     def _send(sock: zmq.Socket | None, frames: list[bytes]) -> None:
+        """Without copying payloads: the replies a dump or replay queues for many peers that
+        read slowly (or never) share the buffers instead of holding one copy each."""
         if sock is None:
             return
         try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:  # a peer that does not read loses what it does not take
-            pass
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                flags = (zmq.SNDMORE if i < last else 0) | zmq.NOBLOCK
+                sock.send(frame, flags, copy=len(frame) < zmq.COPY_THRESHOLD)
+        except zmq.Again:  # a peer that does not read loses what it does not take (zmq
+            pass  # checks the high-water mark at a message's first frame: all or nothing)

@@ -60,6 +60,7 @@ MAX_SESSION_LIST = 1000  # sessions listed by stats (the count is always exact)
 class LockRecord:
     node: TreeNode  # the device node locked for the session
     host_node: TreeNode  # where a load-back of this match would end
+    pinned: int = 0  # device pages this lock made unevictable (no lock held them before)
 
 
 def _int(fields: dict, name: str, lo: int = 0, hi: int = 2**62) -> int:
@@ -121,6 +122,7 @@ class Handlers(CacheOpsMixin):
         self.may_wait = False  # the request being handled may wait for the third tier
         self.requests = RequestStats()  # latency per op, errors by code (metrics)
         self.op = "unknown"  # the op of the request being handled
+        self.peer = b""  # the connection it came on (set by the server before handle)
         self.server_counters: Callable[[], dict[str, int]] = dict  # the transport's counters
         self.table: dict[Op, Callable[[Session | None, dict, Frames], Result]] = {
             Op.HELLO: self.hello,
@@ -243,9 +245,8 @@ class Handlers(CacheOpsMixin):
         session = ended.session
         if self.cache is None:  # nothing can be held before the pool exists
             return
-        for record in session.locks.values():
+        for record in session.drop_locks():
             self.cache.dec_lock_ref(record.node)
-        session.locks.clear()
         if session.owned:
             pages = np.fromiter(session.owned, dtype=np.int64)
             pages = pages[self.cache.device_alloc.state[pages] == OWNED]
@@ -280,7 +281,7 @@ class Handlers(CacheOpsMixin):
                 "the daemon is shutting down (draining): no new sessions; connect to the one "
                 "that replaces it",
             )
-        session = self.sessions.open(client, pid, self.clock(), admin)
+        session = self.sessions.open(client, pid, self.clock(), admin, self.peer)
         return {
             "session": session.key,  # what requests name the session by (secret)
             "session_id": session.id,  # public
@@ -372,6 +373,7 @@ class Handlers(CacheOpsMixin):
                 "client": s.client,
                 "pid": s.pid,
                 "owned_pages": len(s.owned),
+                "pinned_pages": s.pinned_pages,
                 "locks": len(s.locks),
                 "admin": s.admin,
                 "lapsed": bool(s.release_at),
@@ -430,6 +432,11 @@ class Handlers(CacheOpsMixin):
                     raise IntegrityError(f"session {s.id} owns page {page}, which is not OWNED")
             for record in s.locks.values():
                 locks[record.node] = locks.get(record.node, 0) + 1
+            charged = [record.pinned for record in s.locks.values()]
+            if min(charged, default=0) < 0 or s.pinned_pages != sum(charged):
+                raise IntegrityError(
+                    f"session {s.id}: {s.pinned_pages} pinned pages, its locks say {charged[:8]}"
+                )
         owned = int(np.count_nonzero(state == OWNED))
         if owned != len(seen):
             raise IntegrityError(f"{owned} OWNED pages, {len(seen)} owned by sessions")

@@ -11,6 +11,7 @@ and sends its reply. Only the control thread touches the parked list.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +20,9 @@ from typing import Any
 
 import zmq
 
-WAKE_ID = b"\0hicache-l3-wake"  # the ROUTER identity of wake messages (no client has it)
+# the ROUTER identity of wake messages: random per daemon, so that no peer can claim it (a tcp
+# peer may name its own routing id)
+WAKE_ID = b"\0hicache-l3-wake-" + secrets.token_bytes(16)
 MAX_PARKED = 1024  # more waiting matches than this are answered at once
 
 

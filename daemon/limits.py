@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hicache.protocol import ErrorCode, ProtocolError
+from hicache.protocol import MAX_FRAME_BYTES, ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
     from hicache.cache import HiRadixCache
@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 DEFAULT_OWNED_FRACTION = 0.75
 DEFAULT_MAX_LOCKS = 65536
 DEFAULT_MAX_LOADS = 256
+SNDHWM = 64  # replies queued per connection before they are dropped (a client has a few)
+LOCK_BYTES = 200  # what one held lock costs the daemon (its record and its id; measured ~190)
+TOTAL_LOCKS_PER_PAGE = 64  # locks of every session at once, per device page (from 65,536 ...)
+MAX_TOTAL_LOCKS = 1 << 20  # (... to 1M: 200 MiB)
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class SessionLimits:
     max_owned_pages: int  # device pages one session may own at once
     max_locks: int  # locks one session may hold at once
     max_loads: int  # load-backs of one session in flight at once
+    max_total_locks: int = MAX_TOTAL_LOCKS  # locks of every session at once
 
     @classmethod
     def for_pool(
@@ -41,17 +46,46 @@ class SessionLimits:
             raise ValueError(f"session_owned_fraction: must be in (0, 1], got {owned_fraction}")
         if max_locks < 1 or max_loads < 1:
             raise ValueError("session_max_locks and session_max_loads: must be >= 1")
-        return cls(max(1, int(device_pages * owned_fraction)), max_locks, max_loads)
+        total = min(MAX_TOTAL_LOCKS, max(65536, TOTAL_LOCKS_PER_PAGE * device_pages))
+        return cls(max(1, int(device_pages * owned_fraction)), max_locks, max_loads, total)
+
+    def describe(self, max_sessions: int) -> str:
+        """What these limits let every client together hold in the daemon's memory at most
+        (said at start): locks, and replies queued for connections that do not read."""
+        locks = self.max_total_locks * LOCK_BYTES
+        return (
+            f"limits: {max_sessions} sessions; {self.max_locks} locks each, {self.max_total_locks}"
+            f" in all (~{locks / 2**20:.0f} MiB); {self.max_owned_pages} device pages owned or "
+            f"pinned each; {SNDHWM} replies queued per connection; frames of at most "
+            f"{MAX_FRAME_BYTES / 2**20:.0f} MiB"
+        )
 
     def check_owned(self, session: Session, new_pages: int) -> None:
-        if len(session.owned) + new_pages > self.max_owned_pages:
+        """Pages it owns and pages its locks pinned (see check_pinned) share one bound."""
+        held = len(session.owned) + session.pinned_pages
+        if held + new_pages > self.max_owned_pages:
             raise ProtocolError(
                 ErrorCode.QUOTA_EXCEEDED,
-                f"session {session.id} would own {len(session.owned) + new_pages} device pages; "
-                f"a session may own {self.max_owned_pages} (insert or free some first)",
+                f"session {session.id} would hold {held + new_pages} device pages "
+                f"({len(session.owned)} owned, {session.pinned_pages} pinned by its locks, "
+                f"{new_pages} new); a session may hold {self.max_owned_pages} (insert, free or "
+                "release some first)",
             )
 
+    def check_pinned(self, session: Session, new_pages: int) -> None:
+        """A lock that makes ``new_pages`` device pages unevictable (no other lock held them):
+        charged to the session like owned pages, or one engine could pin the whole pool by
+        inserting and locking what it allocated, a share at a time."""
+        if new_pages:
+            self.check_owned(session, new_pages)
+
     def check_locks(self, session: Session, new_locks: int) -> None:
+        if session.tally[0] + new_locks > self.max_total_locks:
+            raise ProtocolError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"the daemon holds {session.tally[0]} locks for all sessions; at most "
+                f"{self.max_total_locks} at once (release some first)",
+            )
         if len(session.locks) + new_locks > self.max_locks:
             raise ProtocolError(
                 ErrorCode.QUOTA_EXCEEDED,

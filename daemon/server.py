@@ -42,7 +42,7 @@ from hicache.daemon.engine_tier import EngineTier
 from hicache.daemon.events import EventPublisher
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.l3_waits import WAKE_ID, L3Waits
-from hicache.daemon.limits import SessionLimits
+from hicache.daemon.limits import SNDHWM, SessionLimits
 from hicache.daemon.memory_trim import MemoryTrim
 from hicache.daemon.metrics import MetricsServer
 from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, segment_name
@@ -69,7 +69,6 @@ COPY_BELOW = 1 << 20
 # Received frames below this are copied into bytes (cheaper than keeping pyzmq's Frame); larger
 # ones stay in zmq's buffer, read through a memoryview (a batch of prompts: no 500 KiB copy).
 KEEP_FROM = 1 << 16
-SNDHWM = 64  # replies queued per peer before they are dropped (a client has a few in flight)
 RCVHWM = 64  # requests queued per peer before zmq stops reading from it (it waits, we don't)
 HOUSEKEEP_S = 0.05  # acks and leases are looked at least this often
 POLL_MS = int(HOUSEKEEP_S * 1000)
@@ -269,12 +268,14 @@ class Daemon:
 
     def _limits(self) -> SessionLimits:
         settings = self.settings
-        return SessionLimits.for_pool(
+        limits = SessionLimits.for_pool(
             self.cache.device_alloc.capacity_pages,
             settings.session_owned_fraction,
             settings.session_max_locks,
             settings.session_max_loads,
         )
+        log.info(limits.describe(settings.max_sessions))
+        return limits
 
     def _counters(self) -> dict[str, int]:
         out = {"replies_dropped": self.replies_dropped}
@@ -393,6 +394,7 @@ class Daemon:
         header = rest[0] if rest else b""
         waits = self.waits
         may_wait = waits is not None and waits.room() and not self.draining
+        self.handlers.peer = bytes(identity)
         reply, out = self.handlers.handle(header, rest[1:], may_wait)
         if reply is None:  # a match that waits for the third tier
             waits.park(identity, header, rest[1:], out)  # type: ignore[union-attr, arg-type]

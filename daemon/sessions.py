@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +34,7 @@ from hicache.protocol import DEFAULT_LEASE_S, ErrorCode, ProtocolError
 
 FORGET_AFTER = 65536  # lapsed session keys remembered (to answer LEASE_EXPIRED, not UNKNOWN)
 DEFAULT_MAX_SESSIONS = 4096  # live and quarantined sessions at once
+MAX_SESSIONS_PER_PEER = 16  # sessions one connection may have open (an engine opens one)
 
 
 class ServiceClock:
@@ -69,6 +70,9 @@ class Session:
     admin: bool = False  # may flush and evict for everyone
     owned: set[int] = field(default_factory=set)  # device pages allocated, not inserted or freed
     locks: dict[int, Any] = field(default_factory=dict)  # lock id -> what the handlers locked
+    pinned_pages: int = 0  # device pages its locks made unevictable (its records' ``pinned``)
+    peer: bytes = b""  # the connection (ROUTER routing id) that opened it
+    tally: list[int] = field(default_factory=lambda: [0])  # locks of all its table's sessions
     loads: set[int] = field(default_factory=set)  # tickets of loads this session started
     release_at: float = 0.0  # in quarantine: when its pages and locks are given back
     queried_tokens: int = 0  # tokens this session asked MATCH about (`hicache info sessions`)
@@ -79,13 +83,25 @@ class Session:
         """Record a lock taken for this session; returns its id (what RELEASE names)."""
         lock_id = next(self._lock_ids)
         self.locks[lock_id] = record
+        self.tally[0] += 1
         return lock_id
 
     def pop_lock(self, lock_id: int) -> Any:
         try:
-            return self.locks.pop(lock_id)
+            record = self.locks.pop(lock_id)
         except KeyError:
             raise ProtocolError(ErrorCode.NOT_OWNED, f"lock {lock_id} is not held") from None
+        self.pinned_pages -= getattr(record, "pinned", 0)  # (records are the handlers')
+        self.tally[0] -= 1
+        return record
+
+    def drop_locks(self) -> list[Any]:
+        """Forget every lock (the session ended); returns their records to release."""
+        records = list(self.locks.values())
+        self.locks.clear()
+        self.pinned_pages = 0
+        self.tally[0] -= len(records)
+        return records
 
     def check_owned(self, pages: Iterable[int]) -> None:
         """Raise NOT_OWNED unless every page is this session's."""
@@ -126,6 +142,8 @@ class SessionTable:
         self._lapsed: OrderedDict[int, None] = OrderedDict()  # keys whose lease ran out
         self._ids = itertools.count(1)
         self.leases_expired = 0  # live sessions whose lease ran out (not goodbyes)
+        self._per_peer: Counter[bytes] = Counter()  # live and quarantined sessions by peer
+        self.locks = [0]  # locks every session holds (each session's ``tally``)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -141,18 +159,46 @@ class SessionTable:
         yield from list(self._sessions.values())
         yield from list(self._quarantine.values())
 
-    def open(self, client: str, pid: int, now: float, admin: bool = False) -> Session:
-        """A new live session; QUOTA_EXCEEDED when max_sessions already hold memory."""
+    def open(
+        self, client: str, pid: int, now: float, admin: bool = False, peer: bytes = b""
+    ) -> Session:
+        """A new live session; QUOTA_EXCEEDED when max_sessions already hold memory, or when
+        ``peer`` (the connection asking) has MAX_SESSIONS_PER_PEER open already: an engine
+        opens one per connection, and one socket must not take every session there is."""
         if len(self._sessions) + len(self._quarantine) >= self.max_sessions:
             raise ProtocolError(
                 ErrorCode.QUOTA_EXCEEDED,
                 f"{self.max_sessions} sessions are open already (--max-sessions)",
             )
+        if peer and self._per_peer[peer] >= MAX_SESSIONS_PER_PEER:
+            raise ProtocolError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"this connection opened {MAX_SESSIONS_PER_PEER} sessions already (one per "
+                "HiCacheClient): close some first",
+            )
         key = secrets.randbits(62) | 1
         session = Session(
-            next(self._ids), key, client, pid, self.lease_s, now + self.lease_s, admin
+            next(self._ids),
+            key,
+            client,
+            pid,
+            self.lease_s,
+            now + self.lease_s,
+            admin,
+            peer=peer,
+            tally=self.locks,
         )
         self._sessions[key] = session
+        if peer:
+            self._per_peer[peer] += 1
+        return session
+
+    def _gone(self, session: Session) -> Session:
+        """Forget ``session``'s place in the per-peer count (it ended)."""
+        if session.peer:
+            self._per_peer[session.peer] -= 1
+            if not self._per_peer[session.peer]:
+                del self._per_peer[session.peer]
         return session
 
     def touch(self, key: int, now: float) -> Session:
@@ -172,7 +218,7 @@ class SessionTable:
     def end(self, key: int, reason: str = "goodbye") -> Ended | None:
         """End a live or quarantined session now; None when there is none by that key."""
         session = self._sessions.pop(key, None) or self._quarantine.pop(key, None)
-        return None if session is None else Ended(session, reason)
+        return None if session is None else Ended(self._gone(session), reason)
 
     def expire(self, now: float) -> list[Ended]:
         """Move every session whose lease ran out before ``now`` to quarantine, and return the
@@ -186,7 +232,7 @@ class SessionTable:
             if len(self._lapsed) > FORGET_AFTER:
                 self._lapsed.popitem(last=False)
         due = [s.key for s in self._quarantine.values() if s.release_at <= now]
-        return [Ended(self._quarantine.pop(key), "lease expired") for key in due]
+        return [Ended(self._gone(self._quarantine.pop(key)), "lease expired") for key in due]
 
     def owner_of(self, page: int) -> Session | None:
         """The session owning ``page`` (linear; for error messages and tests)."""

@@ -102,3 +102,89 @@ def test_sessions_are_bounded():
     with pytest.raises(ProtocolError) as err:
         table.open("c", 1, now=0.0)
     assert err.value.code is ErrorCode.QUOTA_EXCEEDED
+
+
+def test_one_session_cannot_pin_the_pool_by_locking_what_it_inserted(tmp_path):
+    """s10 (pin): insert_and_lock a share at a time pinned 16,368 of 16,384 device tokens.
+    Pages a lock makes unevictable count with the session's owned pages; another engine still
+    gets room, and what the lock released counts no more."""
+    import numpy as np
+
+    from hicache.client import DaemonError, HiCacheClient
+    from tests.daemon_helpers import start_daemon, stop_daemon
+
+    ep = f"ipc://{tmp_path}/d.sock"
+    # 256 device tokens, page 4: a session may hold 192. write_back: an insert starts no backup
+    # (a backup's lock protects pages while it runs, and the lock then pins nothing new)
+    proc = start_daemon(ep, "--write-policy", "write_back")
+    try:
+        with HiCacheClient(ep, name="pinner") as hc, HiCacheClient(ep, name="victim") as v:
+            limit = hc.info["limits"]["max_owned_pages"] * hc.config.page_size
+            pinned, base, held, refused = 0, 1000, [], None
+            while refused is None and pinned < hc.config.device_tokens:
+                try:
+                    seq = np.arange(base, base + 32, dtype=np.int32)
+                    held.append(hc.insert_and_lock(seq, hc.alloc(32)).match)
+                    pinned, base = pinned + 32, base + 32
+                except DaemonError as exc:
+                    refused = exc
+            assert refused is not None and refused.code is ErrorCode.QUOTA_EXCEEDED
+            assert "pinned by its locks" in refused.message
+            assert pinned <= limit
+            v.alloc(v.config.device_tokens - limit - 16)  # what the pinner could not take
+            stats = hc.stats(check=True)
+            assert stats["integrity"] == "ok"
+            plain = np.arange(50_000, 50_032, dtype=np.int32)  # insert, then lock by a match
+            hc.release(*held)
+            hc.insert(plain, hc.alloc(32))
+            m = hc.match_prefix(plain)  # pins what no lock held: charged like the inserts were
+            mine = [s for s in hc.stats()["session_list"] if s["client"] == "pinner"][0]
+            assert mine["pinned_pages"] == 32 // hc.config.page_size
+            hc.release(m)
+            mine = [s for s in hc.stats()["session_list"] if s["client"] == "pinner"][0]
+            assert mine["pinned_pages"] == 0
+    finally:
+        stop_daemon(proc)
+
+
+def test_one_connection_cannot_take_every_session():
+    """s10 (sessions): one socket opened 4096 sessions in 0.7 s; every new engine was refused."""
+    from hicache.daemon.sessions import MAX_SESSIONS_PER_PEER
+
+    table = SessionTable(max_sessions=4 * MAX_SESSIONS_PER_PEER)
+    mine = [table.open("x", 1, 0.0, peer=b"attacker") for _ in range(MAX_SESSIONS_PER_PEER)]
+    with pytest.raises(ProtocolError) as err:
+        table.open("x", 1, 0.0, peer=b"attacker")
+    assert err.value.code is ErrorCode.QUOTA_EXCEEDED and "connection" in str(err.value)
+    table.open("engine", 2, 0.0, peer=b"engine")  # another connection still gets in
+    table.end(mine[0].key)
+    table.open("x", 1, 0.0, peer=b"attacker")  # an ended one frees its place
+    table.expire(10.0)  # every lease ran out: quarantined, still counted
+    with pytest.raises(ProtocolError):
+        table.open("x", 1, 10.0, peer=b"attacker")
+    assert len(table.expire(1000.0)) == MAX_SESSIONS_PER_PEER + 1  # given back: uncounted
+    table.open("x", 1, 1000.0, peer=b"attacker")
+
+
+def test_locks_of_all_sessions_together_are_bounded():
+    """s10 (locks): 65,536 locks per session x 4096 sessions allowed ~46 GiB; every session's
+    locks now count against one daemon-wide bound, said at start with what it costs."""
+    from hicache.daemon.limits import SessionLimits
+
+    limits = SessionLimits.for_pool(1024, max_locks=100)
+    assert limits.max_total_locks == 65536  # (the floor; 64 per device page above it)
+    assert SessionLimits.for_pool(1 << 22).max_total_locks == 1 << 20
+    limits = SessionLimits(max_owned_pages=10, max_locks=100, max_loads=1, max_total_locks=150)
+    table = SessionTable()
+    a, b = table.open("a", 1, 0.0), table.open("b", 1, 0.0)
+    for _ in range(100):
+        a.add_lock("node")
+    limits.check_locks(b, 50)
+    for _ in range(50):
+        b.add_lock("node")
+    with pytest.raises(ProtocolError, match="for all sessions") as err:
+        limits.check_locks(b, 1)
+    assert err.value.code is ErrorCode.QUOTA_EXCEEDED
+    assert a.drop_locks() == ["node"] * 100 and table.locks == [50]
+    limits.check_locks(b, 50)
+    assert "150 in all" in limits.describe(4096)
