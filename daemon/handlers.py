@@ -63,6 +63,14 @@ class LockRecord:
     pinned: int = 0  # device pages this lock made unevictable (no lock held them before)
 
 
+def printable(name: str) -> str:
+    """``name`` with every character that is not printable (terminal escapes, newlines that
+    would fake a log line) written as its Python escape."""
+    if name.isprintable():
+        return name
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
+
+
 def _int(fields: dict, name: str, lo: int = 0, hi: int = 2**62) -> int:
     value = fields.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
@@ -260,6 +268,7 @@ class Handlers(CacheOpsMixin):
         pid = fields.get("pid", 0)
         if not isinstance(client, str) or len(client) > 256:
             raise ProtocolError(ErrorCode.BAD_FIELD, "hello: client is a str of <= 256 chars")
+        client = printable(client)  # shown in logs, `hicache info` and top: no escapes
         if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 2**62:
             raise ProtocolError(ErrorCode.BAD_FIELD, "hello: pid is an int >= 0")
         admin = self._bool(fields, "admin", False)

@@ -6,6 +6,8 @@ import multiprocessing as mp
 import os
 import signal
 import stat
+import subprocess
+import sys
 
 import msgpack
 import numpy as np
@@ -26,6 +28,7 @@ from tests.daemon_helpers import (
 )
 
 SPAWN = mp.get_context("spawn")
+CLI = [sys.executable, "-m", "hicache.client.cli"]
 
 
 @pytest.fixture
@@ -258,3 +261,26 @@ def test_cli_evict_without_an_amount_is_refused_before_any_daemon(tmp_path):
         capture_output=True,
     )
     assert out.returncode == 2 and b"--device-tokens" in out.stderr
+
+
+def test_client_names_are_shown_escaped(tmp_path):
+    """s11: a client name carrying terminal escapes and a fake log line reached `hicache info
+    sessions`, top and the daemon's log raw."""
+    from hicache.daemon.handlers import printable
+
+    name = "eng\x1b[2J\x1b[31mRED\n2026-01-01 00:00:00,000 ERROR hicache.daemon FAKE"
+    escaped = "eng\\x1b[2J\\x1b[31mRED\\n2026-01-01 00:00:00,000 ERROR hicache.daemon FAKE"
+    assert printable(name) == escaped
+    assert printable("ingénieur 2") == "ingénieur 2"  # printable text stays as it is
+    ep = f"ipc://{tmp_path}/d.sock"
+    proc = start_daemon(ep)
+    try:
+        with HiCacheClient(ep, name=name) as hc:
+            shown = [s["client"] for s in hc.stats()["session_list"]]
+            assert printable(name) in shown and name not in shown
+        info = subprocess.run([*CLI, "--endpoint", ep, "info", "sessions"], capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert "\x1b" not in info.stdout
+    finally:
+        log = stop_daemon(proc)
+    assert "\x1b" not in log and "\nERROR hicache.daemon FAKE" not in log

@@ -4,6 +4,7 @@ Fast enough for every path; tests/test_vllm.py runs the real vLLM."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -13,7 +14,7 @@ import pytest
 pytest.importorskip("vllm", reason="the connector's sides subclass vLLM's; setup.sh installs it")
 
 from hicache.client import HiCacheClient  # noqa: E402
-from hicache.client.vllm.meta import Copy, StepPlan  # noqa: E402
+from hicache.client.vllm.meta import Copy, PoolRef, StepPlan  # noqa: E402
 from hicache.client.vllm.settings import ConnectorSettings  # noqa: E402
 from hicache.daemon.launch import start_daemon, stop_daemon  # noqa: E402
 from tests.l3_servers import l3_settled, redis_cluster  # noqa: E402
@@ -440,9 +441,31 @@ def test_settings_refuse_unknown_keys_and_bad_values():
         ("retry_s", -1),
         ("endpoint", ""),
         ("endpoint", "garbage"),
+        ("endpoint", "tcp://10.0.0.7:5555"),  # another host without CurveZMQ keys: anyone
+        ("endpoint", "ipc://@hicache"),  # an abstract socket: no owner
     ]:
         with pytest.raises(ValueError, match=f"hicache.{key}"):
             ConnectorSettings.from_extra({f"hicache.{key}": value})
+
+
+def test_the_connector_checks_the_daemon_and_its_pools_like_any_client(tmp_path):
+    """Its scheduler and workers go through the client's checks (client/trust.py): a pool
+    a plan names outside the daemon's own segments is never mapped, its load fails as a miss."""
+    from hicache.client.trust import UntrustedDaemon
+
+    ep = f"ipc://{tmp_path}/d.sock"
+    proc = start_daemon(ep, "--device-tier", "engine", "--host-bytes", "4MiB")
+    try:
+        vllm = FakeVllm(ep)
+        ref = vllm.sched.link.pool
+        assert ref is not None and ref.daemon_uid == os.getuid()
+        hostile = PoolRef(ref.epoch + 1, ref.config, {"device": {"name": "x", "path": "/etc/x"}},
+                          ref.layout, ref.daemon_uid)  # fmt: skip
+        with pytest.raises(UntrustedDaemon):
+            vllm.workers[0]._pool(hostile)
+        vllm.close()
+    finally:
+        stop_daemon(proc)
 
 
 def _sessions(endpoint: str) -> list[dict]:

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from hicache.curve import client_keys, is_loopback
 from hicache.endpoints import env_endpoint
 
 PREFIX = "hicache."
@@ -67,6 +68,17 @@ class ConnectorSettings:
             raise ValueError(
                 f"kv_connector_extra_config: hicache.endpoint={out.endpoint!r} is not "
                 "ipc://PATH or tcp://HOST:PORT"
+            )
+        if not is_loopback(out.endpoint) and client_keys() is None:
+            raise ValueError(
+                f"kv_connector_extra_config: hicache.endpoint={out.endpoint!r} is another host: "
+                "without CurveZMQ keys anyone could answer there (and read every prompt); set "
+                "HICACHE_CURVE_SERVER_KEY and HICACHE_CURVE_CLIENT_KEY, as the daemon requires"
+            )
+        if out.endpoint.startswith("ipc://@"):
+            raise ValueError(
+                f"kv_connector_extra_config: hicache.endpoint={out.endpoint!r}: abstract sockets "
+                "have no owner (anyone may take the name); use ipc://PATH"
             )
         return out
 
