@@ -284,3 +284,20 @@ def test_client_names_are_shown_escaped(tmp_path):
     finally:
         log = stop_daemon(proc)
     assert "\x1b" not in log and "\nERROR hicache.daemon FAKE" not in log
+
+
+def test_namespaces_keep_engines_apart_through_the_client(endpoint):
+    """Tenants (models, adapters, salts) never share KV: the same tokens cached under one
+    namespace are a miss under another and under none, and each namespace keeps its own KV."""
+    tokens = np.arange(1, 33, dtype=np.int32)
+    with HiCacheClient(endpoint, name="a") as a, HiCacheClient(endpoint, name="b") as b:
+        a.insert(tokens, a.alloc(32), namespace="tenant-a")
+        assert b.match_prefix(tokens, namespace="tenant-b", lock=False).device_hit_length == 0
+        assert b.match_prefix(tokens, lock=False).device_hit_length == 0
+        assert b.match_prefix(tokens, namespace="tenant-a", lock=False).device_hit_length == 32
+        b.insert(tokens, b.alloc(32), namespace="tenant-b")  # its own copy, not a duplicate
+        ma = a.match_prefix(tokens, namespace="tenant-a", lock=False)
+        mb = b.match_prefix(tokens, namespace="tenant-b", lock=False)
+        assert ma.device_hit_length == mb.device_hit_length == 32
+        assert not set(ma.device_indices.tolist()) & set(mb.device_indices.tolist())
+        assert a.stats()["device_cached_tokens"] == 64

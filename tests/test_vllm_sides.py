@@ -205,6 +205,24 @@ def test_a_store_that_failed_on_one_rank_is_never_published(ep):
     a.close(), b.close()
 
 
+def test_a_step_is_published_only_once_every_rank_reported_it(ep):
+    """TP 2: rank 0 copied its heads and reported, rank 1's report never came: nothing is
+    published (a page without rank 1's share would be served as whole)."""
+    tokens = prompt(24, seed=11)
+    a = FakeVllm(ep, ranks=2)
+    a.silent_rank = 1
+    req = a.add("a", tokens)
+    a.admit(req)
+    a.step({"a": 24})
+    assert daemon_state(ep, a)["cached"] == 0
+    a.silent_rank = None
+    a.decode(req, 5)
+    a.step({"a": 1})  # both report this one: planned again, and published
+    assert daemon_state(ep)["cached"] == 24
+    a.finish(req)
+    a.close()
+
+
 def test_a_load_that_cannot_be_done_is_reported_as_failed_blocks(ep):
     a = FakeVllm(ep)
     run_to_end(a, "a", prompt(20, seed=9))

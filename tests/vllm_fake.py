@@ -85,6 +85,7 @@ class FakeVllm:
         link.ready()
         self.load_errors: set[int] = set()
         self.fail_store_rank: int | None = None  # a rank whose stores raise
+        self.silent_rank: int | None = None  # a rank whose report never reaches the scheduler
         self.layers_waited: list[str] = []  # wait_for_layer_load calls, in order
 
     # ---- vLLM's calls ------------------------------------------------------------------------
@@ -137,7 +138,9 @@ class FakeVllm:
                 w.failed_stores.update(c.job for c in plan.stores)
             else:
                 w.store(plan)
-            reports.append(w.report(plan))
+            report = w.report(plan)
+            if rank != self.silent_rank:
+                reports.append(report)
         self.sched.report(_aggregate(reports))
         return plan
 
