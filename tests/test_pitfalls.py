@@ -117,3 +117,28 @@ def test_38452_every_host_only_ancestor_of_a_hit_can_be_loaded():
     assert all(n.io is IOState.NONE and n.on_device for n in cache.tree.iter_nodes())
     cache.check_integrity()
     cache.close()
+
+
+def test_host_eviction_during_a_load_leaves_the_pages_it_reads():
+    """A load reads host pages until its ack: however much host room is asked for meanwhile,
+    those pages stay in the tree (and are not reused) until the copy landed."""
+    cache = make_cache(device_tokens=16, host_tokens=24, write_policy="write_through")
+    a, b = list(range(100, 108)), list(range(300, 308))
+    expected = values_at(cache, put(cache, a)).clone()
+    put(cache, b)
+    settle(cache)  # both backed up
+    cache.evict(16)  # both host-only now
+    m = cache.match_prefix(a)
+    node = m.last_host_node
+    host_pages = node.host_pages.copy()
+    loaded = cache.load_back(node)
+    assert loaded is not None and cache.engine.queued()  # the copy has not run yet
+    assert cache.evict_host(24) == 8  # only b could go: a's pages are being read
+    assert node.host_pages is not None and (node.host_pages == host_pages).all()
+    assert cache.host_alloc.alloc_pages(24, PageState.OWNED) is None  # none of a's reusable
+    settle(cache)
+    assert torch.equal(values_at(cache, loaded), expected)
+    cache.check_integrity()
+    assert cache.evict_host(24) == 0 and cache.evict(8).freed == 8  # now it may go (device first)
+    assert cache.evict_host(24) == 8
+    cache.check_integrity()

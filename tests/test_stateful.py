@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hicache import HiCacheConfig, HiRadixCache, InvalidIndicesError
 from hicache.kv_events import TierEvents
@@ -21,6 +21,7 @@ from tests.event_model import TierModel, tree_blocks
 from tests.reference import ReferenceCache, expected_kv, read_kv, write_kv
 
 NAMESPACES = (None, "tenant-b")
+REACH = ("loads_completed", "failed_load_under_a_lock", "host_eviction_during_a_load")
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -28,6 +29,7 @@ class CacheMachine(RuleBasedStateMachine):
     write_policy = "write_through"
     eviction_policy = "lru"
     verify_pages = False
+    seen: dict[str, int]  # what the runs reached (REACH), per machine class: checked after
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,13 +59,16 @@ class CacheMachine(RuleBasedStateMachine):
         self.owned: list[torch.Tensor] = []
 
     # ---- helpers ----------------------------------------------------------------------------
-    def draw_seq(self, data) -> tuple[np.ndarray, object]:  # noqa: ANN001
+    def draw_seq(self, data, min_extra: int = 1) -> tuple[np.ndarray, object]:  # noqa: ANN001
+        """A new prompt, or (3 times in 4) one that starts with a cached one: the whole of it
+        (then a hit reaches what eviction left on the host) or a cut at a page boundary."""
         ps = self.page_size
         vocab = 3 if ps == 1 else 2
-        extra = data.draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=3 * ps))
-        if self.seqs and data.draw(st.booleans()):
+        extra = data.draw(st.lists(st.integers(0, vocab - 1), min_size=min_extra, max_size=3 * ps))
+        if self.seqs and data.draw(st.integers(0, 3)):
             base, ns = self.seqs[data.draw(st.integers(0, len(self.seqs) - 1))]
-            base = base[: data.draw(st.integers(0, len(base)))]
+            if data.draw(st.booleans()):
+                base = base[: data.draw(st.integers(0, len(base) // ps)) * ps]
         else:
             base, ns = np.empty(0, np.int32), data.draw(st.sampled_from(NAMESPACES))
         return np.concatenate([base, np.array(extra, np.int32)]).astype(np.int32), ns
@@ -91,6 +96,27 @@ class CacheMachine(RuleBasedStateMachine):
         return m
 
     # ---- rules --------------------------------------------------------------------------------
+    @initialize(data=st.data(), count=st.integers(1, 4))
+    def warm_host(self, data, count: int) -> None:  # noqa: ANN001
+        """Start with prompts that only the host holds (inserted, hit twice so that every
+        write policy backs them up, then evicted from the device): loads, their failures and
+        host eviction under them are a few steps away from the first step."""
+        for _ in range(count):
+            seq, ns = self.draw_seq(data, min_extra=self.page_size)  # a whole page at least
+            slots = self.cache.alloc(len(seq))
+            if slots is None:
+                break
+            write_kv(self.pool, slots, seq, 0, seq)
+            self.cache.insert(seq, slots, namespace=ns)
+            self.ref.insert(seq, ns)
+            self.seqs.append((seq, ns))
+            for _ in range(2):
+                self.cache.match_prefix(seq, namespace=ns)
+        for _ in range(2):  # backups land; eviction (write_back: backs up first) ends on the host
+            self.engine.complete_all()
+            self.cache.poll()
+            self.cache.evict(self.config.device_tokens)
+
     @rule(data=st.data(), load=st.booleans(), wait=st.booleans())
     def serve_request(self, data, load, wait) -> None:  # noqa: ANN001
         """The engine loop: match, load back, lock, allocate the rest, write KV, insert."""
@@ -140,7 +166,9 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def load_back_and_verify(self, data) -> None:  # noqa: ANN001
         seq, ns = self.draw_seq(data)
-        m = self.cache.match_prefix(seq, namespace=ns)
+        # a match whose prefix is still loading: wait, then match again (the API's rule: a
+        # load that fails takes its nodes off the device, and the chain to load grows)
+        m = self.check_match(seq, ns, self.cache.match_prefix(seq, namespace=ns))
         if not m.host_hit_length:
             return
         loaded = self.cache.load_back(m.last_host_node)
@@ -189,16 +217,31 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.inc_lock_ref(node)
         self.locks.append(node)
         self.fail(self.cache.load_ticket(node))
+        self.seen["failed_load_under_a_lock"] += 1
         self.cache.poll()
         self.check_match(seq, ns, self.cache.match_prefix(seq, namespace=ns))
 
-    @rule(n=st.integers(1, 40))
-    def evict_device(self, n: int) -> None:
-        self.cache.evict(n)
+    @rule(data=st.data(), pages=st.integers(1, 12))
+    def evict_host_while_loading(self, data, pages: int) -> None:  # noqa: ANN001
+        """Host room is wanted while a load still reads its host pages (nested eviction, an
+        L3 fetch making room, another engine's request): those pages must survive it."""
+        seq, ns = self.draw_seq(data)
+        m = self.cache.match_prefix(seq, namespace=ns)
+        if not m.host_hit_length or self.cache.load_back(m.last_host_node) is None:
+            return
+        self.cache.evict_host(pages * self.page_size)
+        self.seen["host_eviction_during_a_load"] += bool(self.engine.queued())
+        self.check_match(seq, ns, self.cache.match_prefix(seq, namespace=ns))
 
-    @rule(n=st.integers(1, 40))
-    def evict_host(self, n: int) -> None:
-        self.cache.evict_host(n)
+    @rule(pages=st.integers(1, 8), part=st.booleans())
+    def evict_device(self, pages: int, part: bool) -> None:
+        self.cache.evict(pages * self.page_size - (part and self.page_size > 1))
+
+    @rule(pages=st.integers(1, 12), part=st.booleans())
+    def evict_host(self, pages: int, part: bool) -> None:
+        loading = any(j.direction is Direction.LOAD for j in self.engine._queued.values())
+        if self.cache.evict_host(pages * self.page_size - (part and self.page_size > 1)):
+            self.seen["host_eviction_during_a_load"] += loading
 
     @precondition(lambda self: self.engine.queued())
     @rule(data=st.data())
@@ -208,6 +251,14 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def poll(self) -> None:
         self.cache.poll()
+
+    @rule(pages=st.integers(0, 8))
+    def settle_and_evict(self, pages: int) -> None:
+        """Every copy lands, then device room is made: what was backed up becomes host-only
+        (the way to host hits, loads and their failures in few steps)."""
+        self.engine.complete_all()
+        self.cache.poll()
+        self.cache.evict(pages * self.page_size)
 
     @rule(n=st.integers(0, 20))
     def alloc_owned(self, n: int) -> None:
@@ -247,6 +298,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert self.router.normalized() == tree_blocks(self.cache)
 
     def teardown(self) -> None:
+        self.seen["loads_completed"] += self.cache.stats().load_tokens > 0
         for node in self.locks:
             self.cache.dec_lock_ref(node)
         self.engine.complete_all()
@@ -262,7 +314,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 SETTINGS = settings(
     max_examples=60,
-    stateful_step_count=40,
+    stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
@@ -272,7 +324,17 @@ def _machine(ps: int, policy: str, eviction: str, verify: bool = False) -> type[
     name = f"Machine_{policy}_{ps}_{eviction}_{verify}"
     attrs = {"page_size": ps, "write_policy": policy, "eviction_policy": eviction}
     attrs["verify_pages"] = verify
+    attrs["seen"] = dict.fromkeys(REACH, 0)
     return type(name, (CacheMachine,), attrs)
+
+
+def _run(machine: type[CacheMachine]) -> None:
+    """The random runs, then what they must have reached: a property test that never loads,
+    never fails a load under a lock or never evicts the host while a load runs proves nothing
+    about the rules for those states."""
+    machine.TestCase.settings = SETTINGS
+    machine.TestCase().runTest()
+    assert all(machine.seen.values()), f"the runs did not reach every state: {machine.seen}"
 
 
 CASES = [
@@ -284,15 +346,11 @@ CASES = [
 
 @pytest.mark.parametrize(("ps", "policy", "eviction"), CASES)
 def test_random_interleavings(ps: int, policy: str, eviction: str) -> None:
-    machine = _machine(ps, policy, eviction)
-    machine.TestCase.settings = SETTINGS
-    machine.TestCase().runTest()
+    _run(_machine(ps, policy, eviction))
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_random_interleavings_with_verified_pages(policy: str) -> None:
     """verify_pages: every host page the tree holds keeps its checksum (check_integrity reads
     them all after every step), and failed copies never leave a page unsealed."""
-    machine = _machine(4, policy, "lru", verify=True)
-    machine.TestCase.settings = SETTINGS
-    machine.TestCase().runTest()
+    _run(_machine(4, policy, "lru", verify=True))
