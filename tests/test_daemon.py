@@ -99,26 +99,35 @@ def test_many_engines_under_eviction_pressure_leak_nothing(tmp_path):
         stop_daemon(proc)
 
 
-def test_a_killed_engine_gives_everything_back_after_its_lease(endpoint, tmp_path):
-    write_sequence(endpoint, list(range(1, 41)))
-    ready = tmp_path / "ready"
-    victim = SPAWN.Process(target=hold_and_wait, args=(endpoint, str(ready)))
-    victim.start()
-    with HiCacheClient(endpoint, name="watcher") as hc:
-        wait_until(ready.exists)
-        s = hc.stats()
-        assert s["device_owned_tokens"] == 20 and s["device_protected_tokens"] == 40
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join()
-        wait_until(lambda: hc.stats()["sessions"] == 1)  # the lease lapsed: only the watcher
-        s = hc.stats(check=True)
-        if s["sessions_quarantined"]:  # held through the quarantine, then given back
+def test_a_killed_engine_gives_everything_back_after_its_lease(tmp_path):
+    """Its pages and locks are held through the quarantine (a stalled engine that comes back
+    must not find them reused), then given back. The quarantine (6 s) is long enough to be
+    seen after the lease (1 s) lapsed, whatever the machine's load."""
+    endpoint = f"ipc://{tmp_path}/k.sock"
+    proc = start_daemon(endpoint, lease=1.0, quarantine=6.0)
+    try:
+        write_sequence(endpoint, list(range(1, 41)))
+        ready = tmp_path / "ready"
+        victim = SPAWN.Process(target=hold_and_wait, args=(endpoint, str(ready)))
+        victim.start()
+        with HiCacheClient(endpoint, name="watcher") as hc:
+            wait_until(ready.exists)
+            s = hc.stats()
+            assert s["device_owned_tokens"] == 20 and s["device_protected_tokens"] == 40
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join()
+            wait_until(lambda: hc.stats()["sessions"] == 1)  # the lease lapsed: the watcher
+            s = hc.stats(check=True)
+            assert s["sessions_quarantined"] == 1  # held through the quarantine, then given back
             assert s["device_owned_tokens"] == s["quarantined_tokens"] == 20
+            assert s["device_protected_tokens"] == 40
             assert [x["lapsed"] for x in s["session_list"]].count(True) == 1
-        wait_until(lambda: hc.stats()["sessions_quarantined"] == 0)
-        s = hc.stats(check=True)
-        assert s["device_owned_tokens"] == 0 and s["device_protected_tokens"] == 0
-        assert s["integrity"] == "ok"
+            wait_until(lambda: hc.stats()["sessions_quarantined"] == 0)
+            s = hc.stats(check=True)
+            assert s["device_owned_tokens"] == 0 and s["device_protected_tokens"] == 0
+            assert s["integrity"] == "ok"
+    finally:
+        stop_daemon(proc)
 
 
 def raw_call(sock: zmq.Socket, header: bytes, *frames) -> tuple[int, dict]:

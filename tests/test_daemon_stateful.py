@@ -44,6 +44,10 @@ class Client:
 
 
 class DaemonMachine(RuleBasedStateMachine):
+    # what the runs reached (checked after them): allocations while a lapsed session's pages
+    # are in quarantine, and quarantines that ran out with pages to give back
+    seen = {"alloc_during_a_quarantine": 0, "quarantine_over": 0}
+
     def __init__(self) -> None:
         super().__init__()
         self.now = 0  # the fake monotonic source (ms)
@@ -110,12 +114,24 @@ class DaemonMachine(RuleBasedStateMachine):
             ), (op, decoded)
         return decoded, out
 
-    def quarantined_pages(self) -> set[int]:
-        return {p for s in self.handlers.sessions.quarantined() for p in s.owned}
+    def held_pages(self) -> set[int]:
+        """Pages the model says are still some client's: granted to a client of this daemon
+        life that neither said goodbye nor was given back (a lapsed one's quarantine is not
+        over). Never granted to anyone else meanwhile."""
+        return {
+            p
+            for c in self.clients
+            if c.epoch == self.epoch and not c.gone and not self.released(c)
+            for slots in c.owned
+            for p in (slots // PS).tolist()
+        }
 
     # ---- rules ----------------------------------------------------------------------------
     @rule()
     def hello(self) -> None:
+        self._hello()
+
+    def _hello(self) -> None:
         header = msgpack.packb([PROTOCOL_VERSION, int(Op.HELLO), 1, 0, 0, {"client": "e"}])
         now = self.read_clock()
         reply = decode_reply(self.handlers.handle(header, [])[0])
@@ -128,16 +144,35 @@ class DaemonMachine(RuleBasedStateMachine):
     def live(self) -> bool:
         return any(not c.gone for c in self.clients)
 
+    @rule(n=st.integers(1, 4 * PS))
+    def engine_stalls_holding_pages(self, n) -> None:  # noqa: ANN001
+        """An engine gets pages, then stops answering past its lease (a stuck step, a
+        debugger): its pages go into quarantine, not back to the pool."""
+        self._hello()
+        self._alloc(self.clients[-1], n)
+        self.run_quietly(25)
+
+    @rule(n=st.integers(1, 8 * PS))
+    def new_engine_allocates(self, n) -> None:  # noqa: ANN001
+        """An engine starts (while others may have lapsed into quarantine) and asks for
+        pages at once: none of the held ones may come back to it."""
+        self._hello()
+        self._alloc(self.clients[-1], n)
+
     @precondition(live)
     @rule(data=st.data(), n=st.integers(1, 3 * PS))
     def alloc(self, data, n) -> None:  # noqa: ANN001
-        c = self.pick(data)
-        before = self.quarantined_pages()
+        self._alloc(self.pick(data), n)
+
+    def _alloc(self, c: Client, n: int) -> None:
+        before = self.held_pages()
+        in_quarantine = any(c.owned for c in self.stalled())
         reply, out = self.call(c, Op.ALLOC, {"num_tokens": n})
         if reply.ok:
             slots = np.frombuffer(bytes(out[0]), dtype=np.int64).copy()
-            assert not set((slots // PS).tolist()) & before, "a quarantined page was granted"
+            assert not set((slots // PS).tolist()) & before, "a held page was granted again"
             c.owned.append(slots)
+            self.seen["alloc_during_a_quarantine"] += in_quarantine
 
     @precondition(live)
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=3 * PS))
@@ -228,14 +263,20 @@ class DaemonMachine(RuleBasedStateMachine):
         for slots in c.owned:
             self.cache.device_pool.layers[:, :, torch.from_numpy(slots)] = -5.0
 
-    @rule(steps=st.integers(1, 30))
-    def run_quietly(self, steps) -> None:  # noqa: ANN001
-        """The daemon runs and housekeeps while nobody speaks: leases lapse."""
+    @rule(steps=st.sampled_from([1, 5, 25, 45]))
+    def quiet(self, steps) -> None:  # noqa: ANN001
+        self.run_quietly(steps)
+
+    def run_quietly(self, steps: int) -> None:
+        """The daemon runs and housekeeps while nobody speaks: leases lapse (a lease is 20
+        ticks), quarantines run out (10 more)."""
         for _ in range(steps):
             self.now += TICK
             self.pending_gap += TICK
+            held = [c for c in self.stalled() if c.owned]
             self.last_housekeep = self.read_clock()
             self.handlers.housekeep()
+            self.seen["quarantine_over"] += sum(self.released(c) for c in held)
 
     @rule(ms=st.integers(300, 30_000))
     def pause_daemon(self, ms) -> None:  # noqa: ANN001
@@ -265,3 +306,5 @@ def test_sessions_across_restarts_pauses_and_stalls() -> None:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
     DaemonMachine.TestCase().runTest()
+    seen = DaemonMachine.seen
+    assert all(seen.values()), f"the runs did not reach every state: {seen}"
