@@ -55,6 +55,8 @@ class BusyPoll:
         self.until = 0.0  # the watch due before the next blocking recv ends then (0: none)
         self.wasted = 0.0  # seconds of watches that ran out, leaking at WASTE_SHARE
         self.leaked = time.perf_counter()  # when ``wasted`` was last drained
+        self.watches = 0  # watches run (stats: busy_poll_watches)
+        self.found = 0  # of them, those a request ended (stats: busy_poll_hits)
 
     def request(self) -> None:
         """A request was read: learn from the wait since the reply, if it was a real one."""
@@ -73,7 +75,10 @@ class BusyPoll:
     def before_recv(self) -> None:
         """Run the planned watch (if any) before the loop blocks on the socket."""
         if self.until:
-            if not watch(self.sock, self.until):
+            self.watches += 1
+            if watch(self.sock, self.until):
+                self.found += 1
+            else:
                 self.worth = False  # a whole spin watched for nothing
                 self.wasted += self.spin
             self.until = 0.0

@@ -279,6 +279,9 @@ class Daemon:
 
     def _counters(self) -> dict[str, int]:
         out = {"replies_dropped": self.replies_dropped}
+        busy = getattr(self, "busy", None)  # (made by serve)
+        out["busy_poll_watches"] = 0 if busy is None else busy.watches
+        out["busy_poll_hits"] = 0 if busy is None else busy.found
         if self.events is not None:
             out["event_batches_published"] = self.events.published_batches
             out["event_batches_dropped"] = self.events.dropped_batches
@@ -328,7 +331,7 @@ class Daemon:
         """Serve until stop() (or a signal) sets ``stopping``."""
         self._worth_keeping = True
         next_housekeep = next_metrics = time.monotonic()
-        busy = BusyPoll(self.sock, self.settings.busy_poll_us)
+        busy = self.busy = BusyPoll(self.sock, self.settings.busy_poll_us)
         while not self.stopping:
             busy.before_recv()  # right after a reply: the same engine may be about to ask again
             try:  # blocks up to POLL_MS (RCVTIMEO): one call per message, no separate poll

@@ -140,3 +140,41 @@ def test_bursts_of_requests_then_a_pause_cost_at_most_a_small_share_of_a_core(po
                 time.sleep(0.02)
 
         assert cpu_share(pid, bursts) < 0.2
+
+
+@needs_proc
+def test_busy_polling_finds_the_next_request_awake_and_costs_the_watch(tmp_path):
+    """What busy polling is for, against the same daemon with it off, in one run: an engine
+    whose next request comes 1 ms after each reply finds the polling daemon watching (its
+    watches end with a request, not with their deadline); the daemon with it off never
+    watches and sleeps instead. (CPU shares are not compared: a spin yields the core, and on a
+    busy machine others take it.)"""
+    eps = {k: f"ipc://{tmp_path}/{k}.sock" for k in ("poll", "off")}
+    procs = {k: start_daemon(ep, *SMALL, "--busy-poll-us", "10000" if k == "poll" else "0",
+                             "--keep-host", "false") for k, ep in eps.items()}  # fmt: skip
+    try:
+        clients = {k: HiCacheClient(ep, name=k, heartbeat=False) for k, ep in eps.items()}
+        for hc in clients.values():
+            hc.insert(PROMPT, hc.alloc(len(PROMPT)))
+        for hc in clients.values():
+
+            def engine(hc: HiCacheClient = hc) -> None:
+                for _ in range(150):
+                    think = time.perf_counter() + 0.001  # the engine's step between lookups
+                    while time.perf_counter() < think:
+                        pass
+                    assert hc.match_prefix(PROMPT, lock=False).device_hit_length == 64
+
+            engine()
+        stats = {k: hc.stats() for k, hc in clients.items()}
+        assert stats["off"]["busy_poll_watches"] == 0
+        poll = stats["poll"]
+        hits, watches = poll["busy_poll_hits"], poll["busy_poll_watches"]
+        # most requests found the daemon watching, and its watches mostly found a request
+        # (a loaded machine may deschedule the engine past a watch now and then)
+        assert hits >= 60 and hits >= 0.7 * watches, (hits, watches)
+        for hc in clients.values():
+            hc.close()
+    finally:
+        for proc in procs.values():
+            stop_daemon(proc)
