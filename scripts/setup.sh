@@ -54,6 +54,11 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "setup: install ${need[*]} for the L3 tests (they are skipped without them)" >&2
   fi
 fi
+# What the tests cannot use on this machine, recorded for them (tests/optional.py): they skip
+# those and say so; anything else missing fails them.
+: >"$venv/hicache-tests-without"
+command -v redis-server >/dev/null 2>&1 || echo redis-server >>"$venv/hicache-tests-without"
+ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || echo mooncake >>"$venv/hicache-tests-without"
 step "installing hicache and its extras"
 # The build tools are locked too: the C helpers are built with them, not in an isolated
 # environment that would take the newest setuptools.

@@ -57,3 +57,12 @@ def cache():
     yield c
     c.check_integrity()
     c.close()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
+    """Say what was not tested because it was declared absent (tests/optional.py)."""
+    from tests.optional import SKIPPED
+
+    for name, needs in sorted(SKIPPED.items()):
+        for what in sorted(needs):
+            terminalreporter.write_line(f"NOT TESTED: {what} ({name} declared absent)", yellow=True)

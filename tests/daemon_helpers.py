@@ -102,3 +102,25 @@ def hold_and_wait(endpoint: str, ready_path: str) -> None:
         fh.write(str(os.getpid()))
     while True:
         time.sleep(60)
+
+
+def serve_chats(endpoint: str, seed: int, requests: int) -> list[list[int]]:
+    """Chat-like traffic with loads, backups and evictions on both tiers; returns the prompts."""
+    rng = np.random.default_rng(seed)
+    shared = list(range(1, 41))
+    prompts = []
+    with HiCacheClient(endpoint, name=f"chat-{seed}") as hc:
+        history = list(shared)
+        for i in range(requests):
+            prompt = history + rng.integers(100, 300, 12).tolist()
+            if i % 4 == 3:  # an old conversation comes back (its KV may be on the host only)
+                prompt = prompts[rng.integers(len(prompts))] + [7] * 8
+            m = hc.match_prefix(prompt)
+            loaded = hc.load_back(m)
+            have = torch.cat([m.device_indices, loaded]) if loaded is not None else m.device_indices
+            hc.insert(prompt, torch.cat([have, hc.alloc(len(prompt) - len(have))]))
+            hc.release(m)
+            prompts.append(prompt)
+            if i % 4 != 3:
+                history = prompt if len(prompt) < 120 else list(shared)
+    return prompts

@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
+from tests.optional import require_program
 
 BIN = Path(sys.executable).parent
 
@@ -160,8 +160,7 @@ class MooncakeMaster:
 
 @contextmanager
 def redis_cluster(folder: Path, **kw: object):
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    require_program("redis-server", "redis-server", "the Redis Cluster store's tests")
     cluster = RedisCluster(folder, **kw)  # type: ignore[arg-type]
     try:
         cluster.start()
@@ -172,8 +171,9 @@ def redis_cluster(folder: Path, **kw: object):
 
 @contextmanager
 def mooncake_master(**kw: object):
-    if not (BIN / "mooncake_master").exists():
-        pytest.skip("mooncake_master is not installed (pip install hicache[l3])")
+    require_program(
+        "mooncake_master", "mooncake", "the Mooncake store's tests", BIN / "mooncake_master"
+    )
     master = MooncakeMaster(**kw)  # type: ignore[arg-type]
     try:
         master.start()

@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from hicache.client import HiCacheClient
 from hicache.protocol import Op
 from tests.daemon_helpers import start_daemon, stop_daemon
+from tests.optional import require_module
 
 CLI = [sys.executable, "-m", "hicache.client.cli"]
 
@@ -51,7 +51,7 @@ def test_the_estimate_follows_the_traffic_and_agrees_at_todays_size(tmp_path):
         text = subprocess.run([*CLI, "--endpoint", ep, "capacity"], capture_output=True,
                               text=True, timeout=60, check=True).stdout  # fmt: skip
         assert "<- today" in text and "recommendation:" in text
-        pytest.importorskip("matplotlib")
+        require_module("matplotlib", what="hicache capacity --plot")
         png = tmp_path / "curve.png"
         subprocess.run([*CLI, "--endpoint", ep, "capacity", "--plot", str(png)],
                        capture_output=True, timeout=120, check=True)  # fmt: skip

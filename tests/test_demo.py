@@ -16,6 +16,7 @@ from scripts.demo import (
     render_table,
     summary,
 )
+from tests.optional import require_module
 
 
 class FakeClock:
@@ -149,7 +150,7 @@ def test_arguments():
 
 
 def test_plot_writes_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    require_module("matplotlib", what="the demo's plot")
     d, h = runs()
     path = tmp_path / "demo.png"
     plot_hit_ratios(d, h, str(path), window=1)

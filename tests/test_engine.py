@@ -7,7 +7,9 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 
-pytest.importorskip("transformers")
+from tests.optional import require_module
+
+require_module("transformers", what="the reference engine (tests/test_engine.py)")
 
 from hicache.client import HiCacheClient  # noqa: E402
 from scripts.ref_engine import ReferenceEngine  # noqa: E402

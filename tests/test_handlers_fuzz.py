@@ -101,8 +101,15 @@ PS = 2
 
 def _client_world():  # noqa: ANN202
     cache = HiRadixCache(
-        HiCacheConfig(num_layers=1, num_kv_heads=1, head_dim=2, page_size=PS, device_tokens=64,
-                      host_tokens=128, load_back_threshold=1)  # fmt: skip
+        HiCacheConfig(
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=2,
+            page_size=PS,
+            device_tokens=64,
+            host_tokens=128,
+            load_back_threshold=1,
+        )  # fmt: skip
     )
     handlers = Handlers(cache, SessionTable(lease_s=1e9), boot_epoch=7, info={}, admin_token="t")
     return cache, handlers

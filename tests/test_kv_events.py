@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 import xxhash
 import zmq
 
-kv_events = pytest.importorskip("vllm.distributed.kv_events")
-msgspec = pytest.importorskip("msgspec")
+from tests.optional import require_module
+
+kv_events = require_module("vllm.distributed.kv_events", "vllm", "decoding events as vLLM does")
+msgspec = require_module("msgspec", "vllm", "decoding events as vLLM does")
 
 from hicache.client import HiCacheClient  # noqa: E402
 from hicache.daemon.events import END_SEQ  # noqa: E402
-from tests.daemon_helpers import start_daemon, stop_daemon, wait_until  # noqa: E402
+from tests.daemon_helpers import serve_chats, start_daemon, stop_daemon, wait_until  # noqa: E402
 from tests.event_model import TierModel  # noqa: E402
 
 PS = 4  # the page size of tests.daemon_helpers.SMALL
@@ -72,28 +73,6 @@ def held(hashes: list[int], *tiers: dict) -> int:
     while n < len(hashes) and any(hashes[n] in t for t in tiers):
         n += 1
     return n * PS
-
-
-def serve_chats(endpoint: str, seed: int, requests: int) -> list[list[int]]:
-    """Chat-like traffic with loads, backups and evictions on both tiers; returns the prompts."""
-    rng = np.random.default_rng(seed)
-    shared = list(range(1, 41))
-    prompts = []
-    with HiCacheClient(endpoint, name=f"chat-{seed}") as hc:
-        history = list(shared)
-        for i in range(requests):
-            prompt = history + rng.integers(100, 300, 12).tolist()
-            if i % 4 == 3:  # an old conversation comes back (its KV may be on the host only)
-                prompt = prompts[rng.integers(len(prompts))] + [7] * 8
-            m = hc.match_prefix(prompt)
-            loaded = hc.load_back(m)
-            have = torch.cat([m.device_indices, loaded]) if loaded is not None else m.device_indices
-            hc.insert(prompt, torch.cat([have, hc.alloc(len(prompt) - len(have))]))
-            hc.release(m)
-            prompts.append(prompt)
-            if i % 4 != 3:
-                history = prompt if len(prompt) < 120 else list(shared)
-    return prompts
 
 
 def test_the_stream_decoded_by_vllm_rebuilds_each_tier_and_a_dump_equals_it(tmp_path):

@@ -9,7 +9,9 @@ import urllib.request
 import numpy as np
 import pytest
 
-prometheus = pytest.importorskip("prometheus_client")
+from tests.optional import require_module
+
+prometheus = require_module("prometheus_client", "prometheus-client", "the /metrics endpoint")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -82,9 +84,8 @@ def test_copies_leases_events_and_the_capacity_estimate_are_scraped(tmp_path):
     """A workload with backups, loads and a session whose lease runs out: the histograms of
     copies by direction, lapsed leases, published event batches and the estimate show it,
     equal to the daemon's own stats."""
+    from tests.daemon_helpers import serve_chats, wait_until
     from tests.daemon_helpers import start_daemon as small_daemon
-    from tests.daemon_helpers import wait_until
-    from tests.test_kv_events import serve_chats
 
     ep, port = f"ipc://{tmp_path}/c.sock", free_port()
     events = f"ipc://{tmp_path}/events.sock"

@@ -17,7 +17,9 @@ import tempfile
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is installed by scripts/setup.sh")
+from tests.optional import require_module
+
+require_module("vllm", what="real vLLM engines (tests/test_vllm.py)")
 
 from hicache.client import HiCacheClient  # noqa: E402
 from hicache.daemon.launch import start_daemon, stop_daemon  # noqa: E402

@@ -11,7 +11,9 @@ import time
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm", reason="the connector's sides subclass vLLM's; setup.sh installs it")
+from tests.optional import require_module
+
+require_module("vllm", what="the connector's sides (they subclass vLLM's)")
 
 from hicache.client import HiCacheClient  # noqa: E402
 from hicache.client.vllm.meta import Copy, PoolRef, StepPlan  # noqa: E402
