@@ -1,0 +1,214 @@
+"""Break the rules that matter, one at a time, and see which tests notice.
+
+Each mutation below replaces one exact piece of source (it must occur exactly once) in a
+temporary copy of the repository laid out as installed (``hicache/`` with ``daemon/``,
+``client/`` and ``kernels/`` inside it, the built C helpers copied along), then runs the tests
+named for it there. A mutation no test catches is a rule no test guards: add a test, then the
+mutation here. Whoever changes a rule: add its mutation. (The bare-name guard of the top-level
+folders, kernels/shadowing.py, exists only in the repository's own layout: its test is
+tests/test_shadowing.py, run from the repository.)
+
+    .venv/bin/python -m scripts.mutations              # every mutation (about 10 minutes)
+    .venv/bin/python -m scripts.mutations quarantine   # those whose name contains a word
+
+First runs each mutation's tests on the copy as it is (they must pass: a test that fails anyway
+would catch everything). Prints one line per mutation (caught or SURVIVED, the time), then one
+JSON object; exits 1 when any survived.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # in the repository
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments that must fail
+
+
+MUTATIONS = [
+    Mutation(
+        "tp-publish-on-any-rank",
+        "client/vllm/scheduler.py",
+        "ok = step == rep.step and rep.ranks >= self.world",
+        "ok = step == rep.step and rep.ranks >= 1",
+        ("tests/test_vllm_sides.py",),
+    ),
+    Mutation(
+        "daemon-ignores-namespaces",
+        "daemon/handlers.py",
+        'spaces = fields.get("namespaces")',
+        "spaces = None",
+        ("tests/test_daemon.py", "-k", "namespaces"),
+    ),
+    Mutation(
+        "host-eviction-ignores-loads",
+        "hicache/tiering.py",
+        "and node.host_ref == 0",
+        "and True",
+        ("tests/test_pitfalls.py", "tests/test_stateful.py"),
+    ),
+    Mutation(
+        "failed-load-keeps-device-pages",
+        "hicache/transfer_book.py",
+        '            assert node.lock_ref == 0, f"{node}: locked below a failed load"\n'
+        "            self._drop_device(node)",
+        '            assert node.lock_ref == 0, f"{node}: locked below a failed load"',
+        ("tests/test_failed_copies.py", "tests/test_stateful.py"),
+    ),
+    Mutation(
+        "no-quarantine",
+        "daemon/sessions.py",
+        "session.release_at = session.expires + self.quarantine_s",
+        "session.release_at = session.expires",
+        ("tests/test_daemon_stateful.py", "tests/test_daemon.py", "-k", "stalls or killed"),
+    ),
+    Mutation(
+        "busy-polling-off",
+        "daemon/busy_poll.py",
+        "self.spin = busy_poll_us / 1e6",
+        "self.spin = 0.0",
+        ("tests/test_busy_poll.py",),
+    ),
+    Mutation(
+        "locks-pin-for-free",
+        "daemon/cache_ops.py",
+        "pinned = max(made, inserted)",
+        "pinned = 0",
+        ("tests/test_sessions.py",),
+    ),
+    Mutation(
+        "sessions-per-connection-unbounded",
+        "daemon/sessions.py",
+        "if peer and self._per_peer[peer] >= MAX_SESSIONS_PER_PEER:",
+        "if False:",
+        ("tests/test_sessions.py",),
+    ),
+    Mutation(
+        "engine-trusts-any-listener",
+        "client/trust.py",
+        "    uid = peer_uid(path)\n    if uid not in trusted:",
+        "    uid = peer_uid(path)\n    if False:",
+        ("tests/test_trust.py",),
+    ),
+    Mutation(
+        "pool-mapped-through-links",
+        "hicache/backing.py",
+        "os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC",
+        "os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC",
+        ("tests/test_trust.py",),
+    ),
+    Mutation(
+        "keep-marker-written-through-links",
+        "daemon/segments.py",
+        "    os.rename(tmp, path)\n    return path",
+        "    os.rename(tmp, path)\n    with open(path, 'w') as fh:\n        fh.write(snapshot)\n"
+        "    return path",
+        ("tests/test_planted_files.py",),
+    ),
+    Mutation(
+        "planted-files-count-as-ours",
+        "daemon/segments.py",
+        "if len(parts) == 3 and _is_own(os.path.join(directory, name)):",
+        "if len(parts) == 3:",
+        ("tests/test_planted_files.py",),
+    ),
+    Mutation(
+        "client-names-raw",
+        "daemon/handlers.py",
+        "        client = printable(client)",
+        "        pass",
+        ("tests/test_daemon.py", "-k", "escaped"),
+    ),
+]
+
+
+def installed_copy(dest: Path) -> None:
+    """The repository as installed: hicache/ with daemon/, client/, kernels/ inside, the built
+    C helpers, tests/, scripts/ and pyproject.toml beside it."""
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    built = [str(p.relative_to(ROOT)) for p in (ROOT / "hicache").glob("_*.so")]
+    for rel in files + built:
+        top, _, rest = rel.partition("/")
+        if top in ("daemon", "client", "kernels"):
+            target = dest / "hicache" / top / rest
+        elif top in ("hicache", "tests", "scripts") or rel == "pyproject.toml":
+            target = dest / rel
+        else:
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, target)
+
+
+def installed_path(path: str) -> str:
+    top, _, rest = path.partition("/")
+    return f"hicache/{top}/{rest}" if top in ("daemon", "client", "kernels") else path
+
+
+def run(mutation: Mutation | None, tests: tuple[str, ...], base: Path) -> tuple[bool, float, str]:
+    """Run ``tests`` in a fresh copy of ``base`` with ``mutation`` applied (None: as it is);
+    (whether they failed, seconds, the last output line)."""
+    work = Path(tempfile.mkdtemp(prefix="hicache-mutant-"))
+    try:
+        shutil.copytree(base, work, dirs_exist_ok=True)
+        if mutation is not None:
+            target = work / installed_path(mutation.path)
+            source = target.read_text()
+            if source.count(mutation.old) != 1:
+                raise SystemExit(f"{mutation.name}: the text to replace is not in "
+                                 f"{mutation.path} exactly once (the rule moved: update this "
+                                 "mutation)")  # fmt: skip
+            target.write_text(source.replace(mutation.old, mutation.new))
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+            cwd=work, capture_output=True, text=True, timeout=1800,
+        )  # fmt: skip
+        lines = [line for line in done.stdout.splitlines() if line.strip()]
+        return done.returncode != 0, time.monotonic() - started, (lines or [""])[-1]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> int:
+    words = sys.argv[1:]
+    chosen = [m for m in MUTATIONS if not words or any(w in m.name for w in words)]
+    base = Path(tempfile.mkdtemp(prefix="hicache-mutations-"))
+    results = {}
+    try:
+        installed_copy(base)
+        for tests in dict.fromkeys(m.tests for m in chosen):  # the control: they pass unmutated
+            failed, seconds, last = run(None, tests, base)
+            if failed:
+                print(f"the tests {' '.join(tests)} fail without a mutation: {last}")
+                return 2
+        for mutation in chosen:
+            caught, seconds, last = run(mutation, mutation.tests, base)
+            results[mutation.name] = caught
+            verdict = "caught  " if caught else "SURVIVED"
+            print(f"{verdict} {mutation.name:38} {seconds:6.1f} s  {last[:70]}", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    survived = [name for name, caught in results.items() if not caught]
+    print(json.dumps({"mutations": len(results), "caught": len(results) - len(survived),
+                      "survived": survived}))  # fmt: skip
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
