@@ -114,9 +114,11 @@ MUTATIONS = [
     Mutation(
         "keep-marker-written-through-links",
         "daemon/segments.py",
-        "    os.rename(tmp, path)\n    return path",
-        "    os.rename(tmp, path)\n    with open(path, 'w') as fh:\n        fh.write(snapshot)\n"
-        "    return path",
+        '    tmp = f"{path}.{secrets.token_hex(4)}.tmp"\n'
+        "    with open(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600),"
+        ' "w") as fh:\n        fh.write(snapshot)\n    os.rename(tmp, path)\n',
+        '    with open(os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600), "w") as fh:\n'
+        "        fh.write(snapshot)\n",
         ("tests/test_planted_files.py",),
     ),
     Mutation(
