@@ -242,13 +242,23 @@ def _unmap(backing: SharedMemoryBacking | AttachedSharedMemory) -> None:
 HOST_REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
+def pinned_span(buf: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of a contiguous CPU buffer: what registering it must cover. Bytes, not
+    elements: a float32 buffer registered by its element count left three quarters of it
+    unmapped for the GPU, and a kernel writing there faulted (seen on an H200)."""
+    if not buf.is_contiguous():
+        raise ValueError("only a contiguous buffer can be registered as pinned memory")
+    return buf.data_ptr(), buf.numel() * buf.element_size()
+
+
 def register_pinned(buf: torch.Tensor) -> int | None:
     """Page-lock a CPU buffer with CUDA when a GPU is present; returns the registered address."""
     if not torch.cuda.is_available() or buf.numel() == 0:
         return None
+    address, nbytes = pinned_span(buf)
     # portable (every device) and mapped: the Triton copy kernel reads and writes it in place
-    err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), HOST_REGISTER_FLAGS)
-    return buf.data_ptr() if int(err) == 0 else None
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, HOST_REGISTER_FLAGS)
+    return address if int(err) == 0 else None
 
 
 # Shared pools are mapped with their page tables filled at once (MAP_POPULATE): a first write

@@ -32,10 +32,17 @@ def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> list[tuple[int, i
 def copy_runs_one_layer(
     src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, int, int]], layer: int
 ) -> None:
-    """dst[:, layer, d:d+n] = src[:, layer, s:s+n] for each run (page views, 5-D)."""
-    src_layer, dst_layer = src[:, layer], dst[:, layer]
-    for s, d, n in runs:
-        dst_layer[:, d : d + n].copy_(src_layer[:, s : s + n])
+    """dst[:, layer, d:d+n] = src[:, layer, s:s+n] for each run (page views, 5-D).
+
+    One copy per K/V part and run: in the host layouts whose pages of a layer are contiguous
+    (layer_first) each is one contiguous block, so between a GPU and pinned memory it is one
+    asynchronous cudaMemcpy on the current stream (``non_blocking``; the engine's events say
+    when it landed), not a synchronous copy of a strided slice through a staging buffer."""
+    asynchronous = src.device != dst.device
+    for kv in range(src.shape[0]):
+        src_part, dst_part = src[kv, layer], dst[kv, layer]
+        for s, d, n in runs:
+            dst_part[d : d + n].copy_(src_part[s : s + n], non_blocking=asynchronous)
 
 
 def page_rows(view: torch.Tensor, kv: int, layer: int) -> torch.Tensor | None:

@@ -86,3 +86,18 @@ def test_host_pool_larger_than_ram_is_refused_before_allocating():
         HostPool(huge)
     with pytest.raises(InsufficientMemoryError):
         HiRadixCache(huge.replace(device_tokens=1024))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16])
+def test_a_buffer_is_pinned_by_its_bytes_not_its_elements(dtype):
+    """register_pinned hands CUDA the buffer's whole byte length: a float32 buffer registered
+    by its element count left three quarters unmapped, and the vLLM block copy's kernel
+    faulted writing there (the first GPU run)."""
+    from hicache.backing import pinned_span
+
+    buf = torch.zeros(3, 160, 256, dtype=dtype)
+    address, nbytes = pinned_span(buf)
+    assert address == buf.data_ptr() and nbytes == buf.numel() * buf.element_size()
+    assert nbytes == buf.untyped_storage().nbytes()  # every byte the kernel may touch
+    with pytest.raises(ValueError, match="contiguous"):
+        pinned_span(buf[:, ::2])
