@@ -86,7 +86,8 @@ class ReferenceEngine:
     def __init__(self, client: HiCacheClient, seed: int = 0):
         self.client = client
         self.pools = client.attach()
-        self.model = build_model(client, seed)
+        self.device = self.pools.device.buffer.device  # the model runs where the pool is
+        self.model = build_model(client, seed).to(self.device)
         self.page_size = client.config.page_size
 
     def _cache_from_pool(
@@ -100,16 +101,20 @@ class ReferenceEngine:
                 t0 = time.perf_counter()
                 self.client.wait_layer(load, layer)
                 waited[0] += time.perf_counter() - t0
-            k = self.pools.k_buffer[layer][slots].permute(1, 0, 2).unsqueeze(0)
-            v = self.pools.v_buffer[layer][slots].permute(1, 0, 2).unsqueeze(0)
+            at = slots.to(self.device)
+            k = self.pools.k_buffer[layer][at].permute(1, 0, 2).unsqueeze(0)
+            v = self.pools.v_buffer[layer][at].permute(1, 0, 2).unsqueeze(0)
             return k, v  # fancy indexing copied them: the pool may change afterwards
 
         return PoolPrefixCache(fetch)
 
     def _write_new_kv(self, cache: DynamicCache, start: int, slots: torch.Tensor) -> None:
+        at = slots.to(self.device)
         for layer, entry in enumerate(cache.layers):
-            self.pools.k_buffer[layer][slots] = entry.keys[0, :, start:].permute(1, 0, 2)
-            self.pools.v_buffer[layer][slots] = entry.values[0, :, start:].permute(1, 0, 2)
+            self.pools.k_buffer[layer][at] = entry.keys[0, :, start:].permute(1, 0, 2)
+            self.pools.v_buffer[layer][at] = entry.values[0, :, start:].permute(1, 0, 2)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the KV is complete before the insert publishes it
 
     @torch.no_grad()
     def serve(self, tokens: np.ndarray) -> Served:
@@ -125,8 +130,8 @@ class ReferenceEngine:
             t1 = time.perf_counter()
             waited = [0.0]
             cache = self._cache_from_pool(prefix[:reuse], load, waited)
-            ids = torch.from_numpy(tokens[reuse:].astype(np.int64)).unsqueeze(0)
-            positions = torch.arange(reuse, len(tokens)).unsqueeze(0)
+            ids = torch.from_numpy(tokens[reuse:].astype(np.int64)).unsqueeze(0).to(self.device)
+            positions = torch.arange(reuse, len(tokens), device=self.device).unsqueeze(0)
             kv = {CACHE_KWARG: cache}  # (its name differs between transformers versions)
             out = self.model(ids, position_ids=positions, use_cache=True, **kv)
             if load is not None:
@@ -149,4 +154,4 @@ class ReferenceEngine:
     def recompute(self, tokens: np.ndarray) -> torch.Tensor:
         """Logits of every token from scratch (the oracle)."""
         ids = torch.from_numpy(np.asarray(tokens, dtype=np.int64)).unsqueeze(0)
-        return self.model(ids).logits[0]
+        return self.model(ids.to(self.device)).logits[0]

@@ -197,3 +197,55 @@ def test_vllm_blocks_on_cuda_round_trip_through_a_pinned_pool(path):
     finally:
         if pinned is not None:
             torch.cuda.cudart().cudaHostUnregister(pinned)
+
+
+def _engine_a(endpoint: str, tokens: list[int]) -> None:
+    """Another process computes a prefix into the CUDA daemon's pool (mapped by CUDA IPC)."""
+    import numpy as np
+
+    from hicache.client import HiCacheClient
+    from scripts.ref_engine import ReferenceEngine
+
+    with HiCacheClient(endpoint, name="engine-a") as hc:
+        ReferenceEngine(hc).serve(np.array(tokens, dtype=np.int32))
+
+
+def test_two_engines_share_kv_through_one_cuda_daemon(tmp_path):
+    """The e2e check on the GPU: an engine process computes a prefix into the daemon's CUDA
+    pool, a second one reuses it (and what the host gives back after an eviction): the logits
+    of every token it computes equal a full recompute."""
+    import multiprocessing as mp
+
+    import numpy as np
+
+    from hicache.client import HiCacheClient
+    from tests.daemon_helpers import start_daemon, stop_daemon
+    from tests.optional import require_module
+
+    require_module("transformers", what="the reference engine on the GPU")
+    from scripts.ref_engine import ReferenceEngine
+
+    ep = f"ipc://{tmp_path}/e2e.sock"
+    shape = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8", "--dtype", "float32",
+             "--device-tokens", "512", "--host-tokens", "2048", "--page-size", "4",
+             "--load-back-threshold", "1"]  # fmt: skip
+    proc = start_daemon(ep, "--device", "cuda", *shape)
+    try:
+        rng = np.random.default_rng(7)
+        prefix = rng.integers(0, 512, 96, dtype=np.int32)
+        with mp.get_context("spawn").Pool(1) as pool:
+            pool.apply(_engine_a, (ep, prefix.tolist()))
+        with HiCacheClient(ep, name="engine-b", admin=True) as hc:
+            engine = ReferenceEngine(hc)
+            assert engine.device.type == "cuda"
+            tokens = np.concatenate([prefix, rng.integers(0, 512, 20, dtype=np.int32)])
+            served = engine.serve(tokens)
+            want = engine.recompute(tokens)[served.computed_from :]
+            assert served.device_hit == 96 and served.computed_from == 96
+            assert (served.logits - want).abs().max().item() < 1e-4
+            hc.evict(device_tokens=1 << 20)  # everything unlocked to the host, then back
+            served = engine.serve(tokens)
+            want = engine.recompute(tokens)[served.computed_from :]
+            assert served.host_hit > 0 and (served.logits - want).abs().max().item() < 1e-4
+    finally:
+        stop_daemon(proc)
