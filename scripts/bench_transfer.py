@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -128,28 +129,66 @@ def cpu_table() -> dict:
 
 
 def gpu_table() -> dict:
+    """Kernel and direct copies between the GPU pool and pinned host memory, page 16 and 64,
+    every host layout, both page patterns, as ratios to one pinned cudaMemcpyAsync of the same
+    bytes in the same run."""
     headline = {}
-    for layout in ("layer_first", "page_first", "page_first_direct"):
-        cfg = config(layout, 16, device="cuda")
-        dev, host = DevicePool(cfg), HostPool(cfg)
-        nbytes = PAGES * dev.page_bytes
-        g = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        h = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-        sync = torch.cuda.synchronize
-        d2h = nbytes / best_of(partial(h.copy_, g, non_blocking=True), sync) / 1e9
-        h2d = nbytes / best_of(partial(g.copy_, h, non_blocking=True), sync) / 1e9
-        print(f"GPU page_size=16 {layout:18s} pinned memcpy d2h {d2h:6.2f} h2d {h2d:6.2f} GB/s")
-        r = measure(dev, host, [KernelCopier(), DirectCopier()], "cuda", sync)
-        for key, (b, ld) in r.items():
-            print(
-                f"    {key:22s} backup {b:6.2f} GB/s ({b / d2h:.2f}x)  "
-                f"load {ld:6.2f} GB/s ({ld / h2d:.2f}x)"
-            )
-            if key == "scattered/kernel":
-                tag = "" if layout == "layer_first" else f"_{layout}"
-                headline[f"gpu_backup_vs_memcpy{tag}"] = round(b / d2h, 3)
-                headline[f"gpu_load_vs_memcpy{tag}"] = round(ld / h2d, 3)
+    for ps in (16, 64):
+        for layout in ("layer_first", "page_first", "page_first_direct"):
+            cfg = config(layout, ps, device="cuda")
+            dev, host = DevicePool(cfg), HostPool(cfg)
+            nbytes = PAGES * dev.page_bytes
+            g = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            h = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+            sync = torch.cuda.synchronize
+            d2h = nbytes / best_of(partial(h.copy_, g, non_blocking=True), sync) / 1e9
+            h2d = nbytes / best_of(partial(g.copy_, h, non_blocking=True), sync) / 1e9
+            print(f"GPU page_size={ps:<3} {layout:18s} pinned memcpy d2h {d2h:6.2f} "
+                  f"h2d {h2d:6.2f} GB/s")  # fmt: skip
+            r = measure(dev, host, [KernelCopier(), DirectCopier()], "cuda", sync)
+            for key, (b, ld) in r.items():
+                print(
+                    f"    {key:22s} backup {b:6.2f} GB/s ({b / d2h:.2f}x)  "
+                    f"load {ld:6.2f} GB/s ({ld / h2d:.2f}x)"
+                )
+                tag = f"page{ps}" + ("" if layout == "layer_first" else f"_{layout}")
+                pattern, backend = key.split("/")
+                name = f"gpu_{backend}_{pattern}_{tag}"
+                headline[f"{name}_backup"] = round(b / d2h, 3)
+                headline[f"{name}_load"] = round(ld / h2d, 3)
+            dev.close()
+            host.close()
+    headline.update(layerwise_wait())
     return headline
+
+
+def layerwise_wait() -> dict:
+    """A layer-wise load (one kernel per layer on a side stream, an event after each): how long
+    until layer 0 may be read, against the whole load. The forward pass overlaps the rest."""
+    cfg = config("layer_first", 16, device="cuda")
+    dev, host = DevicePool(cfg), HostPool(cfg)
+    d, h = patterns(host.num_pages)["scattered"]
+    td, th = torch.from_numpy(d).cuda(), torch.from_numpy(h).cuda()
+    copier, stream = KernelCopier(), torch.cuda.Stream()
+    firsts, wholes = [], []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(cfg.num_layers)]
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            for layer, event in enumerate(events):
+                copier.copy_layer(host.page_view, dev.page_view, th, td, [], layer)
+                event.record(stream)
+        torch.cuda.synchronize()
+        firsts.append(start.elapsed_time(events[0]))
+        wholes.append(start.elapsed_time(events[-1]))
+    first, whole = min(firsts[1:]), min(wholes[1:])
+    print(f"layer-wise load of {PAGES} pages x {cfg.num_layers} layers: layer 0 readable after "
+          f"{first:.3f} ms, the whole load {whole:.3f} ms ({first / whole:.2f})")  # fmt: skip
+    dev.close()
+    host.close()
+    return {"gpu_layerwise_first_vs_whole": round(first / whole, 3)}
 
 
 def checksum_cost() -> dict:
@@ -217,11 +256,17 @@ def snapshot_cost(seqs: int = 100) -> dict:
 
 
 def main() -> None:
-    headline = cpu_table()
-    headline.update(checksum_cost())
-    headline.update(snapshot_cost())
+    """``--gpu``: the GPU part alone (the device check: scripts/gpu_check.sh)."""
+    gpu_only = "--gpu" in sys.argv[1:]
+    headline = {}
+    if not gpu_only:
+        headline.update(cpu_table())
+        headline.update(checksum_cost())
+        headline.update(snapshot_cost())
     if torch.cuda.is_available():
         headline.update(gpu_table())
+    elif gpu_only:
+        raise SystemExit("bench_transfer --gpu: no CUDA device")
     print(json.dumps(headline))
 
 
