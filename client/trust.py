@@ -32,9 +32,8 @@ import stat
 import struct
 from collections.abc import Mapping
 
-from hicache.backing import SHM_DIR
 from hicache.curve import is_loopback
-from hicache.endpoints import folder_problem
+from hicache.endpoints import SHM_DIR, folder_problem
 
 DAEMON_USER_ENV = "HICACHE_DAEMON_USER"
 _SEGMENT = re.compile(r"hicache-(\d+)-\d+-[0-9a-f]{32}-[a-z]+")

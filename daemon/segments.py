@@ -27,7 +27,7 @@ import secrets
 import stat
 import time
 
-from hicache.backing import SHM_DIR
+from hicache.endpoints import SHM_DIR
 
 PREFIX = "hicache"
 LOCK = "lock"  # the instance lock's pool name

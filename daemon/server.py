@@ -274,7 +274,6 @@ class Daemon:
             settings.session_max_locks,
             settings.session_max_loads,
         )
-        log.info(limits.describe(settings.max_sessions))
         return limits
 
     def _counters(self) -> dict[str, int]:
@@ -551,6 +550,8 @@ def run(settings: DaemonSettings) -> None:
         signal.signal(signal.SIGTERM, daemon.drain)
         signal.signal(signal.SIGINT, daemon.stop)
         print(f"hicache-daemon ready on {settings.endpoint} (pid {os.getpid()})", flush=True)
+        if daemon.cache is not None:  # (engine mode: said when the first engine registers)
+            log.info(daemon.handlers.limits.describe(settings.max_sessions))
         if daemon.metrics is not None:
             host = settings.metrics_host
             print(f"metrics on http://{host}:{daemon.metrics.port}/metrics", flush=True)

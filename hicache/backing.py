@@ -26,11 +26,11 @@ from collections.abc import Collection
 import psutil
 import torch
 
+from hicache.endpoints import SHM_DIR
 from hicache.errors import InsufficientMemoryError
 
 # Keep this much RAM free for everything else on the machine when sizing pools in memory.
 RAM_HEADROOM_FRACTION = 0.10
-SHM_DIR = "/dev/shm"
 
 
 def _gib(n: int) -> str:

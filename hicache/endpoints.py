@@ -9,6 +9,8 @@ import stat
 import tempfile
 from collections.abc import Collection, Mapping
 
+SHM_DIR = "/dev/shm"  # where the daemon's pools live (POSIX shared memory), by name
+
 
 def runtime_dir(environ: Mapping[str, str] | None = None) -> str:
     """$XDG_RUNTIME_DIR, else a per-user folder in the temp dir (made 0700 by the daemon)."""

@@ -65,7 +65,7 @@ def test_shared_memory_backing_is_private_mappable_and_removed(tmp_path):
     path = tmp_path / "hicache-test-pool"
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     buf[10] = 42
-    mm, other = attach_shared_memory(str(path), 4096)
+    mm, other = attach_shared_memory(str(path), 4096, {os.getuid()})
     assert other[10] == 42
     other[11] = 7
     assert buf[11] == 7

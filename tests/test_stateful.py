@@ -225,7 +225,9 @@ class CacheMachine(RuleBasedStateMachine):
     def evict_host_while_loading(self, data, pages: int) -> None:  # noqa: ANN001
         """Host room is wanted while a load still reads its host pages (nested eviction, an
         L3 fetch making room, another engine's request): those pages must survive it."""
-        seq, ns = self.draw_seq(data)
+        if not self.seqs:
+            return
+        seq, ns = data.draw(st.sampled_from(self.seqs))  # a cached prompt: a host hit, likely
         m = self.cache.match_prefix(seq, namespace=ns)
         if not m.host_hit_length or self.cache.load_back(m.last_host_node) is None:
             return
