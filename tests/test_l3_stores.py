@@ -232,9 +232,9 @@ def test_a_dead_mooncake_master_is_store_down_at_once():
             store.exists(keys)
         with pytest.raises(StoreDown):
             store.get(keys, [4, 5, 6, 7])
-        # (the client's own RPC gives up in 1-2 s, up to ~4.5 s on a loaded machine: far
-        # below its reconnect timeouts, which would stall the IO thread for minutes)
-        assert time.monotonic() - started < 8.0
+        # (the client's own RPC gives up in 1-2 s, up to ~9 s on a loaded machine: far below
+        # its reconnect timeouts, which would stall the IO thread for minutes)
+        assert time.monotonic() - started < 20.0
         store.close()
 
 
