@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable
 
 from hicache import __version__
+from hicache.client import kept_view
 from hicache.client.capacity_view import plot_capacity, render_capacity
 from hicache.client.connection import Connection, DaemonError, DaemonTimeout, hello_fields
 from hicache.client.top import render_shape, watch
@@ -214,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     evict.add_argument("--device-tokens", type=int, default=0)
     evict.add_argument("--host-tokens", type=int, default=0)
     sub.add_parser("flush", help="admin: evict every unlocked token from both tiers")
+    kept_view.add_parser(sub)
     keygen = sub.add_parser("keygen", help="write a CurveZMQ key pair (for tcp endpoints)")
     keygen.add_argument("--dir", required=True, help="folder for NAME.key and NAME.key_secret")
     keygen.add_argument("--name", required=True, help="e.g. server, or an engine's name")
@@ -325,6 +327,8 @@ def _run(args: argparse.Namespace, conn: Connection) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "kept":  # no daemon involved
+        return kept_view.run(args)
     if args.command == "keygen":  # no daemon involved
         try:
             public, secret = keygen(args.dir, args.name)

@@ -8,9 +8,10 @@ however it dies, and the lock means the same in every PID namespace that shares 
 (containers), where a pid would name another process or none (and pid 1 is always "alive").
 
 A daemon that keeps its host tier across restarts (``keep_host``) also has a ``...-keep``
-marker: when it is gone, its host segment stays for the next daemon on its endpoint to adopt
-(daemon/snapshot.py) while the marker was touched within ``KEEP_TTL_S``; after that, or once
-adopted, it goes like the rest.
+marker (hicache/kept.py): when it is gone, its host segment stays for the next daemon on its
+endpoint to adopt (daemon/snapshot.py) for the marker's grace time (``keep_host_seconds``);
+after that its reaper (daemon/reaper.py) or any later clean-up removes it, and once adopted it
+goes like the rest.
 
 /dev/shm is shared by every user, and anyone may create a file under a name of ours. So only
 regular files this user owns count as ours: a planted file, link or FIFO is ignored (never
@@ -25,15 +26,22 @@ import fcntl
 import os
 import secrets
 import stat
-import time
 
 from hicache.endpoints import SHM_DIR
-
-PREFIX = "hicache"
-LOCK = "lock"  # the instance lock's pool name
-KEEP = "keep"  # the marker: this instance's host segment may be adopted after it ends
-HOST = "host"
-KEEP_TTL_S = 24 * 3600.0  # a kept host segment nobody adopted within this goes
+from hicache.kept import (  # noqa: F401  (names of the files, shared with the CLI)
+    DEFAULT_GRACE_S,
+    HOST,
+    KEEP,
+    LOCK,
+    PREFIX,
+    expired,
+    instance_alive,
+    open_own,
+    own_name,
+    parse_name,
+    read_marker,
+    write_marker,
+)
 
 
 def instance_token() -> str:
@@ -62,20 +70,6 @@ class InstanceLock:
         os.close(self.fd)
 
 
-def open_own(path: str, flags: int = os.O_RDONLY) -> int | None:
-    """A descriptor of ``path`` if it is a regular file of this user (else None): opened
-    without following a link and without blocking (a FIFO), then checked on what was opened."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:  # gone, a link (ELOOP), not ours to open
-        return None
-    st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
-        return fd
-    os.close(fd)
-    return None
-
-
 def _is_own(path: str) -> bool:
     try:
         st = os.lstat(path)
@@ -100,69 +94,34 @@ def _instances(directory: str) -> dict[str, list[str]]:
 
 def _kept(directory: str, instance: str, names: list[str]) -> set[str]:
     """The host segment and marker of a dead instance that asked to keep them: while the
-    snapshot its marker names exists and the marker is younger than KEEP_TTL_S."""
-    marker = f"{PREFIX}-{os.getuid()}-{instance}-{KEEP}"
-    host = f"{PREFIX}-{os.getuid()}-{instance}-{HOST}"
+    snapshot its marker names exists and the marker's grace time has not run out."""
+    marker, host = own_name(instance, KEEP), own_name(instance, HOST)
     if marker not in names or host not in names:
         return set()
-    fd = open_own(os.path.join(directory, marker))
-    if fd is None:
-        return set()
-    try:
-        with open(fd) as fh:
-            age = time.time() - os.fstat(fd).st_mtime
-            snapshot = fh.read(4096)
-    except (OSError, UnicodeDecodeError):
-        return set()
-    if age >= KEEP_TTL_S or not snapshot or not os.path.exists(snapshot):
+    kept = read_marker(os.path.join(directory, marker))
+    if kept is None or expired(kept) or not os.path.exists(kept.snapshot):
         return set()
     return {marker, host}
 
 
-def parse_name(name: str) -> tuple[int, str, str] | None:
-    """(uid, instance, pool) of a segment name of ours in form, else None."""
-    parts = name.split("-")
-    if len(parts) != 5 or parts[0] != PREFIX or not parts[1].isdigit():
-        return None
-    return int(parts[1]), f"{parts[2]}-{parts[3]}", parts[4]
-
-
-def instance_alive(instance: str, directory: str = SHM_DIR) -> bool:
-    """Whether the daemon instance ``<pid>-<token>`` of this user still holds its lock."""
-    fd = open_own(os.path.join(directory, f"{PREFIX}-{os.getuid()}-{instance}-{LOCK}"))
-    if fd is None:  # none, or one another user planted (its flock proves nothing)
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # (drops the lock if we took it)
-    return False
-
-
 def kept_for(instance: str, directory: str = SHM_DIR) -> str | None:
     """The snapshot path a dead instance's keep marker names (None: no marker)."""
-    fd = open_own(os.path.join(directory, f"{PREFIX}-{os.getuid()}-{instance}-{KEEP}"))
-    if fd is None:
-        return None
-    try:
-        with open(fd) as fh:
-            return fh.read(4096)
-    except (OSError, UnicodeDecodeError):
-        return None
+    kept = read_marker(os.path.join(directory, own_name(instance, KEEP)))
+    return None if kept is None else kept.snapshot
 
 
-def mark_kept(token: str, snapshot: str, directory: str = SHM_DIR) -> str:
+def mark_kept(
+    token: str,
+    snapshot: str,
+    directory: str = SHM_DIR,
+    grace_s: float = DEFAULT_GRACE_S,
+    endpoint: str = "",
+) -> str:
     """Create (or renew) this instance's keep marker, naming the snapshot that will say what
-    its host segment holds; returns the marker's path. Written under a fresh private name and
-    renamed over the marker: whatever another user planted there (a link to a file of ours, a
-    FIFO) is replaced, never opened."""
+    its host segment holds, how long it may wait for a successor and for which endpoint;
+    returns the marker's path (hicache/kept.py: never written through what was planted)."""
     path = os.path.join(directory, segment_name(KEEP, token))
-    tmp = f"{path}.{secrets.token_hex(4)}.tmp"
-    with open(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600), "w") as fh:
-        fh.write(snapshot)
-    os.rename(tmp, path)
+    write_marker(path, snapshot, grace_s, endpoint)
     return path
 
 

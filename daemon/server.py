@@ -29,6 +29,7 @@ from hicache.backing import CudaBacking, SharedMemoryBacking
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
 from hicache.curve import is_loopback, load_secret
+from hicache.daemon import reaper
 from hicache.daemon.busy_poll import BusyPoll
 from hicache.daemon.capacity_feed import IDLE_BUDGET_S
 from hicache.daemon.endpoint import (
@@ -151,9 +152,17 @@ class Daemon:
                 os.umask(old)
         self._token = instance_token()
         self._lock = InstanceLock(self._token)  # taken before any segment exists
+        # gives the pools back once this daemon is gone, however it ends (daemon/reaper.py)
+        self._reaper = reaper.spawn(self._lock.path, f"{os.getpid()}-{self._token}")
         l3 = settings.l3  # its model and shard say what the KV means: part of the snapshot's name
         model = None if l3 is None else f"{l3.model}#{l3.shard}"
-        keeper = HostKeeper(settings.endpoint, self._token, settings.snapshot_seconds, model=model)
+        keeper = HostKeeper(
+            settings.endpoint,
+            self._token,
+            settings.snapshot_seconds,
+            model=model,
+            grace_s=settings.keep_host_seconds,
+        )
         if settings.keep_host and not settings.engine_tier and cfg.host_enabled:
             self.keeper = keeper
             # the last daemon's host pool, renamed to ours before any clean-up judges it
@@ -492,7 +501,15 @@ class Daemon:
                 keeper.discard_previous()  # (the snapshot file, if an earlier one is there)
             elif self._keep_snapshot():
                 self._host.keep = True  # left for the next daemon (its marker says so)
-                log.info("host tier kept for the next daemon (%s)", keeper.path)
+                until = time.time() + self.settings.keep_host_seconds
+                log.info(
+                    "host tier kept for the next daemon on %s: %.2f GiB in %s until %s (then "
+                    "freed; `hicache kept --free` frees it now)",
+                    self.settings.endpoint,
+                    self._host.nbytes / 2**30,
+                    self._host.path,
+                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(until)),
+                )
             self.keeper = None
         elif keeper is not None:  # nothing worth keeping: no marker either
             keeper.forget()

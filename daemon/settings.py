@@ -123,6 +123,12 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
         "a clean stop leaves the host pool and a snapshot of its tree; the next daemon on the "
         "same endpoint with the same KV shape adopts what still verifies",
     ),
+    "keep_host_seconds": (
+        float,
+        120.0,
+        "with keep_host: how long a stopped daemon's host pool waits for the next daemon on its "
+        "endpoint; then its memory is given back (hicache kept lists and frees what is kept)",
+    ),
     "snapshot_seconds": (
         float,
         30.0,
@@ -186,6 +192,7 @@ class DaemonSettings:
     busy_poll_us: float = 200.0  # how long the loop watches the socket after a reply
     keep_host: bool = True  # a clean stop leaves the host pool for the next daemon to adopt
     snapshot_seconds: float = 30.0  # periodic host snapshots (0: only at a clean stop)
+    keep_host_seconds: float = 120.0  # a kept host pool waits this long for a successor
     curve_secret_key: str | None = None  # CurveZMQ: the daemon's secret key file
     curve_clients: str | None = None  # CurveZMQ: folder of the allowed clients' public keys
     insecure_local_tcp: bool = False  # loopback tcp without CurveZMQ: any local user connects
@@ -499,6 +506,9 @@ def _checked(merged: dict[str, Any]) -> DaemonSettings:
     _check_curve(curve, str(daemon["endpoint"]), events, daemon["insecure_local_tcp"])
     if not isinstance(daemon["keep_host"], bool):
         raise ValueError(f"keep_host: expected true or false, got {daemon['keep_host']!r}")
+    grace = _number(daemon, "keep_host_seconds")
+    if not 1 <= grace <= 86400:
+        raise ValueError(f"keep_host_seconds: seconds in [1, 86400], got {grace}")
     every = _number(daemon, "snapshot_seconds")
     if not 0 <= every <= 86400:
         raise ValueError(f"snapshot_seconds: seconds in [0, 86400], got {every}")
@@ -540,6 +550,7 @@ def _checked(merged: dict[str, Any]) -> DaemonSettings:
         busy_poll_us=busy_poll_us,
         keep_host=daemon["keep_host"],
         snapshot_seconds=every,
+        keep_host_seconds=grace,
         insecure_local_tcp=daemon["insecure_local_tcp"],
         **curve,
         **events,

@@ -44,6 +44,7 @@ from hicache.backing import SHM_DIR, SharedMemoryBacking
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
 from hicache.daemon.segments import (
+    DEFAULT_GRACE_S,
     HOST,
     KEEP,
     instance_alive,
@@ -72,8 +73,11 @@ class HostKeeper:
         every_s: float,
         directory: str = SHM_DIR,
         model: str | None = None,
+        grace_s: float = DEFAULT_GRACE_S,
     ):
         self.path = snapshot_path(endpoint)
+        self.endpoint = endpoint
+        self.grace_s = grace_s  # a kept host pool waits this long for a successor
         self.model = model  # what the KV means, where the daemon knows it (the third tier's)
         self.token = token  # this daemon instance's
         self.every_s = every_s  # periodic snapshots (0: only at a clean stop)
@@ -92,7 +96,7 @@ class HostKeeper:
         else None. Call with this instance's lock held and before stale segments are removed.
         A snapshot that does not fit is removed (its segment is left to the clean-up), unless
         it is not ours."""
-        mark_kept(self.token, self.path, self.directory)  # a crash keeps the host pool too
+        self._mark()  # a crash keeps the host pool too
         self._remove_temps()
         try:
             data = self._read(host_snapshot.max_bytes(config))
@@ -283,7 +287,7 @@ class HostKeeper:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        mark_kept(self.token, self.path, self.directory)
+        self._mark()
         self.written += 1
 
     def discard_previous(self) -> None:
@@ -307,6 +311,9 @@ class HostKeeper:
         for pool in (KEEP, HOST):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.directory, segment[: -len(HOST)] + pool))
+
+    def _mark(self) -> None:
+        mark_kept(self.token, self.path, self.directory, self.grace_s, self.endpoint)
 
     def forget(self) -> None:
         """This daemon keeps nothing (a failed start): remove its keep marker."""

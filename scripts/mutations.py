@@ -113,13 +113,18 @@ MUTATIONS = [
     ),
     Mutation(
         "keep-marker-written-through-links",
-        "daemon/segments.py",
-        '    tmp = f"{path}.{secrets.token_hex(4)}.tmp"\n'
-        "    with open(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600),"
-        ' "w") as fh:\n        fh.write(snapshot)\n    os.rename(tmp, path)\n',
-        '    with open(os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600), "w") as fh:\n'
-        "        fh.write(snapshot)\n",
+        "hicache/kept.py",
+        '    with open(os.open(tmp, flags, 0o600), "w") as fh:\n',
+        "    tmp = path\n    with open(os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600), "
+        '"w") as fh:\n',
         ("tests/test_planted_files.py",),
+    ),
+    Mutation(
+        "kept-pools-never-freed",
+        "daemon/reaper.py",
+        "        if expired(marker):",
+        "        if False:",
+        ("tests/test_kept.py",),
     ),
     Mutation(
         "planted-files-count-as-ours",

@@ -1,0 +1,99 @@
+"""A stopped daemon's kept host pool comes back within its grace time without another daemon,
+``hicache kept`` lists and frees what is kept, and a daemon that ends without keeping (SIGKILL
+included) leaves nothing in /dev/shm (daemon/reaper.py, hicache/kept.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from hicache.client import HiCacheClient
+from tests.daemon_helpers import start_daemon, stop_daemon, wait_until, write_sequence
+
+CLI = [sys.executable, "-m", "hicache.client.cli"]
+
+
+def shm_of(pid: int) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if f"-{os.getuid()}-{pid}-" in n)
+
+
+def reapers() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "hicache.daemon.reaper" in line]
+
+
+def kept(*args: str) -> dict:
+    done = subprocess.run([*CLI, "kept", "--json", *args], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def warm(ep: str) -> None:
+    """A prompt backed up to the host: something worth keeping."""
+    write_sequence(ep, list(range(1, 41)))
+    with HiCacheClient(ep, name="warm") as hc:
+        hc.match_prefix(list(range(1, 41)), lock=False)  # the hit that backs it up
+        wait_until(lambda: hc.stats()["backup_tokens"] >= 40, what="a backup")
+
+
+def test_a_kept_pool_nobody_adopts_is_freed_after_its_grace_time(tmp_path):
+    ep = f"ipc://{tmp_path}/k.sock"
+    proc = start_daemon(ep, "--keep-host", "true", "--keep-host-seconds", "3")
+    warm(ep)
+    log = stop_daemon(proc)
+    assert "kept for the next daemon on " + ep in log and " until " in log
+    listed = [p for p in kept()["kept"] if p["endpoint"] == ep]
+    assert len(listed) == 1 and listed[0]["bytes"] > 0 and listed[0]["left_s"] <= 3
+    assert any(name.endswith("-host") for name in shm_of(proc.pid))
+    wait_until(lambda: not shm_of(proc.pid), timeout=30, what="the kept pool freed")
+    assert not [p for p in kept()["kept"] if p["endpoint"] == ep]
+    assert not os.path.exists(f"{tmp_path}/k.sock.snapshot")
+    wait_until(lambda: not [r for r in reapers() if str(proc.pid) in r], what="reaper gone")
+
+
+def test_a_daemon_restarted_within_the_grace_time_adopts_the_pool(tmp_path):
+    ep = f"ipc://{tmp_path}/k.sock"
+    first = start_daemon(ep, "--keep-host", "true", "--keep-host-seconds", "60")
+    warm(ep)
+    stop_daemon(first)
+    second = start_daemon(ep, "--keep-host", "true", "--keep-host-seconds", "2")
+    try:
+        with HiCacheClient(ep, name="reader") as hc:
+            m = hc.match_prefix(list(range(1, 41)), lock=False)
+            assert m.host_hit_length == 40  # adopted
+        assert not shm_of(first.pid)  # renamed to the new daemon's, nothing else left
+        wait_until(lambda: not [r for r in reapers() if str(first.pid) in r], what="reaper")
+    finally:
+        stop_daemon(second)  # (it keeps the pool again, for 2 s)
+    wait_until(lambda: not shm_of(second.pid), timeout=30, what="the second one's pool freed")
+
+
+def test_hicache_kept_frees_a_pool_at_once(tmp_path):
+    ep = f"ipc://{tmp_path}/k.sock"
+    proc = start_daemon(ep, "--keep-host", "true", "--keep-host-seconds", "3600")
+    warm(ep)
+    stop_daemon(proc)
+    assert [p for p in kept()["kept"] if p["endpoint"] == ep]
+    freed = kept("--free", ep)["freed"]
+    assert [p["endpoint"] for p in freed] == [ep]
+    assert not shm_of(proc.pid)
+    wait_until(lambda: not [r for r in reapers() if str(proc.pid) in r], what="reaper gone")
+    none = subprocess.run([*CLI, "kept", "--free", "ipc:///nowhere"], capture_output=True)
+    assert none.returncode == 1  # nothing kept for that endpoint
+
+
+def test_a_killed_daemon_leaves_nothing_once_its_grace_time_is_over(tmp_path):
+    """SIGKILL: no clean-up ran in the daemon. Without keeping, its reaper removes its pools
+    at once; keeping, once the grace time since its last snapshot is over."""
+    for keep in ("false", "true"):
+        ep = f"ipc://{tmp_path}/{keep}.sock"
+        proc = start_daemon(ep, "--keep-host", keep, "--keep-host-seconds", "2")
+        warm(ep)
+        assert shm_of(proc.pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        wait_until(lambda pid=proc.pid: not shm_of(pid), timeout=30, what=f"keep={keep} freed")
+        stop_daemon(proc)  # (the output thread, and a socket file left behind)
