@@ -78,6 +78,43 @@ def _l3_section(stats: dict) -> dict:
     return {"enabled": 0}
 
 
+# the cache's shape: for a daemon for engines (device_tier=engine), the first engine's layout
+# says it (the embedded default before one registered; an opaque row per token after)
+_SHAPE = (
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "dtype",
+    "kv_format",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "page_size",
+    "device",
+    "device_tokens",
+    "host_ratio",
+    "host_layout",
+    "host_capacity_tokens",
+)
+
+
+def _config(stats: dict) -> dict:
+    """The settings; a daemon for engines shows the layout engines registered (or that none
+    did yet) and its pool's size instead of a cache shape nobody chose."""
+    config = dict(stats.get("config", {}))
+    if config.get("device_tier") != "engine":
+        return config
+    for name in _SHAPE:
+        config.pop(name, None)
+    layout = stats.get("layout")
+    if not layout:
+        config["layout"] = "none registered yet (the first engine to start sizes the pool)"
+        return config
+    config.pop("host_tokens", None)  # (the cache's: 0, no tier under the pool)
+    config["host_capacity_tokens"] = stats.get("host_capacity_tokens", 0)
+    config.update({f"layout_{k}": v for k, v in layout.items()})
+    return config
+
+
 def sections(stats: dict) -> dict[str, dict]:
     """Group the daemon's stats into INFO sections (shared by `info` and tests)."""
     stats = {**_EMPTY, **stats}  # (a daemon for engine-owned tiers before any layout: zeros)
@@ -85,14 +122,14 @@ def sections(stats: dict) -> dict[str, dict]:
     tb = stats.get("token_bytes", 0)
     return {
         "server": _pick(stats, "version", "protocol", "pid", "endpoint", "boot_epoch", "uptime_s"),
-        "config": dict(stats.get("config", {})),
+        "config": _config(stats),
         "memory": {
             "device_capacity_tokens": stats["device_capacity_tokens"],
             "device_capacity_human": _human(stats["device_capacity_tokens"], tb),
             "host_capacity_tokens": stats["host_capacity_tokens"],
             "host_capacity_human": _human(stats["host_capacity_tokens"], tb),
             "page_size": stats["page_size"],
-            # engine: vLLM keeps the device tier; the "device" pool below is its host tier
+            # engine: the engines keep their device tier; the daemon's pool is their host tier
             "device_tier": stats.get("device_tier", "daemon"),
         },
         "device_pool": _pick(
@@ -104,7 +141,15 @@ def sections(stats: dict) -> dict[str, dict]:
             "device_evictable_tokens",
             "evicted_device_tokens",
         ),
-        "host_pool": _pick(stats, "host_free_tokens", "host_cached_tokens", "evicted_host_tokens"),
+        "host_pool": _pick(
+            stats,
+            "host_free_tokens",
+            "host_cached_tokens",
+            "host_owned_tokens",  # (these three: the pool of a daemon for engines)
+            "host_protected_tokens",
+            "host_evictable_tokens",
+            "evicted_host_tokens",
+        ),
         "hits": {
             "hit_device_tokens": stats["hit_device_tokens"],
             "hit_host_tokens": stats["hit_host_tokens"],
@@ -112,6 +157,15 @@ def sections(stats: dict) -> dict[str, dict]:
             "hit_ratio_device": _ratio(stats["hit_device_tokens"], requested),
             "hit_ratio_host": _ratio(stats["hit_host_tokens"], requested),
             "hit_ratio": _ratio(stats["hit_device_tokens"] + stats["hit_host_tokens"], requested),
+        },
+        # as engines with a prefix cache of their own count (vLLM's external_prefix_cache_*)
+        "engines": {
+            "engine_queried_tokens": stats.get("engine_queried_tokens", 0),
+            "engine_hit_tokens": stats.get("engine_hit_tokens", 0),
+            "engine_hit_ratio": _ratio(
+                stats.get("engine_hit_tokens", 0), stats.get("engine_queried_tokens", 0)
+            ),
+            "engine_loaded_tokens": stats.get("engine_loaded_tokens", 0),
         },
         "transfers": _pick(
             stats,
@@ -133,10 +187,19 @@ def sections(stats: dict) -> dict[str, dict]:
             f"owned_pages={s['owned_pages']},locks={s['locks']},"
             f"queried_tokens={s.get('queried_tokens', 0)},hit_tokens={s.get('hit_tokens', 0)},"
             f"hit_ratio={_ratio(s.get('hit_tokens', 0), s.get('queried_tokens', 0))}"
+            + _engine_figures(s)
             + (",lapsed" if s.get("lapsed") else "")
             for s in stats.get("session_list", [])
         },
     }
+
+
+def _engine_figures(session: dict) -> str:
+    """A session's figures as its engine counts them (only an engine that reports them)."""
+    names = ("engine_queried_tokens", "engine_hit_tokens", "engine_loaded_tokens")
+    if not any(session.get(n) for n in names):
+        return ""
+    return "".join(f",{n}={session[n]}" for n in names)
 
 
 def _heading(name: str) -> str:

@@ -245,6 +245,19 @@ class HiCacheClient:
             fields["l3_wait"] = False
         return self._matches(fields, [tokens])[1][0]
 
+    def note_engine(self, queried: int = 0, hit: int = 0, loaded: int = 0) -> None:
+        """An engine with a prefix cache of its own (vLLM) counts its lookups as it does:
+        ``queried`` tokens asked beyond its own hit, ``hit`` of them found in hicache, and
+        ``loaded`` tokens it copied from the pool itself. The heartbeat reports them (within
+        about 2 s), the goodbye what is left; the daemon shows them as ``engine_*_tokens``
+        (daemon/engine_counts.py). Any thread. ValueError for what is not a count."""
+        for name, value in (("queried", queried), ("hit", hit), ("loaded", loaded)):
+            if type(value) is not int or value < 0:
+                raise ValueError(f"{name}: a count of tokens, got {value!r}")
+        if hit > queried:
+            raise ValueError(f"hit ({hit}) is more than queried ({queried})")
+        self._link.note_engine(queried, hit, loaded)
+
     def match_batch(
         self, batch: list, namespaces: list | None = None, lock: bool = True
     ) -> list[Match]:

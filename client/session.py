@@ -38,7 +38,7 @@ from hicache.client.connection import (
     hello_fields,
 )
 from hicache.client.trust import trusted_uids
-from hicache.protocol import HEARTBEAT_INTERVAL_S, ErrorCode, Op, Reply
+from hicache.protocol import ENGINE_REPORT, HEARTBEAT_INTERVAL_S, ErrorCode, Op, Reply
 
 GIVE_BACK_OPS = (Op.MATCH, Op.INSERT, Op.LOCK, Op.ALLOC, Op.ALLOC_EXTEND, Op.ALLOC_DECODE)
 
@@ -69,6 +69,8 @@ class SessionLink:
         self.generation = 0  # +1 per (re)connect: Matches of an older one are void
         self.draining = False  # the daemon said it is shutting down (heartbeat replies)
         self._beat_wanted = beat
+        self._noted = [0, 0, 0]  # the engine's figures not yet reported (note_engine)
+        self._noted_lock = threading.Lock()
         self._beat: threading.Thread | None = None
         self._stop_beat = threading.Event()
         self._open()
@@ -222,6 +224,24 @@ class SessionLink:
             probe.close()
         self.heard = time.monotonic()
 
+    # ---- the engine's figures ------------------------------------------------------------
+    def note_engine(self, queried: int, hit: int, loaded: int) -> None:
+        """From any thread: the engine's figures grew (HiCacheClient.note_engine); the next
+        heartbeat, or the goodbye, reports them."""
+        with self._noted_lock:
+            noted = self._noted
+            noted[0] += queried
+            noted[1] += hit
+            noted[2] += loaded
+
+    def _report(self) -> dict | None:
+        """The fields that report what was noted since the last report (taken)."""
+        with self._noted_lock:
+            noted, self._noted = self._noted, [0, 0, 0]
+        if not any(noted):
+            return None
+        return dict(zip(ENGINE_REPORT, noted, strict=True))
+
     # ---- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
         """From any thread, once: calls in flight end (ClientClosed), the heartbeat stops, the
@@ -244,7 +264,7 @@ class SessionLink:
                 goodbye = Connection(self.endpoint, min(self.timeout_s, 2.0), None, self.trusted)
                 goodbye.session, goodbye.epoch = self.key, self.epoch
                 try:
-                    goodbye.call(Op.GOODBYE)
+                    goodbye.call(Op.GOODBYE, self._report())
                 finally:
                     goodbye.close()
         for conn in conns:
@@ -283,7 +303,7 @@ def _heartbeat(link: SessionLink, stop: threading.Event, generation: int) -> Non
     try:
         while not stop.wait(interval) and link.lost is None:
             try:
-                reply, _ = conn.call(Op.HEARTBEAT)
+                reply, _ = conn.call(Op.HEARTBEAT, link._report())
                 link.heard = time.monotonic()
                 if reply.fields.get("draining") and not link.draining:
                     link.draining = True

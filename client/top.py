@@ -109,7 +109,7 @@ def render_top(stats: dict, rates: Rates | None) -> str:
         cap = stats.get(f"{tier}_capacity_tokens", 0)
         cached = stats.get(f"{tier}_cached_tokens", 0)
         used = (cap - stats.get(f"{tier}_free_tokens", cap)) / cap if cap else 0.0
-        protected = stats.get("device_protected_tokens", 0) if tier == "device" else 0
+        protected = stats.get(f"{tier}_protected_tokens", 0)
         evicted = getattr(r, f"evicted_{tier}_tokens_per_s") if r else 0.0
         lines.append(
             f"  {tier:<7}{_tokens(cached):>8}{_tokens(cap):>10}{used:6.0%}"

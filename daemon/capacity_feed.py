@@ -36,8 +36,12 @@ def _nbytes(tokens: Any) -> int:
 
 class CapacityFeed:
     @classmethod
-    def for_cache(cls, cache: Any) -> CapacityFeed:
-        """Today's sizes from ``cache``'s pools (a daemon's device pool, host pool if any)."""
+    def for_cache(cls, cache: Any, engine_tier: Any = None) -> CapacityFeed:
+        """Today's sizes from ``cache``'s pools (a daemon's device pool, host pool if any).
+        ``engine_tier`` (a daemon for engines that own their device tier): the one pool is the
+        engines' host tier, so the curve has no device tier (tier_names.py)."""
+        if engine_tier:
+            return cls(cache.page_size, 0, cache.device_alloc.capacity_pages)
         host = 0 if cache.host_alloc is None else cache.host_alloc.capacity_pages
         return cls(cache.page_size, cache.device_alloc.capacity_pages, host)
 

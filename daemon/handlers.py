@@ -27,11 +27,13 @@ from hicache.allocator import OWNED
 from hicache.cache import HiRadixCache
 from hicache.daemon.cache_ops import CacheOpsMixin
 from hicache.daemon.capacity_feed import CapacityFeed
+from hicache.daemon.engine_counts import EngineCounts, reported
 from hicache.daemon.engine_tier import EngineTier, no_layout
 from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import SessionLimits
 from hicache.daemon.request_stats import RequestStats
 from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
+from hicache.daemon.tier_names import TierNames
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
 from hicache.node import TreeNode
 from hicache.protocol import (
@@ -113,8 +115,9 @@ class Handlers(CacheOpsMixin):
     ):
         self.cache = cache  # None until an engine registers its layout (device_tier=engine)
         # the hit-ratio-against-capacity estimate (fed by matches and inserts)
-        self.capacity = None if cache is None else CapacityFeed.for_cache(cache)
+        self.capacity = None if cache is None else CapacityFeed.for_cache(cache, engine_tier)
         self.engine_tier = engine_tier  # device_tier=engine: the layout engines register
+        self.tiers = TierNames(engine_tier is not None)  # how reports name the cache's pools
         self.sessions = sessions
         self.boot_epoch = boot_epoch
         self.info = info  # hello's config and pool description, and server facts for stats
@@ -129,6 +132,7 @@ class Handlers(CacheOpsMixin):
         self.draining = False  # shutting down: hello is refused, heartbeats say so
         self.may_wait = False  # the request being handled may wait for the third tier
         self.requests = RequestStats()  # latency per op, errors by code (metrics)
+        self.engine_counts = EngineCounts()  # engines' own figures, all sessions (ended too)
         self.op = "unknown"  # the op of the request being handled
         self.peer = b""  # the connection it came on (set by the server before handle)
         self.server_counters: Callable[[], dict[str, int]] = dict  # the transport's counters
@@ -183,6 +187,7 @@ class Handlers(CacheOpsMixin):
                 return self._goodbye(req), []
             if req.op not in NO_SESSION_OPS:
                 self._check_epoch(req.epoch, required=True)
+                counts = reported(req.fields)  # (checked before anything changes)
                 session = self.sessions.touch(req.session, self.clock())
                 if req.op in ADMIN_OPS and not session.admin:
                     raise ProtocolError(
@@ -190,6 +195,9 @@ class Handlers(CacheOpsMixin):
                         f"{req.op.name.lower()} acts for every session: open the session as "
                         "admin (HiCacheClient(admin=True), or the hicache CLI)",
                     )
+                if counts is not None:  # an engine's figures ride on any request
+                    session.engine.add(counts)
+                    self.engine_counts.add(counts)
             else:
                 self._check_epoch(req.epoch, required=False)
             if self.cache is None and req.op not in NO_CACHE_OPS:
@@ -306,9 +314,12 @@ class Handlers(CacheOpsMixin):
     def _goodbye(self, req: Any) -> bytes:
         """End the session now (live or in quarantine); a stale epoch is refused first."""
         self._check_epoch(req.epoch, required=True)
+        counts = reported(req.fields)  # an engine's last figures
         ended = self.sessions.end(req.session)
         if ended is None:
             raise ProtocolError(ErrorCode.UNKNOWN_SESSION, "no session by that key")
+        if counts is not None:
+            self.engine_counts.add(counts)
         self.give_back(ended)
         return self._reply(ErrorCode.OK, req.request_id, {})
 
@@ -324,7 +335,7 @@ class Handlers(CacheOpsMixin):
         layout, made = self.engine_tier.register(fields.get("layout"))
         if made is not None:
             self.cache, self.limits = made.cache, made.limits
-            self.capacity = CapacityFeed.for_cache(made.cache)
+            self.capacity = CapacityFeed.for_cache(made.cache, engine_tier=True)
             self.info.update(made.info)
         info = self.info
         return {"layout": layout.as_dict(), "config": info["config"], "pools": info["pools"]}, []
@@ -337,11 +348,13 @@ class Handlers(CacheOpsMixin):
         self.cache.poll()
 
     def evict(self, session: Session, fields: dict, frames: Frames) -> Result:
+        """Evict unlocked tokens from the tiers named as reported (tier_names.py)."""
+        fields = self.tiers.request(fields, ("device_tokens", "host_tokens"))
         device = self._int(fields, "device_tokens") if "device_tokens" in fields else 0
         host = self._int(fields, "host_tokens") if "host_tokens" in fields else 0
         freed = self._evict_device(device) if device else 0
         freed_host = self.cache.evict_host(host) if host else 0
-        return {"device_freed": freed, "host_freed": freed_host}, []
+        return self.tiers.fields({"device_freed": freed, "host_freed": freed_host}), []
 
     def _evict_device(self, tokens: int, to_l3: bool = True) -> int:
         """Evict and settle until ``tokens`` are freed or nothing moves. Backups started by the
@@ -363,18 +376,22 @@ class Handlers(CacheOpsMixin):
         freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens, to_l3=False)
         if self.cache.events is not None:
             self.cache.events.flushed()
-        return {"device_freed": freed, "host_freed": freed_host}, []
+        return self.tiers.fields({"device_freed": freed, "host_freed": freed_host}), []
 
     def stats(self, _: Session | None, fields: dict, frames: Frames) -> Result:
         check = self._bool(fields, "check", False)
         cache = self.cache
-        out: dict[str, Any] = {} if cache is None else cache.stats().as_dict()
+        out: dict[str, Any] = {} if cache is None else self.tiers.fields(cache.stats().as_dict())
+        out.update(self.engine_counts.as_dict())
+        if self.tiers.engine and cache is not None:  # the engines load from the pool themselves
+            out["load_tokens"] = self.engine_counts.loaded
+            out["load_bytes"] = self.engine_counts.loaded * cache.config.token_bytes
         if cache is not None and cache.l3 is not None:
             out["l3"] = cache.l3.stats()
         if cache is not None:
             out["transfer_seconds"] = {d: h.as_dict() for d, h in cache.transfer_seconds.items()}
             out["transfer_bytes"] = {d: h.as_dict() for d, h in cache.transfer_bytes.items()}
-            out["capacity_points"] = self.capacity.points()
+            out["capacity_points"] = self.capacity.points()  # (by tier already: CapacityFeed)
         out.update(self.requests.as_dict())
         listed = [
             {
@@ -388,6 +405,7 @@ class Handlers(CacheOpsMixin):
                 "lapsed": bool(s.release_at),
                 "queried_tokens": s.queried_tokens,
                 "hit_tokens": s.hit_tokens,
+                **s.engine.as_dict(),
             }
             for s, _ in zip(self.sessions.holders(), range(MAX_SESSION_LIST), strict=False)
         ]
@@ -462,9 +480,11 @@ class Handlers(CacheOpsMixin):
         or its first ``max_nodes`` nodes."""
         if self._bool(fields, "shape", False):
             top = self._int(fields, "top", 1, 1000) if "top" in fields else 10
-            return tree_shape(self.cache, top), []
+            shape = tree_shape(self.cache, top)
+            shape["namespaces"] = self.tiers.rows(shape["namespaces"])
+            return shape, []
         limit = self._int(fields, "max_nodes", 1, 100_000) if "max_nodes" in fields else 1000
-        nodes = []
+        nodes, tiers = [], self.tiers
         for node in self.cache.tree.iter_nodes():
             if len(nodes) == limit:
                 break
@@ -473,8 +493,8 @@ class Handlers(CacheOpsMixin):
                     "id": node.id,
                     "parent": node.parent.id,
                     "tokens": node.num_tokens,
-                    "device": node.on_device,
-                    "host": node.on_host,
+                    tiers.key("device"): node.on_device,
+                    tiers.key("host"): node.on_host,
                     "lock_ref": node.lock_ref,
                     "hits": node.hit_count,
                     "io": node.io.name.lower(),

@@ -26,9 +26,24 @@ LIVE_S = 10.0  # /healthz fails when the control loop has not gone round for thi
 COUNTERS = [
     ("backup_tokens", "tokens copied from the device to the host tier", "backup_tokens"),
     ("backup_bytes", "bytes copied from the device to the host tier", "backup_bytes"),
-    ("load_tokens", "tokens loaded back from the host to the device tier", "load_tokens"),
-    ("load_bytes", "bytes loaded back from the host to the device tier", "load_bytes"),
+    ("load_tokens", "tokens loaded from the host to the device tier", "load_tokens"),
+    ("load_bytes", "bytes loaded from the host to the device tier", "load_bytes"),
     ("backup_failed_tokens", "tokens whose backup failed or found no room", "backup_failed_tokens"),
+    (
+        "engine_queried_tokens",
+        "tokens engines asked about beyond their own prefix cache's hit, as they count them",
+        "engine_queried_tokens",
+    ),
+    (
+        "engine_hit_tokens",
+        "of the engines' queried tokens, those hicache had, as the engines count them",
+        "engine_hit_tokens",
+    ),
+    (
+        "engine_loaded_tokens",
+        "tokens engines copied from the daemon's pool into their own device tier",
+        "engine_loaded_tokens",
+    ),
     ("transfer_errors", "copies between the tiers that failed", "transfer_errors"),
     ("replies_dropped", "replies dropped because a peer did not read", "replies_dropped"),
     ("leases_expired", "engine sessions whose lease ran out", "leases_expired"),
@@ -81,13 +96,14 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
         used.add_metric([tier], stats.get(f"{tier}_cached_tokens", 0))
     yield capacity
     yield used
-    for name, key in (
-        ("protected", "device_protected_tokens"),
-        ("evictable", "device_evictable_tokens"),
-    ):
-        yield GaugeMetricFamily(
-            f"hicache_device_{name}_tokens", f"device tokens {name} now", value=stats.get(key, 0)
+    for name, help_ in (("protected", "under a lock"), ("evictable", "with no lock")):
+        family = GaugeMetricFamily(
+            f"hicache_{name}_tokens", f"cached tokens {help_} now, by tier", labels=["tier"]
         )
+        for tier in ("device", "host"):  # (the tier of the cache's device pool: tier_names.py)
+            if f"{tier}_{name}_tokens" in stats:
+                family.add_metric([tier], stats[f"{tier}_{name}_tokens"])
+        yield family
     evicted = CounterMetricFamily(
         "hicache_evicted_tokens", "tokens evicted, by tier", labels=["tier"]
     )

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache.daemon.engine_counts import EngineCounts
 from hicache.protocol import DEFAULT_LEASE_S, ErrorCode, ProtocolError
 
 FORGET_AFTER = 65536  # lapsed session keys remembered (to answer LEASE_EXPIRED, not UNKNOWN)
@@ -77,6 +78,7 @@ class Session:
     release_at: float = 0.0  # in quarantine: when its pages and locks are given back
     queried_tokens: int = 0  # tokens this session asked MATCH about (`hicache info sessions`)
     hit_tokens: int = 0  # of them, found cached (device and host)
+    engine: EngineCounts = field(default_factory=EngineCounts)  # as the engine counts them
     _lock_ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def add_lock(self, record: Any) -> int:

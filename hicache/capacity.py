@@ -484,9 +484,9 @@ def _knee(values: Sequence[float], flat: float) -> int:
 
 def recommend(points: Sequence[TierPoint], flat: float = 0.01) -> str:
     """A short plain-English reading of a ``device_host_curve``: for the host tier (total hit
-    ratio) and the device tier (device hit ratio), the smallest factor past which larger sizes
-    add less than ``flat``, and what moving there from today's size (factor 1) gains or
-    costs. Deterministic. ValueError if no point has factor 1. Pure."""
+    ratio) and the device tier (device hit ratio; left out when it has 0 pages), the smallest
+    factor past which larger sizes add less than ``flat``, and what moving there from today's
+    size (factor 1) gains or costs. Deterministic. ValueError if no point has factor 1. Pure."""
     if not flat > 0:
         raise ValueError(f"flat must be > 0, got {flat!r}")
     pts = sorted(points, key=lambda p: p.factor)
@@ -494,10 +494,12 @@ def recommend(points: Sequence[TierPoint], flat: float = 0.01) -> str:
     if now is None:
         raise ValueError("recommend needs the point at factor 1 (today's sizes)")
     lines = []
-    for tier, what, value, pages in (
-        ("host", "host+device", lambda p: p.total_hit, lambda p: p.host_pages),
-        ("device", "device", lambda p: p.device_hit, lambda p: p.device_pages),
-    ):
+    tiers = [("host", "host+device", lambda p: p.total_hit, lambda p: p.host_pages)]
+    if now.device_pages:
+        tiers.append(("device", "device", lambda p: p.device_hit, lambda p: p.device_pages))
+    else:  # no device tier (a daemon for engines that keep their own: the host tier alone)
+        tiers = [("host", "host", lambda p: p.total_hit, lambda p: p.host_pages)]
+    for tier, what, value, pages in tiers:
         values = [value(p) for p in pts]
         best = pts[_knee(values, flat)]
         top = pts[-1]

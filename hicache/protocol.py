@@ -40,9 +40,14 @@ MAX_BATCH = 1024  # sequences in one batched match or insert
 MAX_MATCH_TOKENS = MAX_FRAME_BYTES // 4
 
 
+# An engine with a prefix cache of its own reports its figures as it counts them (tokens since
+# its previous report): asked beyond its own hit, of them found in hicache, copied from the pool.
+ENGINE_REPORT = ("engine_queried_tokens", "engine_hit_tokens", "engine_loaded_tokens")
+
+
 class Op(IntEnum):
     HELLO = 1  # fields: client, pid -> session, boot_epoch, config, pools
-    HEARTBEAT = 2
+    HEARTBEAT = 2  # fields (optional, also on GOODBYE): ENGINE_REPORT's counts since the last
     GOODBYE = 3
     # A batch travels as one frame per array kind, sequences concatenated, with their lengths in
     # the header: per-frame costs, not bytes, dominate small messages.

@@ -124,7 +124,7 @@ def test_the_first_layout_makes_the_pool_and_others_are_refused(ep):
             hc.register_layout(layout(model="m2"))
         stats = hc.stats(check=True)
         assert stats["integrity"] == "ok" and stats["device_tier"] == "engine"
-        assert stats["device_cached_tokens"] == 64  # the refused registration changed nothing
+        assert stats["host_cached_tokens"] == 64  # the refused registration changed nothing
 
 
 def test_a_pool_too_small_for_one_block_is_out_of_memory(tmp_path):
@@ -194,3 +194,62 @@ def test_insert_and_lock_replaces_a_match_in_one_round_trip_and_only_on_success(
         assert hc.holdings().lock_ids == [new.lock_id]
         hc.release(new)
         assert hc.stats(check=True)["integrity"] == "ok"
+
+
+def test_a_daemon_for_engines_names_its_pool_the_host_tier_everywhere(ep):
+    """The engines keep their device tier; the daemon's pool is their host tier: stats, info,
+    metrics, capacity, the tree and eviction all say host, and the device tier is empty."""
+    from hicache.client.capacity_view import render_capacity
+    from hicache.client.cli import sections
+    from hicache.daemon.metrics import families
+    from hicache.protocol import Op
+
+    with HiCacheClient(ep, name="e", admin=True) as hc:
+        hc.register_layout(layout())
+        hc.insert(list(range(64)), hc.alloc(64))
+        hc.release(hc.match_prefix(list(range(96))))
+        stats = hc.stats(check=True)
+        capacity = hc._call(Op.CAPACITY, {})[0].fields
+        tree = hc.tree()
+        evicted = hc.evict(host_tokens=64)
+        after = hc.stats(check=True)
+    assert stats["integrity"] == "ok"
+    assert (stats["hit_host_tokens"], stats["hit_device_tokens"]) == (64, 0)
+    assert stats["host_capacity_tokens"] == 128 * 32 and stats["device_capacity_tokens"] == 0
+    assert stats["host_cached_tokens"] == 64 and stats["host_evictable_tokens"] == 64
+    info = sections(stats)
+    assert (
+        info["hits"]["hit_ratio_host"] == "0.6667" and info["hits"]["hit_ratio_device"] == "0.0000"
+    )
+    assert info["host_pool"]["host_cached_tokens"] == 64
+    metrics = {
+        (f.name, sample.labels.get("tier")): sample.value
+        for f in families(stats)
+        for sample in f.samples
+    }
+    assert metrics[("hicache_hit_tokens", "host")] == 64
+    assert metrics[("hicache_hit_tokens", "device")] == 0
+    assert metrics[("hicache_capacity_tokens", "host")] == 128 * 32
+    assert metrics[("hicache_cached_tokens", "device")] == 0
+    assert metrics[("hicache_evictable_tokens", "host")] == 64
+    assert (capacity["device_pages"], capacity["host_pages"]) == (0, 128)
+    assert "device tier" not in capacity["recommendation"]
+    assert all(p["device_hit"] == 0 for p in capacity["points"])
+    assert "host_tokens" in render_capacity(capacity)
+    assert [(n["device"], n["host"]) for n in tree["nodes"]] == [(False, True)]
+    assert evicted == {"device_freed": 0, "host_freed": 64}  # --host-tokens: the pool
+    assert after["host_cached_tokens"] == 0 and after["evicted_host_tokens"] == 64
+
+
+def test_info_config_shows_the_registered_layout_not_a_default_shape(ep):
+    from hicache.client.cli import sections
+
+    with HiCacheClient(ep, name="e") as hc:
+        before = sections(hc.stats())["config"]
+        hc.register_layout(layout())
+        after = sections(hc.stats())["config"]
+    assert before["layout"].startswith("none registered yet")
+    assert "num_kv_heads" not in before and "head_dim" not in before
+    assert after["layout_model"] == "m" and after["layout_num_kv_heads"] == 2
+    assert after["layout_head_size"] == 32 and after["host_capacity_tokens"] == 128 * 32
+    assert "num_kv_heads" not in after and "kv_format" not in after

@@ -47,7 +47,7 @@ def daemon_state(endpoint: str, *engines: FakeVllm) -> dict:
     assert stats["integrity"] == "ok"
     mine = [s for s in stats["session_list"] if s["client"] == "fake-vllm"]
     return {
-        "cached": stats["device_cached_tokens"],
+        "cached": stats["host_cached_tokens"],
         "locks": sum(s["locks"] for s in mine),
         "owned": sum(s["owned_pages"] for s in mine) - sum(len(e.sched.reserve) for e in engines),
     }
@@ -549,3 +549,72 @@ def test_a_prefix_coming_from_the_store_is_asked_for_again_until_it_landed(tmp_p
             a.close()
         finally:
             stop_daemon(proc)
+
+
+def test_the_daemon_counts_an_engines_lookups_and_loads_as_vllm_does(ep):
+    """engine_*_tokens add up with vLLM's external_prefix_cache_{queries,hits}: a lookup counts
+    once the request's blocks are allocated, beyond vLLM's own hit, preempted requests left
+    out; engine_loaded_tokens (and an engine daemon's load_tokens) is what the engine copied."""
+    from tests.daemon_helpers import wait_until
+
+    tokens = prompt(42)
+    a = FakeVllm(ep)
+    run_to_end(a, "r1", tokens)  # asked twice (lookup, then admission): counted once
+    b = FakeVllm(ep)
+    r2 = b.add("r2", tokens)
+    assert b.admit(r2, own=BS) == 40 - BS  # vLLM had a block; 40 whole tokens are cached
+    b.step({"r2": len(tokens) - r2.computed})  # the load runs
+    b.finish(r2)
+    r3 = b.add("r3", tokens)
+    b.admit(r3, alloc=False)  # no free blocks: vLLM asks again later, counts only then
+    r4 = b.add("r4", tokens, num_preemptions=1)
+    b.admit(r4)  # resumed after a preemption: vLLM counts it apart
+    r5 = b.add("r5", [5, 6, 7])
+    assert b.admit(r5) == 0  # shorter than a block and a token: no call, still a query
+    queried, hit = (42 - BS) + 3, 40 - BS  # what vLLM's counters say for engine b
+
+    def sessions() -> dict:
+        with HiCacheClient(ep, name="probe") as hc:
+            listed = hc.stats()["session_list"]
+        return {s["id"]: s for s in listed if s["client"] == "fake-vllm"}
+
+    figures = ("engine_queried_tokens", "engine_hit_tokens", "engine_loaded_tokens")
+    want = {(42, 0, 0), (queried, hit, hit)}
+    # the heartbeats report them (within one beat)
+    wait_until(
+        lambda: {tuple(s[f] for f in figures) for s in sessions().values()} == want,
+        what="the engines' figures",
+    )
+    b.finish(r3), b.finish(r4), b.finish(r5)
+    a.close(), b.close()
+    with HiCacheClient(ep, name="probe") as hc:
+        stats = hc.stats(check=True)
+    assert stats["integrity"] == "ok"
+    assert stats["engine_queried_tokens"] == 42 + queried
+    assert stats["engine_hit_tokens"] == hit
+    assert stats["engine_loaded_tokens"] == stats["load_tokens"] == hit
+    assert stats["load_bytes"] == hit * stats["token_bytes"]
+
+
+def test_engine_figures_that_are_not_counts_are_refused_and_change_nothing(ep):
+    from hicache.client.connection import DaemonError
+    from hicache.protocol import Op
+
+    with HiCacheClient(ep, name="e", heartbeat=False) as hc:
+        for bad in (
+            {"engine_queried_tokens": -1},
+            {"engine_queried_tokens": 1.5},
+            {"engine_loaded_tokens": True},
+            {"engine_queried_tokens": 2, "engine_hit_tokens": 3},  # hits beyond the queries
+            {"engine_loaded_tokens": 1 << 60},
+        ):
+            with pytest.raises(DaemonError, match="engine_"):
+                hc._call(Op.HEARTBEAT, bad)
+            with pytest.raises(DaemonError, match="engine_"):
+                hc._call(Op.HOLDINGS, bad)  # (on any request of a session)
+        stats = hc.stats()
+        assert [stats[f"engine_{k}_tokens"] for k in ("queried", "hit", "loaded")] == [0, 0, 0]
+        with pytest.raises(ValueError, match="more than queried"):
+            hc.note_engine(queried=1, hit=2)
+        hc._call(Op.HEARTBEAT, {"engine_queried_tokens": 5, "engine_hit_tokens": 5})
+        assert hc.stats()["engine_hit_tokens"] == 5

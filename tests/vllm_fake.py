@@ -35,6 +35,11 @@ class Req:
     prompt_embeds: Any = None
     computed: int = 0  # tokens with KV in the engine's blocks
     blocks: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
 
 
 def kv_of(tokens: list[int], layer: int, head: int) -> np.ndarray:
@@ -102,16 +107,17 @@ class FakeVllm:
             time.sleep(0.001)  # (the next step)
         return ext
 
-    def admit(self, req: Req, alloc: bool = True) -> int:
+    def admit(self, req: Req, alloc: bool = True, own: int = 0) -> int:
         """The scheduler admits a new request: lookup, then (when ``alloc``) blocks for the
-        whole prompt and update_state_after_alloc. Returns the external tokens."""
-        ext = self.sched.lookup(req, 0)
+        whole prompt and update_state_after_alloc. ``own``: vLLM's own prefix-cache hit
+        (whole blocks; their KV is not written here). Returns the external tokens."""
+        ext = self.sched.lookup(req, own)
         if not alloc:
             return ext
         need = -(-len(req.all_token_ids) // BS)
         req.blocks = [self.free.pop(0) for _ in range(need)]
         self.sched.after_alloc(req, list(req.blocks), ext)
-        req.computed = ext
+        req.computed = own + ext
         return ext
 
     def step(self, todo: dict[str, int]) -> StepPlan:

@@ -63,6 +63,9 @@ class SchedulerSide:
         self.block_ids = None  # callable(req_id) -> block ids of group 0 (vLLM's manager)
         # requests whose prefix is coming from the third tier: (first "not yet", last ask)
         self.l3_waiting: dict[str, tuple[float, float]] = {}
+        # what vLLM counts (engine_counts.py): own hit at an answered lookup, until allocated
+        self.asked: dict[str, int] = {}
+        self.load_steps: dict[int, int] = {}  # step -> tokens its plan loads (valid copies)
 
     # ---- lookup ---------------------------------------------------------------------------
     @timed
@@ -76,6 +79,9 @@ class SchedulerSide:
             self.l3_waiting[request.request_id] = waiting  # asked a moment ago
             return None
         self._end(request.request_id)  # a lookup again (not scheduled, preempted): start over
+        if len(self.asked) >= MAX_L3_WAITING:  # requests vLLM never allocated (aborted)
+            self.asked.clear()
+        self.asked[request.request_id] = num_computed  # (vLLM counts it once allocated)
         if not _cacheable(request):
             return 0
         bs = self.block_size
@@ -91,6 +97,7 @@ class SchedulerSide:
             match = self.link.call(lambda c: c.match_prefix(prompt, namespace, l3_wait=False))
         except Unavailable:
             self.figures.unavailable += 1
+            self.asked.pop(request.request_id, None)  # (a lookup the daemon never saw)
             return 0
         except DaemonError as exc:
             log.warning("hicache lookup refused: %s", exc)
@@ -104,6 +111,7 @@ class SchedulerSide:
                 self.figures.l3_not_yet += 1
                 self.figures.lookups -= 1  # (counted once, when it is answered)
                 self.figures.queried_tokens -= max(0, len(tokens) - num_computed)
+                self.asked.pop(request.request_id, None)
                 self._release_match(match)
                 return None
         hit = match.device_hit_length
@@ -130,6 +138,7 @@ class SchedulerSide:
     @timed
     def after_alloc(self, request: Any, block_ids: list[int], num_external: int) -> None:
         """Plan the load of the ``num_external`` tokens vLLM allocated blocks for (0: none)."""
+        self._count(request, num_external)
         t = self.tracked.get(request.request_id)
         if t is None or not num_external or t.chain is None or t.pool is None:
             return
@@ -145,6 +154,17 @@ class SchedulerSide:
         self.loads.append((copy, t))
         self.figures.loaded_tokens += num_external
 
+    def _count(self, request: Any, num_external: int) -> None:
+        """Tell the daemon this lookup as vLLM counts it, at the same point: once the request's
+        blocks are allocated, not for a preempted one (vllm:external_prefix_cache_*)."""
+        own = self.asked.pop(request.request_id, None)
+        client = self.link.client
+        if own is None or client is None or getattr(request, "num_preemptions", 0):
+            return
+        queried = max(0, request.num_tokens - own)
+        if queried:
+            client.note_engine(queried=queried, hit=min(num_external, queried))
+
     # ---- the step's plan --------------------------------------------------------------------
     @timed
     def plan(self, out: Any) -> StepPlan:
@@ -158,15 +178,19 @@ class SchedulerSide:
             return NO_PLAN
         plan = StepPlan(self.step)
         lease = self.link.client.lease_s if self.link.client is not None else 0.0
+        loading = 0
         for copy, t in self.loads:
             # pages pinned by a session that may have lapsed since (a stalled scheduler) may be
             # someone else's now: such a load fails (vLLM recomputes), it is never copied
             if time.monotonic() - t.looked > lease / 2 or t.pool is None:
                 copy = Copy(copy.job, copy.req_id, 0, copy.block_ids, copy.pages)
-            else:
+            elif copy.epoch:
                 plan.pools[t.pool.epoch] = t.pool
+                loading += len(copy.block_ids) * self.block_size
             plan.loads.append(copy)
         self.loads = []
+        if loading:
+            self.load_steps[self.step] = loading
         if stores:
             pool = self.link.pool
             plan.pools[pool.epoch] = pool
@@ -280,6 +304,7 @@ class SchedulerSide:
         self.figures.scheduler_s += self.link.take_wait()
         if rep.layout is not None:
             self.link.learn_layout(rep.layout)
+        self._count_loads(rep)
         while self.open_steps and self.open_steps[0][0] <= rep.step:
             step, stores = self.open_steps.popleft()
             self.opened_at.pop(step, None)
@@ -288,6 +313,18 @@ class SchedulerSide:
                 store.ok = ok and store.job not in rep.failed
                 self.figures.failed_stores += not store.ok
         self._publish()
+
+    def _count_loads(self, rep: StepReport) -> None:
+        """Tell the daemon the tokens this step's plan loaded into vLLM (blocks that failed on
+        some rank, and steps whose report never came, left out)."""
+        done = [step for step in self.load_steps if step <= rep.step]
+        planned = sum(self.load_steps.pop(step) for step in done if step == rep.step)
+        loaded = planned - min(planned, rep.failed_loads * self.block_size)
+        client = self.link.client
+        if loaded and client is not None and rep.ranks >= self.world:
+            client.note_engine(loaded=loaded)
+        for step in done:
+            self.load_steps.pop(step, None)
 
     def _publish(self) -> None:
         """Publish settled stores in prefix order; free failed ones and re-plan their blocks."""

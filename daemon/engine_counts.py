@@ -1,0 +1,67 @@
+"""EngineCounts: an engine's lookups as the engine itself counts them, and what it loaded.
+
+The cache's own counters (``hit_*_tokens``, ``miss_tokens``) count every token of every MATCH:
+the part an engine already had in its own prefix cache included, a lookup the engine makes
+again (its blocks were not free yet, a prefix still coming from the third tier) each time. An
+engine with a prefix cache of its own counts otherwise, so it reports its own figures on any
+request (the client library's heartbeat carries them, at most 2 s late, and its goodbye the
+rest), and the daemon adds them up per session and in total:
+
+- ``engine_queried_tokens``: tokens engines asked about beyond their own hit (vLLM:
+  ``vllm:external_prefix_cache_queries``: ``request.num_tokens`` less vLLM's own hit);
+- ``engine_hit_tokens``: of them, what hicache had (``vllm:external_prefix_cache_hits``);
+- ``engine_loaded_tokens``: tokens the engines copied from the pool into their device tier
+  (loads that failed on some rank left out).
+
+One per session, and one total per daemon (ended sessions included). Mutated on the control
+thread only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hicache.protocol import ENGINE_REPORT, ErrorCode, ProtocolError
+
+MAX_TOKENS = 1 << 48  # a larger count in one report is not a count
+
+
+@dataclass
+class EngineCounts:
+    queried: int = 0  # tokens engines asked about beyond their own hit
+    hit: int = 0  # of them, found in hicache
+    loaded: int = 0  # tokens engines copied from the pool
+
+    def add(self, other: EngineCounts) -> None:
+        self.queried += other.queried
+        self.hit += other.hit
+        self.loaded += other.loaded
+
+    def as_dict(self) -> dict[str, int]:
+        """The stats fields (also the names a report uses)."""
+        return {f"engine_{f.name}_tokens": getattr(self, f.name) for f in fields(self)}
+
+
+REPORT_FIELDS = ENGINE_REPORT  # (the wire's names: EngineCounts.as_dict's, in field order)
+assert tuple(EngineCounts().as_dict()) == REPORT_FIELDS
+
+
+def reported(request: dict) -> EngineCounts | None:
+    """What a request's fields report (None: nothing). Raises ProtocolError (BAD_FIELD) for a
+    value that is not a count, or hits beyond what was queried."""
+    if not any(name in request for name in REPORT_FIELDS):
+        return None
+    values = []
+    for name in REPORT_FIELDS:
+        value: Any = request.get(name, 0)
+        if type(value) is not int or not 0 <= value < MAX_TOKENS:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{name}: a count of tokens, got {value!r}")
+        values.append(value)
+    counts = EngineCounts(*values)
+    if counts.hit > counts.queried:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"engine_hit_tokens {counts.hit} is more than engine_queried_tokens {counts.queried}",
+        )
+    return counts
