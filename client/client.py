@@ -494,10 +494,15 @@ class HiCacheClient:
         return self._call(Op.PING)[0].fields
 
     # ---- lifetime ----
-    def close(self) -> None:
+    def close(self, stopping: bool = False) -> None:
         """From any thread: calls still in flight end with ClientClosed, the daemon is told
         goodbye (it frees what this session still holds), the pools are unmapped. Later calls
-        raise ClientClosed; closing twice does nothing."""
+        raise ClientClosed; closing twice does nothing. ``stopping=True``: this process is
+        stopping and copies it started may still write the session's pages (a signal handler):
+        the daemon holds them for its quarantine time, then frees them."""
+        if stopping and self._finalizer.alive:
+            self._finalizer.detach()
+            self._link.close(stopping=True)
         self._finalizer()  # SessionLink.close, once
         with self._attach_lock:
             for mapped in (self.pools, self._progress_map):

@@ -243,9 +243,10 @@ class SessionLink:
         return dict(zip(ENGINE_REPORT, noted, strict=True))
 
     # ---- lifetime ---------------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, stopping: bool = False) -> None:
         """From any thread, once: calls in flight end (ClientClosed), the heartbeat stops, the
-        daemon is told goodbye (it frees what the session held) and every socket closes."""
+        daemon is told goodbye (it frees what the session held; ``stopping``: after its
+        quarantine, as copies this process started may still run) and every socket closes."""
         with self._lock:
             if self.closed:
                 return
@@ -264,7 +265,10 @@ class SessionLink:
                 goodbye = Connection(self.endpoint, min(self.timeout_s, 2.0), None, self.trusted)
                 goodbye.session, goodbye.epoch = self.key, self.epoch
                 try:
-                    goodbye.call(Op.GOODBYE, self._report())
+                    fields = self._report() or {}
+                    if stopping:
+                        fields["stopping"] = True
+                    goodbye.call(Op.GOODBYE, fields or None)
                 finally:
                     goodbye.close()
         for conn in conns:

@@ -259,6 +259,10 @@ class Handlers(CacheOpsMixin):
         """Release every lock and free every page an ended session still held. Only pages the
         allocator still counts as owned are freed: nothing of the tree's or the free list's."""
         session = ended.session
+        held = f"{len(session.owned)} pages and {len(session.locks)} locks given back"
+        if not session.owned and not session.locks:
+            held = "it held nothing"  # (a vLLM worker's session, once its layout is registered)
+        log.info("session %d (%s) ended: %s; %s", session.id, session.client, ended.reason, held)
         if self.cache is None:  # nothing can be held before the pool exists
             return
         for record in session.drop_locks():
@@ -268,7 +272,6 @@ class Handlers(CacheOpsMixin):
             pages = pages[self.cache.device_alloc.state[pages] == OWNED]
             self.cache.free(pages * self.cache.page_size)
             session.owned.clear()
-        log.info("session %d (%s) ended: %s", session.id, session.client, ended.reason)
 
     # ---- sessions ----
     def hello(self, _: Session | None, fields: dict, frames: Frames) -> Result:
@@ -315,12 +318,34 @@ class Handlers(CacheOpsMixin):
         """End the session now (live or in quarantine); a stale epoch is refused first."""
         self._check_epoch(req.epoch, required=True)
         counts = reported(req.fields)  # an engine's last figures
+        if self._bool(req.fields, "stopping", False):
+            return self._stopping(req, counts)
         ended = self.sessions.end(req.session)
         if ended is None:
             raise ProtocolError(ErrorCode.UNKNOWN_SESSION, "no session by that key")
         if counts is not None:
             self.engine_counts.add(counts)
         self.give_back(ended)
+        return self._reply(ErrorCode.OK, req.request_id, {})
+
+    def _stopping(self, req: Any, counts: EngineCounts | None) -> bytes:
+        """GOODBYE with ``stopping``: the engine's process is stopping and copies it started
+        may still write its pages: the session goes to quarantine now (what it holds is given
+        back after quarantine_seconds, as after a lapsed lease, without the lease's wait)."""
+        session = self.sessions.stop(req.session, self.clock())
+        if session is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, "no live session by that key")
+        if counts is not None:
+            session.engine.add(counts)
+            self.engine_counts.add(counts)
+        log.info(
+            "session %d (%s) stopping: its %d pages and %d locks are given back in %g s",
+            session.id,
+            session.client,
+            len(session.owned),
+            len(session.locks),
+            self.sessions.quarantine_s,
+        )
         return self._reply(ErrorCode.OK, req.request_id, {})
 
     def ping(self, _: Session | None, fields: dict, frames: Frames) -> Result:

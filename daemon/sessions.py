@@ -76,6 +76,7 @@ class Session:
     tally: list[int] = field(default_factory=lambda: [0])  # locks of all its table's sessions
     loads: set[int] = field(default_factory=set)  # tickets of loads this session started
     release_at: float = 0.0  # in quarantine: when its pages and locks are given back
+    ending: str = "lease expired"  # why it is in quarantine (said when it ends)
     queried_tokens: int = 0  # tokens this session asked MATCH about (`hicache info sessions`)
     hit_tokens: int = 0  # of them, found cached (device and host)
     engine: EngineCounts = field(default_factory=EngineCounts)  # as the engine counts them
@@ -222,6 +223,21 @@ class SessionTable:
         session = self._sessions.pop(key, None) or self._quarantine.pop(key, None)
         return None if session is None else Ended(self._gone(session), reason)
 
+    def stop(self, key: int, now: float) -> Session | None:
+        """An engine says it is stopping (copies it started may still run): its lease ends
+        now and it goes to quarantine as a lapsed one would, without the lease's wait. None
+        when no live session has that key."""
+        session = self._sessions.pop(key, None)
+        if session is None:
+            return None
+        session.expires, session.release_at = now, now + self.quarantine_s
+        session.ending = "stopped"
+        self._quarantine[key] = session
+        self._lapsed[key] = None
+        if len(self._lapsed) > FORGET_AFTER:
+            self._lapsed.popitem(last=False)
+        return session
+
     def expire(self, now: float) -> list[Ended]:
         """Move every session whose lease ran out before ``now`` to quarantine, and return the
         quarantined ones whose grace period is over (to give back now)."""
@@ -234,7 +250,7 @@ class SessionTable:
             if len(self._lapsed) > FORGET_AFTER:
                 self._lapsed.popitem(last=False)
         due = [s.key for s in self._quarantine.values() if s.release_at <= now]
-        return [Ended(self._gone(self._quarantine.pop(key)), "lease expired") for key in due]
+        return [Ended(self._gone(s := self._quarantine.pop(key)), s.ending) for key in due]
 
     def owner_of(self, page: int) -> Session | None:
         """The session owning ``page`` (linear; for error messages and tests)."""

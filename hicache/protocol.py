@@ -48,7 +48,8 @@ ENGINE_REPORT = ("engine_queried_tokens", "engine_hit_tokens", "engine_loaded_to
 class Op(IntEnum):
     HELLO = 1  # fields: client, pid -> session, boot_epoch, config, pools
     HEARTBEAT = 2  # fields (optional, also on GOODBYE): ENGINE_REPORT's counts since the last
-    GOODBYE = 3
+    GOODBYE = 3  # fields: stopping (default false: end now and free what it held; true: the
+    # engine's process is stopping and its copies may still run: quarantine, then free)
     # A batch travels as one frame per array kind, sequences concatenated, with their lengths in
     # the header: per-frame costs, not bytes, dominate small messages.
     MATCH = 4  # frame: token ids; fields: lengths, shared (optional: leading tokens each sequence

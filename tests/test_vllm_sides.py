@@ -618,3 +618,73 @@ def test_engine_figures_that_are_not_counts_are_refused_and_change_nothing(ep):
             hc.note_engine(queried=1, hit=2)
         hc._call(Op.HEARTBEAT, {"engine_queried_tokens": 5, "engine_hit_tokens": 5})
         assert hc.stats()["engine_hit_tokens"] == 5
+
+
+def test_a_stopping_goodbye_quarantines_at_once_then_frees(ep):
+    """close(stopping=True): copies of the stopping process may still write its pages, so the
+    daemon holds them for the quarantine (not a lease and a quarantine), then frees them."""
+    from tests.daemon_helpers import wait_until
+    from tests.test_engine_tier import layout
+
+    hc = HiCacheClient(ep, name="stopping")
+    hc.register_layout(layout(block_size=BS, block_shape=(2, BS, 16)))
+    hc.alloc(8 * BS)
+    hc.close(stopping=True)
+
+    def mine() -> list:
+        with HiCacheClient(ep, name="probe") as probe:
+            return [s for s in probe.stats()["session_list"] if s["client"] == "stopping"]
+
+    held = mine()
+    assert held and held[0]["lapsed"] and held[0]["owned_pages"] == 8  # at once, still held
+    wait_until(lambda: not mine(), what="the quarantine's end")
+    with HiCacheClient(ep, name="probe") as probe:
+        stats = probe.stats(check=True)
+    assert stats["integrity"] == "ok" and stats["host_owned_tokens"] == 0
+
+
+def test_a_signal_to_vllm_ends_the_scheduler_session_as_stopping(ep):
+    """vLLM's engine process may be killed before its shutdown reaches the connector: the
+    connector's signal handler says a stopping goodbye first, then runs vLLM's handler."""
+    from hicache.client.vllm.connector import _stop_on_signals
+    from tests.daemon_helpers import wait_until
+
+    v = FakeVllm(ep)
+    run_to_end(v, "r1", prompt(42))
+    seen: list[int] = []
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))  # "vLLM's"
+        _stop_on_signals(v.sched.link)
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_until(lambda: seen, what="the chained handler")
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert seen == [signal.SIGTERM]
+    with HiCacheClient(ep, name="probe") as probe:
+        fake = [s for s in probe.stats()["session_list"] if s["client"] == "fake-vllm"]
+    assert fake and all(s["lapsed"] for s in fake)  # in quarantine now, not after its lease
+    assert v.sched.lookup(v.add("r2", prompt(42)), 0) == 0  # a miss: no new session opened
+    assert v.sched.link.client is None
+    v.close()
+
+
+def test_the_connectors_log_lines_reach_vllms_log():
+    """vLLM configures only its own loggers: hicache's lines go through its handlers."""
+    import io
+    import logging
+
+    from hicache.client.vllm.connector import route_logs_to_vllm
+
+    ours, theirs = logging.getLogger("hicache"), logging.getLogger("vllm")
+    saved = (ours.handlers[:], ours.level, ours.propagate, theirs.handlers[:])
+    out = io.StringIO()
+    try:
+        ours.handlers.clear()
+        theirs.handlers[:] = [logging.StreamHandler(out)]
+        route_logs_to_vllm()
+        logging.getLogger("hicache.vllm").info("hicache: host tier of this engine: ...")
+        assert "host tier of this engine" in out.getvalue()
+    finally:
+        ours.handlers[:], ours.level, ours.propagate, theirs.handlers[:] = saved

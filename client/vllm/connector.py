@@ -13,6 +13,9 @@ calls to the half of its role: ``scheduler.SchedulerSide`` and ``worker.WorkerSi
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 from typing import Any
 
 from hicache.client.vllm.compat import (
@@ -37,6 +40,7 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None):
         check_version()
+        route_logs_to_vllm()
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = ConnectorSettings.from_extra(
             vllm_config.kv_transfer_config.kv_connector_extra_config
@@ -68,6 +72,8 @@ class HiCacheConnector(KVConnectorBase_V1):
                 s if store else _no_store(s), link, self.block_size, parallel.world_size
             )
             link.ready()  # connect now (the workers registered the layout before this)
+            _say_connected(link, s.endpoint)
+            _stop_on_signals(link)
         else:
             rank = getattr(parallel, "rank", 0) % max(1, parallel.tensor_parallel_size)
             self.worker = WorkerSide(
@@ -158,6 +164,71 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.worker.close()
         if self.sched is not None:
             self.sched.close()
+
+
+def route_logs_to_vllm() -> None:
+    """hicache's log lines go where vLLM's go (its handlers and format; they would reach no
+    handler otherwise: vLLM configures only its own loggers). Once per process."""
+    ours, theirs = logging.getLogger("hicache"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(logging.INFO)
+    ours.propagate = False
+
+
+def _say_connected(link: DaemonLink, endpoint: str) -> None:
+    """One line per engine start where vLLM's operator reads: the daemon, the layout, the
+    pool (or why hicache is not used yet)."""
+    pool, layout = link.pool, link.layout
+    if pool is None or layout is None:
+        log.warning(
+            "hicache: daemon at %s not usable yet: lookups are misses until it is", endpoint
+        )
+        return
+    tokens = pool.config.get("device_tokens", 0)
+    log.info(
+        "hicache: host tier of this engine: daemon at %s (boot %x); layout %s, %d layers, "
+        "%d KV heads of %d, %s, block %d; pool %d tokens (%.2f GiB), shared by every engine "
+        "of this layout",
+        endpoint,
+        pool.epoch,
+        layout.model,
+        layout.num_layers,
+        layout.num_kv_heads * max(1, layout.tp_size),
+        layout.head_size,
+        layout.dtype,
+        layout.block_size,
+        tokens,
+        tokens // max(1, layout.block_size) * layout.page_bytes / 2**30,
+    )
+
+
+def _stop_on_signals(link: DaemonLink) -> None:
+    """On SIGTERM or SIGINT, end the scheduler's session as stopping before vLLM's handler
+    runs: vLLM's engine process may be killed before its shutdown reaches shutdown() below,
+    and the daemon would hold the session's pages for a lease and a quarantine. Installed
+    only from the main thread (where vLLM's engine core builds the connector)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+
+        def on_signal(signum: int, frame: Any, previous: Any = previous) -> None:
+            stopper = threading.Thread(target=link.stop, name="hicache-stop", daemon=True)
+            stopper.start()
+            stopper.join(STOP_WAIT_S)  # (a goodbye to a stalled daemon does not hold vLLM)
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(sig, on_signal)
+
+
+STOP_WAIT_S = 1.0  # a signal waits at most this long for the stopping goodbye
 
 
 def _no_store(settings: ConnectorSettings) -> ConnectorSettings:

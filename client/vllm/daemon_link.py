@@ -197,6 +197,16 @@ class DaemonLink:
         if client is not None:
             _close_quietly(client)
 
+    def stop(self) -> None:
+        """vLLM's engine process is stopping (a signal): end the session as stopping (the
+        daemon gives its pages back after quarantine: the workers may still copy) and open
+        no other; lookups are misses from now on. Any thread."""
+        self.down_until = float("inf")
+        client, self.client, self.pool = self.client, None, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close(stopping=True)
+
 
 def _close_quietly(client: HiCacheClient) -> None:
     with contextlib.suppress(Exception):

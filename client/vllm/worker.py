@@ -108,7 +108,8 @@ class WorkerSide:
                 exc,
             )
         log.info(
-            "hicache: rank %d registered %d layers, blocks %s %s (%s copies)",
+            "hicache: rank %d registered its KV layout with the daemon (%d layers, blocks %s "
+            "%s, %s copies); it copies through the scheduler's session from now on",
             self.rank,
             layout.num_layers,
             list(layout.block_shape),
