@@ -91,7 +91,7 @@ def same(a: list[dict], b: list[dict], tol: float = 0.0) -> bool:
 def held(stats: dict) -> list:
     """Locks, and owned pages beyond an engine's reserve for its next stores (at most 1/64 of
     the pool), that sessions still hold: none once vLLM is idle."""
-    reserve = stats["device_capacity_tokens"] // BLOCK // 64
+    reserve = stats["host_capacity_tokens"] // BLOCK // 64
     return [s for s in stats["sessions"] if s["locks"] or s["owned_pages"] > reserve]
 
 
@@ -101,7 +101,7 @@ def test_vllm_outputs_are_identical_with_kv_from_hicache(model, daemon):
     r = run("main", model=model, endpoint=ep, daemon_pid=proc.pid)
     cold = r["cold"]
     assert same(cold, plain)  # the connector changes nothing of a cold run
-    assert r["stats_after_cold"]["device_cached_tokens"] > 0  # stored
+    assert r["stats_after_cold"]["host_cached_tokens"] > 0  # stored (the engines' host tier)
     assert r["stats_after_cold"]["integrity"] == "ok" and not held(r["stats_after_cold"])
     # vLLM's 23 blocks hold less than the prompts: hicache serves what vLLM evicted
     assert same(r["warm_no_reset"], cold)
@@ -114,6 +114,11 @@ def test_vllm_outputs_are_identical_with_kv_from_hicache(model, daemon):
     assert stats["integrity"] == "ok" and not held(stats)
     engine = [s for s in stats["sessions"] if s["client"].startswith("vllm-scheduler")]
     assert engine and engine[0]["hit_tokens"] > 0  # hits per engine in `hicache info`
+    # what hicache says this engine asked and got adds up with vLLM's own counters
+    counted, vllm = r["hicache_counted"], r["vllm_counted"]
+    assert vllm["hits"] > 0 and counted["engine_hit_tokens"] == vllm["hits"]
+    assert counted["engine_queried_tokens"] == vllm["queries"]
+    assert counted["engine_loaded_tokens"] == vllm["hits"]  # every hit was copied into vLLM
     # pages poisoned behind the daemon's back change the output: the KV really came from it
     assert not same(r["poisoned"], cold)
     assert same(r["after_flush"], cold)

@@ -117,13 +117,34 @@ def reset_prefix_cache(llm) -> None:
         llm.generate([TokensPrompt(prompt_token_ids=[1])], SamplingParams(max_tokens=1))
 
 
-def external_hits(llm) -> float:
-    """vLLM's own counter of prompt tokens served by the connector."""
-    return sum(
-        getattr(m, "value", 0)
-        for m in llm.get_metrics()
-        if m.name == "vllm:external_prefix_cache_hits"
-    )
+def external_hits(llm, name: str = "vllm:external_prefix_cache_hits") -> float:
+    """vLLM's own counter of prompt tokens served by the connector (or another counter)."""
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
+
+
+def engine_figures(endpoint: str, vllm: dict[str, float]) -> dict:
+    """This engine's figures in the daemon (its scheduler session's engine_*_tokens), once
+    they equal ``vllm`` (they come with the heartbeat) or 10 s passed."""
+    from hicache.client import HiCacheClient
+
+    deadline = time.monotonic() + 10
+    while True:
+        with HiCacheClient(endpoint, name="runner", heartbeat=False) as hc:
+            mine = [
+                s
+                for s in hc.stats()["session_list"]
+                if s["client"].startswith("vllm-scheduler") and s["pid"] == os.getpid()
+            ]
+        got = {
+            k: sum(s[k] for s in mine)
+            for k in ("engine_queried_tokens", "engine_hit_tokens", "engine_loaded_tokens")
+        }
+        if time.monotonic() > deadline or (
+            got["engine_queried_tokens"] == vllm["queries"]
+            and got["engine_hit_tokens"] == vllm["hits"]
+        ):
+            return got
+        time.sleep(0.2)
 
 
 def daemon_stats(endpoint: str) -> dict:
@@ -165,6 +186,11 @@ def scenario_main(args: dict) -> dict:
     out["reset"] = generate(llm, batch)
     out["external_after_reset"] = external_hits(llm)
     out["stats_after_reset"] = _brief(daemon_stats(ep))
+    out["vllm_counted"] = {
+        "queries": external_hits(llm, "vllm:external_prefix_cache_queries"),
+        "hits": out["external_after_reset"],
+    }
+    out["hicache_counted"] = engine_figures(ep, out["vllm_counted"])
     poison(ep)
     reset_prefix_cache(llm)
     out["poisoned"] = generate(llm, batch)
@@ -222,11 +248,11 @@ def scenario_mismatch(args: dict) -> dict:
 
 def _brief(stats: dict) -> dict:
     keys = (
-        "device_cached_tokens",
-        "device_capacity_tokens",
+        "host_cached_tokens",
+        "host_capacity_tokens",
         "integrity",
-        "hit_device_tokens",
-        "device_owned_tokens",
+        "hit_host_tokens",
+        "host_owned_tokens",
     )
     out = {k: stats.get(k) for k in keys}
     out["sessions"] = [
