@@ -25,6 +25,7 @@ SNDHWM = 64  # replies queued per connection before they are dropped (a client h
 LOCK_BYTES = 200  # what one held lock costs the daemon (its record and its id; measured ~190)
 TOTAL_LOCKS_PER_PAGE = 64  # locks of every session at once, per device page (from 65,536 ...)
 MAX_TOTAL_LOCKS = 1 << 20  # (... to 1M: 200 MiB)
+SHARES_OF_ALL_LOCKS = 4  # a session holds at most this share (1/4) of all sessions' locks
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class SessionLimits:
         if max_locks < 1 or max_loads < 1:
             raise ValueError("session_max_locks and session_max_loads: must be >= 1")
         total = min(MAX_TOTAL_LOCKS, max(65536, TOTAL_LOCKS_PER_PAGE * device_pages))
+        # one session takes at most a quarter of every session's locks: one client alone
+        # cannot leave the others none
+        max_locks = min(max_locks, max(1, total // SHARES_OF_ALL_LOCKS))
         return cls(max(1, int(device_pages * owned_fraction)), max_locks, max_loads, total)
 
     def describe(self, max_sessions: int) -> str:

@@ -33,7 +33,9 @@ def spawn(lock_path: str, instance: str) -> subprocess.Popen:
     """Start the reaper of the daemon that holds ``lock_path`` (call with the lock held). It
     inherits no descriptor (the lock's least of all) and outlives the daemon."""
     return subprocess.Popen(
-        [sys.executable, "-m", "hicache.daemon.reaper", lock_path, instance],
+        # -P and cwd /: the daemon's working folder (anyone's) is not on the import path
+        [sys.executable, "-P", "-m", "hicache.daemon.reaper", lock_path, instance],
+        cwd="/",
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

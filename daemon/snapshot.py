@@ -48,12 +48,12 @@ from hicache.daemon.segments import (
     HOST,
     KEEP,
     instance_alive,
-    kept_for,
     mark_kept,
     parse_name,
     segment_name,
 )
 from hicache.endpoints import admin_token_path
+from hicache.kept import expired, own_name, read_marker
 from hicache.page_sums import PageSums
 
 log = logging.getLogger("hicache.daemon")
@@ -137,8 +137,11 @@ class HostKeeper:
             return f"{segment} is uid {uid}'s"
         if instance_alive(instance, self.directory):
             return f"the daemon of {segment} is running"
-        if kept_for(instance, self.directory) != self.path:
+        marker = read_marker(os.path.join(self.directory, own_name(instance, KEEP)))
+        if marker is None or marker.snapshot != self.path:
             return f"the daemon of {segment} did not keep it for this endpoint"
+        if expired(marker):  # (its reaper frees it, or the clean-up after this claim would)
+            return f"{segment} was kept until {time.ctime(marker.until)}: its grace time is over"
         try:
             st = os.lstat(os.path.join(self.directory, str(segment)))
         except FileNotFoundError:

@@ -34,6 +34,7 @@ LOCK = "lock"  # the instance lock's pool name
 KEEP = "keep"  # the marker: this instance's host segment may be adopted after it ends
 HOST = "host"
 DEFAULT_GRACE_S = 120.0  # how long a stopped daemon's host pool waits for a successor
+MAX_GRACE_S = 86400.0  # what keep_host_seconds allows: a marker saying more is not ours
 
 
 def own_name(instance: str, pool: str) -> str:
@@ -119,7 +120,7 @@ def read_marker(path: str) -> Marker | None:
         grace = float(fields.get("grace", 24 * 3600.0))  # (a day: what older markers meant)
     except ValueError:
         return None
-    if not lines[0] or grace != grace or grace < 0:
+    if not lines[0] or not 0 <= grace <= MAX_GRACE_S:  # (nan and inf fail too)
         return None
     return Marker(lines[0], grace, fields.get("endpoint", ""), written)
 

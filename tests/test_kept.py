@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from hicache.client import HiCacheClient
 from tests.daemon_helpers import start_daemon, stop_daemon, wait_until, write_sequence
@@ -21,7 +22,7 @@ def shm_of(pid: int) -> list[str]:
 
 
 def reapers() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "hicache.daemon.reaper" in line]
 
 
@@ -97,3 +98,61 @@ def test_a_killed_daemon_leaves_nothing_once_its_grace_time_is_over(tmp_path):
         proc.wait()
         wait_until(lambda pid=proc.pid: not shm_of(pid), timeout=30, what=f"keep={keep} freed")
         stop_daemon(proc)  # (the output thread, and a socket file left behind)
+
+
+def test_a_pool_whose_grace_ran_out_without_its_reaper_is_not_adopted(tmp_path):
+    """Hostile review: the reaper killed, the grace time over: the next daemon starts cold
+    (and frees the pool) instead of failing to start on a pool its clean-up removed."""
+    ep = f"ipc://{tmp_path}/k.sock"
+    first = start_daemon(ep, "--keep-host", "true", "--keep-host-seconds", "1")
+    warm(ep)
+    pattern = f"hicache.daemon.reaper .* {first.pid}-"
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    assert found.split(), "the first daemon's reaper"
+    for pid in found.split():
+        os.kill(int(pid), signal.SIGKILL)
+    wait_until(lambda: not [r for r in reapers() if f" {first.pid}-" in r], what="reaper killed")
+    stop_daemon(first)
+    listed = [p for p in kept()["kept"] if p["endpoint"] == ep]
+    assert listed and any(n.endswith("-host") for n in shm_of(first.pid))
+    over = time.time() + listed[0]["left_s"] + 0.2
+    wait_until(lambda: time.time() > over, what="the grace time")  # (a deadline, not a race)
+    assert any(n.endswith("-host") for n in shm_of(first.pid))  # nobody freed it
+    second = start_daemon(ep, "--keep-host", "true", "--keep-host-seconds", "1")
+    try:
+        with HiCacheClient(ep, name="reader") as hc:
+            assert hc.match_prefix(list(range(1, 41)), lock=False).host_hit_length == 0  # cold
+    finally:
+        log = stop_daemon(second)
+    assert "grace time is over" in log, log
+    assert not shm_of(first.pid)
+    wait_until(lambda: not shm_of(second.pid), timeout=30, what="the second one's pool freed")
+
+
+def test_a_marker_with_an_absurd_grace_is_not_a_kept_pool(tmp_path):
+    from hicache.kept import read_marker, write_marker
+
+    for grace in ("inf", "1e300", "nan", "-1", "86401"):
+        path = str(tmp_path / f"m-{grace}")
+        write_marker(path, "/x/snapshot", 1.0, "ipc:///x")
+        text = open(path).read().replace("grace 1", f"grace {grace}")
+        with open(path, "w") as fh:
+            fh.write(text)
+        assert read_marker(path) is None, grace
+    write_marker(str(tmp_path / "ok"), "/x/snapshot", 86400.0, "ipc:///x")
+    assert read_marker(str(tmp_path / "ok")).grace_s == 86400.0
+
+
+def test_the_reaper_imports_nothing_from_the_daemons_working_folder(tmp_path, monkeypatch):
+    """Hostile review: ``python -m`` put the working folder (anyone's, e.g. /tmp) first on the
+    import path of the reaper: a planted hicache/ package ran as the daemon's user."""
+    from hicache.daemon.reaper import spawn
+
+    planted = tmp_path / "hicache"
+    planted.mkdir()
+    ran = tmp_path / "ran"
+    (planted / "__init__.py").write_text(f"open({str(ran)!r}, 'w').write('planted')\n")
+    monkeypatch.chdir(tmp_path)
+    proc = spawn(str(tmp_path / "no-such-lock"), f"{os.getpid()}-deadbeef")
+    proc.wait(timeout=60)
+    assert not ran.exists()

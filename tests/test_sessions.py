@@ -174,6 +174,9 @@ def test_locks_of_all_sessions_together_are_bounded():
     limits = SessionLimits.for_pool(1024, max_locks=100)
     assert limits.max_total_locks == 65536  # (the floor; 64 per device page above it)
     assert SessionLimits.for_pool(1 << 22).max_total_locks == 1 << 20
+    # (hostile review) one session cannot take them all: at most a quarter each
+    small = SessionLimits.for_pool(16)
+    assert small.max_locks * 4 <= small.max_total_locks == 65536
     limits = SessionLimits(max_owned_pages=10, max_locks=100, max_loads=1, max_total_locks=150)
     table = SessionTable()
     a, b = table.open("a", 1, 0.0), table.open("b", 1, 0.0)
