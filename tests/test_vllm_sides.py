@@ -688,3 +688,24 @@ def test_the_connectors_log_lines_reach_vllms_log():
         assert "host tier of this engine" in out.getvalue()
     finally:
         ours.handlers[:], ours.level, ours.propagate, theirs.handlers[:] = saved
+
+
+def test_a_load_that_fails_in_a_worker_is_not_counted_as_loaded(ep):
+    """vLLM counts the hit (it was promised), but recomputes the blocks: not loaded."""
+    tokens = prompt(42, seed=3)
+    a = FakeVllm(ep)
+    run_to_end(a, "a", tokens)
+    b = FakeVllm(ep)
+
+    def broken(*_: object) -> None:
+        raise OSError("a copy that fails")
+
+    b.workers[0].copier.load = broken
+    req = b.add("b", tokens)
+    assert b.admit(req) == 40
+    b.step({"b": len(tokens) - req.computed})
+    assert b.load_errors == set(req.blocks[:10])
+    a.close(), b.close()
+    with HiCacheClient(ep, name="probe") as hc:
+        stats = hc.stats()
+    assert stats["engine_hit_tokens"] == 40 and stats["engine_loaded_tokens"] == 0
