@@ -164,7 +164,8 @@ MUTATIONS = [
     Mutation(
         "reaper-imports-from-the-working-folder",
         "daemon/reaper.py",
-        '[sys.executable, "-P", "-m", "hicache.daemon.reaper", lock_path, instance],',
+        '[sys.executable, "-P", "-m", "hicache.daemon.reaper", lock_path, instance],\n'
+        '        cwd="/",',
         '[sys.executable, "-m", "hicache.daemon.reaper", lock_path, instance],',
         ("tests/test_kept.py",),
     ),
