@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from hicache.l3.config import L3Config, L3WritePolicy, PrefetchPolicy
-from hicache.l3.store import check_url
+from hicache.l3.registry import check_url
 
 _SKIP = {"url", "options"}
 STORE_OPTIONS = ("segment_bytes", "local_host", "redis_pipeline", "store_timeout_s")

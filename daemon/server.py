@@ -53,7 +53,7 @@ from hicache.daemon.snapshot import HostKeeper
 from hicache.endpoints import admin_token_path
 from hicache.engine_layout import EngineLayout
 from hicache.kv_events import TierEvents
-from hicache.l3.store import LazyStore
+from hicache.l3.registry import LazyStore
 from hicache.l3.tier import L3Tier
 from hicache.progress import DEFAULT_CAPACITY as PROGRESS_CAPACITY
 from hicache.progress import LayerProgress

@@ -31,7 +31,7 @@ from hicache.client import HiCacheClient
 from hicache.daemon.launch import start_daemon, stop_daemon
 from hicache.l3.config import L3Config
 from hicache.l3.pages import trailer
-from hicache.l3.store import open_store
+from hicache.l3.registry import open_store
 from hicache.l3.tier import L3Tier
 from scripts import traces
 from tests.l3_servers import MooncakeMaster, RedisCluster

@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from hicache.kv_events import TierEvents
 from hicache.l3.config import L3Config
 from hicache.l3.memory import drop_space, space
-from hicache.l3.store import open_store
+from hicache.l3.registry import open_store
 from hicache.l3.tier import MISS_TTL_S, L3Tier
 from tests.conftest import make_cache, settle
 from tests.event_model import TierModel, tree_blocks

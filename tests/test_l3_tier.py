@@ -11,7 +11,7 @@ import pytest
 
 from hicache.l3.config import L3Config
 from hicache.l3.memory import drop_space, space
-from hicache.l3.store import open_store
+from hicache.l3.registry import open_store
 from hicache.l3.tier import L3Tier
 from tests.conftest import make_cache, settle
 from tests.reference import expected_kv, read_kv, write_kv
@@ -285,7 +285,7 @@ def test_a_value_that_failed_to_verify_is_removed_and_written_again(pair):
 
 
 def test_settings_that_would_break_the_tier_are_refused():
-    from hicache.l3.store import check_url
+    from hicache.l3.registry import check_url
 
     for field, value in [
         ("breaker_cooldown_s", float("inf")),
