@@ -1,4 +1,5 @@
-"""check_cache_integrity: every invariant of HiRadixCache, checked from scratch.
+"""check_cache_integrity: every invariant of HiRadixCache, checked from scratch (it sees the
+cache as a ``CacheView``: cache_view.py).
 
 Linear in the tree size; meant for tests (after every step) and for debugging a live daemon.
 It only reads. Each failure names the invariant, because it is always a bug in hicache.
@@ -18,14 +19,14 @@ from hicache.node import IOState, TreeNode
 from hicache.transfer import Direction
 
 if TYPE_CHECKING:
-    from hicache.cache import HiRadixCache
+    from hicache.cache_view import CacheView
 
 
 def _fail(msg: str) -> None:
     raise IntegrityError(msg)
 
 
-def _check_node_shape(cache: HiRadixCache, node: TreeNode) -> None:
+def _check_node_shape(cache: CacheView, node: TreeNode) -> None:
     ps_bytes, ps = cache.tree.page_bytes, cache.page_size
     parent = node.parent
     if not node.key or len(node.key) % ps_bytes:
@@ -48,7 +49,7 @@ def _check_node_shape(cache: HiRadixCache, node: TreeNode) -> None:
         _fail(f"{node}: on the device below a host-only parent (device set not prefix-closed)")
 
 
-def _check_node_state(cache: HiRadixCache, node: TreeNode) -> None:
+def _check_node_state(cache: CacheView, node: TreeNode) -> None:
     if node.device_pages is None:  # host-only
         if node.lock_ref or node.host_ref or node.io is not IOState.NONE:
             _fail(f"{node}: host-only yet locked, protected or in flight")
@@ -69,7 +70,7 @@ def _check_node_state(cache: HiRadixCache, node: TreeNode) -> None:
         _fail(f"{node}: loading without host protection")
 
 
-def _check_locks(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
+def _check_locks(cache: CacheView, nodes: list[TreeNode]) -> None:
     """lock_ref == locks held on the node or below (user locks plus transfer locks)."""
     direct: Counter[TreeNode] = Counter(cache.user_locks)
     protect: Counter[TreeNode] = Counter()
@@ -112,7 +113,7 @@ def _check_pages(alloc: PagedAllocator, arrays: list[np.ndarray], tier: str) -> 
         _fail(f"{tier}: free + owned + cached != capacity")
 
 
-def _check_heaps(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
+def _check_heaps(cache: CacheView, nodes: list[TreeNode]) -> None:
     """Every eviction candidate has a heap entry at or below its current priority (lazy heaps
     whose entries are re-keyed when popped)."""
     for heap, is_candidate, tier in (
@@ -134,7 +135,7 @@ def _check_heaps(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
                 _fail(f"{node}: {tier} heap entry above the node's priority")
 
 
-def check_cache_integrity(cache: HiRadixCache) -> None:
+def check_cache_integrity(cache: CacheView) -> None:
     tree = cache.tree
     nodes = list(tree.iter_nodes())
     if len(nodes) != tree.num_nodes:
@@ -177,7 +178,7 @@ def check_cache_integrity(cache: HiRadixCache) -> None:
         _check_sums(cache, nodes)
 
 
-def _check_sums(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
+def _check_sums(cache: CacheView, nodes: list[TreeNode]) -> None:
     """verify_pages: every host page the tree holds and no copy is writing still has the
     checksum it was sealed with (reads the pages: tests and debugging only)."""
     sealed = [
@@ -191,7 +192,7 @@ def _check_sums(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
             _fail(f"host pages {wrong[:8].tolist()} differ from their checksums")
 
 
-def _check_events(cache: HiRadixCache, nodes: list[TreeNode]) -> None:
+def _check_events(cache: CacheView, nodes: list[TreeNode]) -> None:
     """What was announced is true of every node not touched since, and the announced page
     counts are what the nodes say (a consumer of every event holds exactly that)."""
     events = cache.events

@@ -22,7 +22,7 @@ from hicache.allocator import PagedAllocator, PageState
 from hicache.pools import KVPool
 
 if TYPE_CHECKING:
-    from hicache.cache import HiRadixCache
+    from hicache.cache_view import L3Host
     from hicache.node import TreeNode
 
 
@@ -30,7 +30,7 @@ class HostSide:
     name = "host"
     sessions_own_pages = False  # OWNED pages of this pool are exactly the fetches'
 
-    def __init__(self, cache: HiRadixCache):
+    def __init__(self, cache: L3Host):
         assert cache.host_pool is not None and cache.host_alloc is not None
         self.cache = cache
         self.pool: KVPool = cache.host_pool
@@ -66,7 +66,7 @@ class OnlySide:
     name = "only"
     sessions_own_pages = True  # engines' sessions own pages of this pool too
 
-    def __init__(self, cache: HiRadixCache):
+    def __init__(self, cache: L3Host):
         if cache.host_pool is not None or cache.config.device != "cpu":
             raise ValueError("l3: the store sits under the host tier, or under a CPU-only pool")
         self.cache = cache
@@ -90,6 +90,6 @@ class OnlySide:
         return leaf
 
 
-def side_of(cache: HiRadixCache) -> HostSide | OnlySide:
+def side_of(cache: L3Host) -> HostSide | OnlySide:
     """The side a third tier of ``cache`` sits on: its host tier when it has one."""
     return HostSide(cache) if cache.host_pool is not None else OnlySide(cache)

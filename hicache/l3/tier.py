@@ -1,7 +1,8 @@
 """L3Tier: the store under a pool of the cache, as the cache's control thread sees it.
 
-Composed into HiRadixCache (``cache.l3``); every method runs on the cache's one thread. The
-IO thread (``worker.py``) makes the store calls. The tier sits under the host pool, or under
+Composed into HiRadixCache (``cache.l3``; it sees the cache as an ``L3Host``: cache_view.py);
+every method runs on the cache's one thread. The IO thread (``worker.py``) makes the store
+calls. The tier sits under the host pool, or under
 the cache's one pool when it has no host tier (``sides.py``: engines that own their device
 tier); "the side" below is that pool. What it changes in the cache:
 
@@ -41,7 +42,7 @@ from hicache.l3.store import L3Store
 from hicache.l3.worker import IOWorker
 
 if TYPE_CHECKING:
-    from hicache.cache import HiRadixCache
+    from hicache.cache_view import L3Host
     from hicache.node import TreeNode
 
 log = logging.getLogger("hicache.l3")
@@ -51,7 +52,7 @@ MISS_TTL_S = 1.0  # a prefix the store did not have is not asked for again this 
 class L3Tier:
     def __init__(
         self,
-        cache: HiRadixCache,
+        cache: L3Host,
         config: L3Config,
         store: L3Store,
         notify: Callable[[], None] | None = None,

@@ -1,0 +1,82 @@
+"""What HiRadixCache's collaborators outside its class may see of it, as interfaces.
+
+The invariant checks (``integrity.py``) and the third tier (``l3/tier.py``, ``l3/sides.py``)
+are given the cache itself, but they are typed against these Protocols, not the class, so
+that they do not import ``cache.py`` (which composes them) and a reader sees, here, all they
+may touch. Nothing here is run; HiRadixCache satisfies both.
+
+- ``CacheView``: read only (the checks change nothing);
+- ``L3Host``: what the third tier reads, and the calls it makes to allocate pages, put fetched
+  pages into the tree and evict for room (each named below, each on the cache's one thread).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from hicache.allocator import PagedAllocator, PageState
+    from hicache.config import HiCacheConfig
+    from hicache.node import TreeNode
+    from hicache.radix_tree import RadixTree
+    from hicache.types import EvictResult
+
+
+class CacheView(Protocol):
+    """The cache's state as ``check_cache_integrity`` reads it."""
+
+    page_size: int
+    tree: RadixTree
+    device_alloc: PagedAllocator
+    host_alloc: PagedAllocator | None
+    device_heap: Any  # LeafHeap: device eviction candidates
+    host_heap: Any  # LeafHeap: host eviction candidates
+    engine: Any  # TransferEngine | None: copies in flight, page sums
+    records: dict[Any, Any]  # ticket -> TransferRecord: copies submitted, not acknowledged
+    user_locks: dict[TreeNode, int]  # locks callers took, per node
+    moved_locks: Any  # MovedLocks: user locks moved off nodes a failed load dropped
+    events: Any  # TierEvents | None: what KV events announced
+    l3: Any  # L3Tier | None: the third tier (its own checks, the pages it holds)
+
+    def _device_candidate(self, node: TreeNode) -> bool: ...
+
+    def _host_candidate(self, node: TreeNode) -> bool: ...
+
+
+class L3Host(Protocol):
+    """The cache as the third tier uses it."""
+
+    config: HiCacheConfig
+    page_size: int
+    tree: RadixTree
+    engine: Any  # TransferEngine | None (page sums)
+    device_alloc: PagedAllocator
+    host_alloc: PagedAllocator | None
+    device_pool: Any  # DevicePool
+    host_pool: Any  # HostPool | None
+
+    def evict(self, num_tokens: int, to_l3: bool = True) -> EvictResult:
+        """Mutates: frees device pages (for room to fetch into)."""
+        ...
+
+    def _alloc_device(self, num_pages: int, state: PageState) -> np.ndarray | None:
+        """Mutates the device allocator (evicting if needed); None when no room."""
+        ...
+
+    def _alloc_host_pages(self, num_pages: int, state: PageState) -> np.ndarray | None:
+        """Mutates the host allocator (evicting host leaves if needed); None when no room."""
+        ...
+
+    def _push_device(self, node: TreeNode | None) -> None:
+        """Mutates the device eviction heap: ``node`` may now be a candidate."""
+        ...
+
+    def _push_host(self, node: TreeNode | None) -> None:
+        """Mutates the host eviction heap: ``node`` may now be a candidate."""
+        ...
+
+    def _drop_empty_root(self, root: TreeNode) -> None:
+        """Mutates the tree: forget a namespace's root with no children left."""
+        ...
