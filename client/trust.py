@@ -32,8 +32,7 @@ import stat
 import struct
 from collections.abc import Mapping
 
-from hicache.curve import is_loopback
-from hicache.endpoints import SHM_DIR, folder_problem
+from hicache.endpoints import SHM_DIR, folder_problem, is_loopback
 
 DAEMON_USER_ENV = "HICACHE_DAEMON_USER"
 _SEGMENT = re.compile(r"hicache-(\d+)-\d+-[0-9a-f]{32}-[a-z]+")

@@ -27,8 +27,8 @@ import zmq
 from hicache.allocator import PageState
 from hicache.backing import CudaBacking, SharedMemoryBacking
 from hicache.cache import HiRadixCache
+from hicache.client.curve import load_secret
 from hicache.config import HiCacheConfig
-from hicache.curve import is_loopback, load_secret
 from hicache.daemon import reaper
 from hicache.daemon.busy_poll import BusyPoll
 from hicache.daemon.capacity_feed import IDLE_BUDGET_S
@@ -50,7 +50,7 @@ from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, 
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
 from hicache.daemon.snapshot import HostKeeper
-from hicache.endpoints import admin_token_path
+from hicache.endpoints import admin_token_path, is_loopback
 from hicache.engine_layout import EngineLayout
 from hicache.kv_events import TierEvents
 from hicache.l3.registry import LazyStore

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from hicache.client.curve import load_secret
 from hicache.config import DTYPES, HiCacheConfig
 from hicache.copiers import resolve_backend
-from hicache.curve import is_loopback, load_secret
 from hicache.daemon.l3_settings import L3_FIELDS, l3_config
-from hicache.endpoints import env_endpoint
+from hicache.endpoints import env_endpoint, is_loopback
 from hicache.l3.config import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy
 from hicache.protocol import DEFAULT_LEASE_S
 

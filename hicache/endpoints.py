@@ -4,6 +4,7 @@ daemon and its clients)."""
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import stat
 import tempfile
@@ -62,3 +63,17 @@ def env_endpoint(environ: Mapping[str, str] | None = None) -> str:
     """The endpoint to use: HICACHE_ENDPOINT when set, else the default."""
     environ = os.environ if environ is None else environ
     return environ.get("HICACHE_ENDPOINT") or default_endpoint(environ)
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether a ``tcp://HOST:PORT`` endpoint listens on loopback only (ipc: always true;
+    ``tcp://*:P`` binds to loopback here, see bind_address)."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    if host in ("*", "", "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name or an interface name: not provably loopback
+        return False

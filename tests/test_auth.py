@@ -14,7 +14,7 @@ import pytest
 
 from hicache.client import HiCacheClient
 from hicache.client.connection import DaemonTimeout
-from hicache.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, keygen
+from hicache.client.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, keygen
 from tests.daemon_helpers import start_daemon, stop_daemon
 from tests.l3_servers import free_port
 

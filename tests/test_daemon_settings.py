@@ -189,10 +189,12 @@ def test_info_sections_group_the_stats():
         "device_pool",
         "host_pool",
         "hits",
+        "engines",
         "transfers",
         "l3",
         "sessions",
     ]
+    assert info["engines"]["engine_hit_ratio"] == "0.0000"  # (no engine reported figures)
     assert info["l3"] == {"enabled": 0}
     assert sections({**stats, "l3": {"url": "redis://h:1", "hit_pages": 3}})["l3"] == {
         "enabled": 1,

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hicache.curve import client_keys, is_loopback
-from hicache.endpoints import env_endpoint
+from hicache.client.curve import client_keys
+from hicache.endpoints import env_endpoint, is_loopback
 
 PREFIX = "hicache."
 MAX_WAIT_S = 600.0  # a timeout or retry longer than this is a typo, not a setting

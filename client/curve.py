@@ -1,4 +1,5 @@
-"""CurveZMQ keys for tcp endpoints: who may talk to a daemon over the network.
+"""CurveZMQ keys for tcp endpoints: who may talk to a daemon over the network (the client's
+sockets, ``hicache keygen``, and the daemon's server key, which daemon/ loads from here).
 
 An ipc socket is private by its file mode (0600 in a 0700 folder). A tcp port is open to the
 whole network, so a daemon listens on a tcp address other than loopback only with CurveZMQ:
@@ -15,7 +16,6 @@ in (a ZAP handler checks each connection). Keys are ZeroMQ certificate files:
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import stat
 from collections.abc import Mapping
@@ -101,17 +101,3 @@ def apply_client(sock: Any, keys: ClientKeys) -> None:
     sock.curve_serverkey = keys.server_public
     sock.curve_publickey = keys.public
     sock.curve_secretkey = keys.secret
-
-
-def is_loopback(endpoint: str) -> bool:
-    """Whether a ``tcp://HOST:PORT`` endpoint listens on loopback only (ipc: always true;
-    ``tcp://*:P`` binds to loopback here, see bind_address)."""
-    if not endpoint.startswith("tcp://"):
-        return True
-    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
-    if host in ("*", "", "localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name or an interface name: not provably loopback
-        return False
