@@ -45,6 +45,7 @@ from hicache.fastpath import pack_shared
 from hicache.progress import LayerProgress
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
+    ENGINE_REPORT_MAX,
     Op,
     decode_slots,
     slots_frame,
@@ -252,8 +253,8 @@ class HiCacheClient:
         about 2 s), the goodbye what is left; the daemon shows them as ``engine_*_tokens``
         (daemon/engine_counts.py). Any thread. ValueError for what is not a count."""
         for name, value in (("queried", queried), ("hit", hit), ("loaded", loaded)):
-            if type(value) is not int or value < 0:
-                raise ValueError(f"{name}: a count of tokens, got {value!r}")
+            if type(value) is not int or not 0 <= value < ENGINE_REPORT_MAX:
+                raise ValueError(f"{name}: a count of tokens below 2**48, got {value!r}")
         if hit > queried:
             raise ValueError(f"hit ({hit}) is more than queried ({queried})")
         self._link.note_engine(queried, hit, loaded)

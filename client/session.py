@@ -38,7 +38,14 @@ from hicache.client.connection import (
     hello_fields,
 )
 from hicache.client.trust import trusted_uids
-from hicache.protocol import ENGINE_REPORT, HEARTBEAT_INTERVAL_S, ErrorCode, Op, Reply
+from hicache.protocol import (
+    ENGINE_REPORT,
+    ENGINE_REPORT_MAX,
+    HEARTBEAT_INTERVAL_S,
+    ErrorCode,
+    Op,
+    Reply,
+)
 
 GIVE_BACK_OPS = (Op.MATCH, Op.INSERT, Op.LOCK, Op.ALLOC, Op.ALLOC_EXTEND, Op.ALLOC_DECODE)
 
@@ -240,7 +247,8 @@ class SessionLink:
             noted, self._noted = self._noted, [0, 0, 0]
         if not any(noted):
             return None
-        return dict(zip(ENGINE_REPORT, noted, strict=True))
+        top = ENGINE_REPORT_MAX - 1  # (a report over the bound would be refused whole)
+        return dict(zip(ENGINE_REPORT, (min(top, n) for n in noted), strict=True))
 
     # ---- lifetime ---------------------------------------------------------------------------
     def close(self, stopping: bool = False) -> None:

@@ -22,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hicache.protocol import ENGINE_REPORT, ErrorCode, ProtocolError
+from hicache.protocol import ENGINE_REPORT, ENGINE_REPORT_MAX, ErrorCode, ProtocolError
 
-MAX_TOKENS = 1 << 48  # a larger count in one report is not a count
+MAX_TOKENS = ENGINE_REPORT_MAX  # a larger count in one report is not a count
+SATURATED = (1 << 62) - 1  # totals stop here: every figure stays an int64 on the wire
 
 
 @dataclass
@@ -34,9 +35,10 @@ class EngineCounts:
     loaded: int = 0  # tokens engines copied from the pool
 
     def add(self, other: EngineCounts) -> None:
-        self.queried += other.queried
-        self.hit += other.hit
-        self.loaded += other.loaded
+        """Add a report (totals saturate at SATURATED: no report can make stats unsendable)."""
+        self.queried = min(SATURATED, self.queried + other.queried)
+        self.hit = min(SATURATED, self.hit + other.hit)
+        self.loaded = min(SATURATED, self.loaded + other.loaded)
 
     def as_dict(self) -> dict[str, int]:
         """The stats fields (also the names a report uses)."""

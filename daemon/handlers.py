@@ -27,7 +27,7 @@ from hicache.allocator import OWNED
 from hicache.cache import HiRadixCache
 from hicache.daemon.cache_ops import CacheOpsMixin
 from hicache.daemon.capacity_feed import CapacityFeed
-from hicache.daemon.engine_counts import EngineCounts, reported
+from hicache.daemon.engine_counts import SATURATED, EngineCounts, reported
 from hicache.daemon.engine_tier import EngineTier, no_layout
 from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import SessionLimits
@@ -317,18 +317,26 @@ class Handlers(CacheOpsMixin):
     def _goodbye(self, req: Any) -> bytes:
         """End the session now (live or in quarantine); a stale epoch is refused first."""
         self._check_epoch(req.epoch, required=True)
-        counts = reported(req.fields)  # an engine's last figures
+        refused = None
+        try:
+            counts = reported(req.fields)  # an engine's last figures
+        except ProtocolError as exc:  # refused, but the session still ends: its pages come back
+            counts, refused = None, exc
         if self._bool(req.fields, "stopping", False):
-            return self._stopping(req, counts)
-        ended = self.sessions.end(req.session)
-        if ended is None:
-            raise ProtocolError(ErrorCode.UNKNOWN_SESSION, "no session by that key")
-        if counts is not None:
-            self.engine_counts.add(counts)
-        self.give_back(ended)
+            self._stopping(req, counts)
+        else:
+            ended = self.sessions.end(req.session)
+            if ended is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_SESSION, "no session by that key")
+            if counts is not None:
+                self.engine_counts.add(counts)
+            self.give_back(ended)
+        if refused is not None:
+            message = f"the session ended; its figures were refused: {refused}"
+            return self._reply(refused.code, req.request_id, {"message": message})
         return self._reply(ErrorCode.OK, req.request_id, {})
 
-    def _stopping(self, req: Any, counts: EngineCounts | None) -> bytes:
+    def _stopping(self, req: Any, counts: EngineCounts | None) -> None:
         """GOODBYE with ``stopping``: the engine's process is stopping and copies it started
         may still write its pages: the session goes to quarantine now (what it holds is given
         back after quarantine_seconds, as after a lapsed lease, without the lease's wait)."""
@@ -346,7 +354,6 @@ class Handlers(CacheOpsMixin):
             len(session.locks),
             self.sessions.quarantine_s,
         )
-        return self._reply(ErrorCode.OK, req.request_id, {})
 
     def ping(self, _: Session | None, fields: dict, frames: Frames) -> Result:
         state = "draining" if self.draining else "ready"
@@ -374,6 +381,12 @@ class Handlers(CacheOpsMixin):
 
     def evict(self, session: Session, fields: dict, frames: Frames) -> Result:
         """Evict unlocked tokens from the tiers named as reported (tier_names.py)."""
+        if self.tiers.engine and fields.get("device_tokens"):
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                "this daemon has no device tier (the engines keep theirs): host_tokens evicts "
+                "from its pool",
+            )
         fields = self.tiers.request(fields, ("device_tokens", "host_tokens"))
         device = self._int(fields, "device_tokens") if "device_tokens" in fields else 0
         host = self._int(fields, "host_tokens") if "host_tokens" in fields else 0
@@ -410,7 +423,7 @@ class Handlers(CacheOpsMixin):
         out.update(self.engine_counts.as_dict())
         if self.tiers.engine and cache is not None:  # the engines load from the pool themselves
             out["load_tokens"] = self.engine_counts.loaded
-            out["load_bytes"] = self.engine_counts.loaded * cache.config.token_bytes
+            out["load_bytes"] = min(SATURATED, self.engine_counts.loaded * cache.config.token_bytes)
         if cache is not None and cache.l3 is not None:
             out["l3"] = cache.l3.stats()
         if cache is not None:
@@ -507,6 +520,9 @@ class Handlers(CacheOpsMixin):
             top = self._int(fields, "top", 1, 1000) if "top" in fields else 10
             shape = tree_shape(self.cache, top)
             shape["namespaces"] = self.tiers.rows(shape["namespaces"])
+            for ns in shape["namespaces"]:
+                for prefix in ns["prefixes"]:
+                    prefix["tiers"] = self.tiers.letters(prefix["tiers"])
             return shape, []
         limit = self._int(fields, "max_nodes", 1, 100_000) if "max_nodes" in fields else 1000
         nodes, tiers = [], self.tiers

@@ -154,6 +154,7 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
         )
         for p in points:
             est.add_metric(["device", f"{p['factor']:g}"], p["device_hit"])
+            est.add_metric(["host", f"{p['factor']:g}"], p["total_hit"] - p["device_hit"])
             est.add_metric(["total", f"{p['factor']:g}"], p["total_hit"])
         yield est
     l3 = stats.get("l3")

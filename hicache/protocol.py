@@ -43,6 +43,7 @@ MAX_MATCH_TOKENS = MAX_FRAME_BYTES // 4
 # An engine with a prefix cache of its own reports its figures as it counts them (tokens since
 # its previous report): asked beyond its own hit, of them found in hicache, copied from the pool.
 ENGINE_REPORT = ("engine_queried_tokens", "engine_hit_tokens", "engine_loaded_tokens")
+ENGINE_REPORT_MAX = 1 << 48  # each count of a report is below this
 
 
 class Op(IntEnum):

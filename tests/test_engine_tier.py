@@ -211,6 +211,9 @@ def test_a_daemon_for_engines_names_its_pool_the_host_tier_everywhere(ep):
         stats = hc.stats(check=True)
         capacity = hc._call(Op.CAPACITY, {})[0].fields
         tree = hc.tree()
+        shape = hc._call(Op.TREE, {"shape": True})[0].fields
+        with pytest.raises(DaemonError, match="no device tier"):
+            hc.evict(device_tokens=64)  # (not a silent 0)
         evicted = hc.evict(host_tokens=64)
         after = hc.stats(check=True)
     assert stats["integrity"] == "ok"
@@ -237,6 +240,17 @@ def test_a_daemon_for_engines_names_its_pool_the_host_tier_everywhere(ep):
     assert all(p["device_hit"] == 0 for p in capacity["points"])
     assert "host_tokens" in render_capacity(capacity)
     assert [(n["device"], n["host"]) for n in tree["nodes"]] == [(False, True)]
+    (ns,) = shape["namespaces"]
+    assert (ns["device_tokens"], ns["host_tokens"]) == (0, 64)
+    assert [p["tiers"] for p in ns["prefixes"]] == ["H"]
+    estimates = [  # (the capacity request ran the estimator: ``after`` has its points)
+        (sample.labels["tier"], sample.labels["factor"], sample.value)
+        for f in families(after)
+        if f.name == "hicache_estimated_hit_ratio"
+        for sample in f.samples
+    ]
+    host = {(k, v) for t, k, v in estimates if t == "host"}
+    assert host and host == {(k, v) for t, k, v in estimates if t == "total"}
     assert evicted == {"device_freed": 0, "host_freed": 64}  # --host-tokens: the pool
     assert after["host_cached_tokens"] == 0 and after["evicted_host_tokens"] == 64
 

@@ -709,3 +709,57 @@ def test_a_load_that_fails_in_a_worker_is_not_counted_as_loaded(ep):
     with HiCacheClient(ep, name="probe") as hc:
         stats = hc.stats()
     assert stats["engine_hit_tokens"] == 40 and stats["engine_loaded_tokens"] == 0
+
+
+def test_engine_totals_saturate_and_a_bad_goodbye_still_ends_the_session(ep):
+    """Hostile review: totals past 2**64 made every STATS reply unsendable; a goodbye with a
+    figure the daemon refuses left the session (and its pages) to its lease."""
+    from hicache.client.connection import DaemonError
+    from hicache.daemon.engine_counts import SATURATED, EngineCounts
+    from hicache.protocol import Op
+    from tests.test_engine_tier import layout
+
+    total = EngineCounts()
+    for _ in range(3):
+        total.add(EngineCounts(SATURATED, SATURATED, SATURATED))
+    assert total == EngineCounts(SATURATED, SATURATED, SATURATED)
+    hc = HiCacheClient(ep, name="bad-goodbye", heartbeat=False)
+    hc.register_layout(layout(block_size=BS, block_shape=(2, BS, 16)))
+    hc.alloc(4 * BS)
+    with pytest.raises(ValueError, match="below 2"):
+        hc.note_engine(loaded=1 << 48)
+    with pytest.raises(DaemonError, match="session ended"):
+        hc._call(Op.GOODBYE, {"engine_loaded_tokens": -1})
+    with HiCacheClient(ep, name="probe") as probe:
+        stats = probe.stats(check=True)
+    assert stats["integrity"] == "ok"
+    assert not [s for s in stats["session_list"] if s["client"] == "bad-goodbye"]
+    assert stats["host_owned_tokens"] == 0 and stats["engine_loaded_tokens"] == 0
+    hc.close()
+
+
+def test_a_stopped_link_stays_stopped(ep):
+    """Hostile review: a call interrupted by the stop (ClientClosed) marked the link down for
+    retry_s only, and the next lookup opened a new session."""
+    v = FakeVllm(ep)
+    link = v.sched.link
+    link.stop()
+    link._down("a call ended by the stop")
+    assert link.ready() is None and link.client is None
+    v.close()
+
+
+def test_a_signal_the_process_ignores_leaves_the_session_alone(ep):
+    from hicache.client.vllm.connector import _stop_on_signals
+
+    v = FakeVllm(ep)
+    saved = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _stop_on_signals(v.sched.link)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert v.sched.link.client is not None and not v.sched.link.stopped
+    finally:
+        signal.signal(signal.SIGTERM, saved)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    v.close()

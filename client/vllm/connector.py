@@ -216,12 +216,14 @@ def _stop_on_signals(link: DaemonLink) -> None:
         previous = signal.getsignal(sig)
 
         def on_signal(signum: int, frame: Any, previous: Any = previous) -> None:
+            if previous == signal.SIG_IGN:
+                return  # the process goes on: so does its session
             stopper = threading.Thread(target=link.stop, name="hicache-stop", daemon=True)
             stopper.start()
             stopper.join(STOP_WAIT_S)  # (a goodbye to a stalled daemon does not hold vLLM)
             if callable(previous):
                 previous(signum, frame)
-            elif previous == signal.SIG_DFL:
+            else:  # SIG_DFL, or None (set outside Python): the default action, death
                 signal.signal(signum, signal.SIG_DFL)
                 os.kill(os.getpid(), signum)
 

@@ -72,11 +72,14 @@ class DaemonLink:
         self.failures = 0  # times the daemon was found unusable
         self.wait_s = 0.0  # blocked on the daemon (wall minus CPU time of calls), until taken
         self._said: str | None = None  # the last problem logged (each is logged once)
+        self.stopped = False  # stop() was called: no session is opened again
 
     # ---- the session ------------------------------------------------------------------------
     def ready(self) -> HiCacheClient | None:
         """The client, connected and with the layout registered; None while the daemon cannot
         be used (no call is made before ``down_until``)."""
+        if self.stopped:
+            return None
         if self.client is not None and self.pool is not None:
             return self.client
         if time.monotonic() < self.down_until:
@@ -93,6 +96,9 @@ class DaemonLink:
                     self.endpoint, self.name, timeout_s=self.timeout_s, daemon_user=self.daemon_user
                 )
                 self.generation += 1
+                if self.stopped:  # stop() ran while this one was opening: end it too
+                    self.stop()
+                    raise Unavailable
             client = self.client
             served = client.layout
             if self.layout is None and served is not None and self._expected(served):
@@ -201,7 +207,7 @@ class DaemonLink:
         """vLLM's engine process is stopping (a signal): end the session as stopping (the
         daemon gives its pages back after quarantine: the workers may still copy) and open
         no other; lookups are misses from now on. Any thread."""
-        self.down_until = float("inf")
+        self.stopped, self.down_until = True, float("inf")
         client, self.client, self.pool = self.client, None, None
         if client is not None:
             with contextlib.suppress(Exception):
