@@ -170,6 +170,22 @@ MUTATIONS = [
         ("tests/test_kept.py",),
     ),
     Mutation(
+        "engine-totals-unbounded",
+        "daemon/engine_counts.py",
+        "        self.loaded = min(SATURATED, self.loaded + other.loaded)",
+        "        self.loaded = self.loaded + other.loaded",
+        (
+            "tests/test_vllm_sides.py::test_engine_totals_saturate_and_a_bad_goodbye_still_ends_the_session",
+        ),
+    ),
+    Mutation(
+        "stopped-link-reopens",
+        "client/vllm/daemon_link.py",
+        "        if self.stopped:\n            return None\n",
+        "",
+        ("tests/test_vllm_sides.py::test_a_stopped_link_stays_stopped",),
+    ),
+    Mutation(
         "planted-files-count-as-ours",
         "daemon/segments.py",
         "if len(parts) == 3 and _is_own(os.path.join(directory, name)):",

@@ -745,6 +745,7 @@ def test_a_stopped_link_stays_stopped(ep):
     link = v.sched.link
     link.stop()
     link._down("a call ended by the stop")
+    link.down_until = 0.0  # (its retry time passed)
     assert link.ready() is None and link.client is None
     v.close()
 
