@@ -181,8 +181,8 @@ MUTATIONS = [
     Mutation(
         "stopped-link-reopens",
         "client/vllm/daemon_link.py",
-        "        if self.stopped:\n            return None\n",
-        "",
+        '        self.stopped, self.down_until = True, float("inf")',
+        '        self.down_until = float("inf")',
         ("tests/test_vllm_sides.py::test_a_stopped_link_stays_stopped",),
     ),
     Mutation(
