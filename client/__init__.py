@@ -25,7 +25,7 @@ _EXPORTS = {
     "AttachedPools": "hicache.client.pools",
     "LoadTicket": "hicache.client.results",
     "Match": "hicache.client.results",
-    "LoadFailed": "hicache.progress",
+    "LoadFailed": "hicache.transfers",
 }
 __all__ = [
     "AttachedPools",
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     )
     from hicache.client.pools import AttachedPools
     from hicache.client.results import LoadTicket, Match
-    from hicache.progress import LoadFailed
+    from hicache.transfers import LoadFailed
 
 
 __getattr__ = lazy_exports("hicache.client", _EXPORTS, globals())

@@ -42,7 +42,6 @@ from hicache.config import HiCacheConfig
 from hicache.endpoints import env_endpoint
 from hicache.engine_layout import EngineLayout
 from hicache.fastpath import pack_shared
-from hicache.progress import LayerProgress
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
     ENGINE_REPORT_MAX,
@@ -52,6 +51,7 @@ from hicache.protocol import (
     tokens_frame,
 )
 from hicache.tokens import as_slots, as_tokens
+from hicache.transfers import LayerProgress
 
 LIVENESS_S = 0.5  # a wait for a layer checks that the daemon is still there this often
 

@@ -11,7 +11,7 @@ from hicache.backing import AttachedCudaIPC, AttachedSharedMemory
 from hicache.client.trust import segment_path
 from hicache.config import HiCacheConfig
 from hicache.pools import DevicePool, HostPool
-from hicache.progress import LayerProgress
+from hicache.transfers import LayerProgress
 
 
 @dataclass

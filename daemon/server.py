@@ -55,9 +55,9 @@ from hicache.engine_layout import EngineLayout
 from hicache.kv_events import TierEvents
 from hicache.l3.registry import LazyStore
 from hicache.l3.tier import L3Tier
-from hicache.progress import DEFAULT_CAPACITY as PROGRESS_CAPACITY
-from hicache.progress import LayerProgress
 from hicache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
+from hicache.transfers import DEFAULT_CAPACITY as PROGRESS_CAPACITY
+from hicache.transfers import LayerProgress
 
 log = logging.getLogger("hicache.daemon")
 # pyzmq's send_multipart/recv_multipart do enum flag arithmetic in Python for every frame; the

@@ -20,11 +20,11 @@ from typing import Any
 
 from hicache.client.curve import load_secret
 from hicache.config import DTYPES, HiCacheConfig
-from hicache.copiers import resolve_backend
 from hicache.daemon.l3_settings import L3_FIELDS, l3_config
 from hicache.endpoints import env_endpoint, is_loopback
 from hicache.l3.config import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy
 from hicache.protocol import DEFAULT_LEASE_S
+from hicache.transfers import resolve_backend
 
 # A small model that serves on any machine: 4 layers, 4 KV heads of 64, fp32, page 16.
 EMBEDDED_DEFAULT: dict[str, Any] = {

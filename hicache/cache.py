@@ -20,7 +20,6 @@ import torch
 from hicache.allocator import PagedAllocator, PageState
 from hicache.backing import Backing
 from hicache.config import HiCacheConfig
-from hicache.copiers import Copier, make_copier
 from hicache.eviction_policy import LeafHeap, make_priority
 from hicache.fastpath import tally
 from hicache.insert import InsertMixin
@@ -33,9 +32,13 @@ from hicache.radix_tree import Namespace, RadixTree
 from hicache.stats import CacheStats, Counters
 from hicache.tiering import TieringMixin
 from hicache.tokens import TokenIds, as_slots, as_tokens, check_token_bytes
-from hicache.transfer import TransferEngine
-from hicache.transfer_book import TransferBookMixin
-from hicache.transfer_cpu import ThreadTransferEngine
+from hicache.transfers import (
+    Copier,
+    ThreadTransferEngine,
+    TransferBookMixin,
+    TransferEngine,
+    make_copier,
+)
 from hicache.types import MatchResult
 
 if TYPE_CHECKING:
@@ -49,7 +52,7 @@ def default_engine(config: HiCacheConfig) -> EngineFactory:
     """A worker thread for CPU pools; CUDA streams for GPU pools."""
     if config.device == "cpu":
         return ThreadTransferEngine
-    from hicache.transfer_cuda import CudaTransferEngine  # imports torch.cuda only when needed
+    from hicache.transfers import CudaTransferEngine  # imports torch.cuda only when needed
 
     return CudaTransferEngine
 

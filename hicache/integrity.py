@@ -16,7 +16,7 @@ from hicache.allocator import PagedAllocator, PageState
 from hicache.errors import IntegrityError
 from hicache.kv_events import wanted
 from hicache.node import IOState, TreeNode
-from hicache.transfer import Direction
+from hicache.transfers import Direction
 
 if TYPE_CHECKING:
     from hicache.cache_view import CacheView

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from hicache import HiCacheConfig, HiRadixCache, host_snapshot
-from hicache.copiers import Copier, CpuCopier, DirectCopier, KernelCopier
 from hicache.kernels import copy_pages_one_layer, page_runs
 from hicache.page_sums import PageSums
 from hicache.pools import DevicePool, HostPool
+from hicache.transfers import Copier, CpuCopier, DirectCopier, KernelCopier
 
 PAGES = 1024
 

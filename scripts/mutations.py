@@ -63,7 +63,7 @@ MUTATIONS = [
     ),
     Mutation(
         "failed-load-keeps-device-pages",
-        "hicache/transfer_book.py",
+        "hicache/transfers/book.py",
         '            assert node.lock_ref == 0, f"{node}: locked below a failed load"\n'
         "            self._drop_device(node)",
         '            assert node.lock_ref == 0, f"{node}: locked below a failed load"',

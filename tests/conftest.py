@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hicache import HiCacheConfig, HiRadixCache
-from hicache.transfer_manual import ManualTransferEngine
+from hicache.transfers import ManualTransferEngine
 
 
 def make_cache(manual=True, **overrides) -> HiRadixCache:

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from hicache import cpu_copy, fastpath
+from hicache import fastpath
 from hicache.node import TreeNode
+from hicache.transfers import cpu_copy
 
 pytestmark = pytest.mark.skipif(not fastpath.USE_C, reason="the C helpers are not built")
 BIG = 2**63 - 1  # PY_SSIZE_T_MAX

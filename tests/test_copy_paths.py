@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from hicache import HiCacheConfig, cpu_copy
-from hicache.copiers import CpuCopier, DirectCopier, KernelCopier
+from hicache import HiCacheConfig
 from hicache.kernels import copy_pages_all_layers, copy_pages_one_layer, page_runs, triton_copy
 from hicache.pools import DevicePool, HostPool
+from hicache.transfers import CpuCopier, DirectCopier, KernelCopier, cpu_copy
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 SHAPES = {  # page_size -> (kv shape fields): widths 5*3=15, 7, 8+3=11
@@ -170,7 +170,7 @@ def test_a_cache_round_trips_kv_with_every_backend(backend):
 
 
 def test_backend_choice_is_validated_at_config_time(monkeypatch):
-    from hicache.copiers import resolve_backend
+    from hicache.transfers import resolve_backend
 
     with pytest.raises(ValueError, match="transfer_backend"):
         HiCacheConfig(num_layers=1, num_kv_heads=1, head_dim=2, transfer_backend="fastest")

@@ -55,9 +55,9 @@ def test_daemon_exports_its_cuda_pool(tmp_path):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("backend", ["kernel", "direct"])
 def test_gpu_copiers_equal_the_reference_both_ways(layout, backend):
-    from hicache.copiers import DirectCopier, KernelCopier
     from hicache.kernels import copy_pages_all_layers, page_runs
     from hicache.pools import DevicePool, HostPool
+    from hicache.transfers import DirectCopier, KernelCopier
 
     cfg = HiCacheConfig(
         num_layers=3,
@@ -92,7 +92,7 @@ def test_gpu_copiers_equal_the_reference_both_ways(layout, backend):
 def test_cuda_engine_publishes_layers_and_acks():
     import numpy as np
 
-    from hicache.progress import LayerProgress
+    from hicache.transfers import LayerProgress
 
     cfg = HiCacheConfig(
         num_layers=4,

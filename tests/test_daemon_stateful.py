@@ -24,7 +24,7 @@ from hicache import HiCacheConfig, HiRadixCache
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.sessions import ServiceClock, SessionTable
 from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply
-from hicache.transfer_manual import ManualTransferEngine
+from hicache.transfers import ManualTransferEngine
 from tests.reference import expected_kv, read_kv, write_kv
 
 PS = 2

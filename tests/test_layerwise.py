@@ -16,7 +16,7 @@ import torch
 from hicache.client import DaemonTimeout, HiCacheClient, LoadFailed
 from hicache.daemon.server import Daemon
 from hicache.daemon.settings import build_parser, resolve
-from hicache.progress import FAILED
+from hicache.transfers import FAILED
 from tests.daemon_helpers import SMALL, kv_value, write_sequence
 
 LAYERS = 4

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hicache.progress import FAILED, LayerProgress, LoadFailed
+from hicache.transfers import FAILED, LayerProgress, LoadFailed
 
 
 def table(capacity=4, layers=3) -> LayerProgress:

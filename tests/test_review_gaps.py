@@ -117,7 +117,7 @@ def test_the_load_limit_answers_quota_exceeded_and_changes_nothing():
     from hicache.daemon.handlers import Handlers
     from hicache.daemon.limits import SessionLimits
     from hicache.daemon.sessions import SessionTable
-    from hicache.transfer_manual import ManualTransferEngine
+    from hicache.transfers import ManualTransferEngine
 
     cfg = HiCacheConfig(
         num_layers=2,

@@ -280,7 +280,7 @@ def test_removals_name_children_before_their_parents():
 
     from hicache import HiCacheConfig, HiRadixCache
     from hicache.kv_events import TierEvents
-    from hicache.transfer_manual import ManualTransferEngine
+    from hicache.transfers import ManualTransferEngine
     from tests.event_model import TierModel
 
     cfg = HiCacheConfig(

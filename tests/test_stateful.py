@@ -15,8 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from hicache import HiCacheConfig, HiRadixCache, InvalidIndicesError
 from hicache.kv_events import TierEvents
-from hicache.transfer import Direction
-from hicache.transfer_manual import ManualTransferEngine
+from hicache.transfers import Direction, ManualTransferEngine
 from tests.event_model import TierModel, tree_blocks
 from tests.reference import ReferenceCache, expected_kv, read_kv, write_kv
 

@@ -6,12 +6,15 @@ import torch
 
 from hicache import HiCacheConfig, HiRadixCache
 from hicache.backing import SharedMemoryBacking
-from hicache.copiers import CpuCopier
 from hicache.pools import DevicePool, HostPool
-from hicache.progress import LayerProgress, LoadFailed
-from hicache.transfer import Direction
-from hicache.transfer_cpu import ThreadTransferEngine
-from hicache.transfer_manual import ManualTransferEngine
+from hicache.transfers import (
+    CpuCopier,
+    Direction,
+    LayerProgress,
+    LoadFailed,
+    ManualTransferEngine,
+    ThreadTransferEngine,
+)
 from tests.conftest import put, settle, values_at
 
 CFG = HiCacheConfig(

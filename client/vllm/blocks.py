@@ -7,8 +7,8 @@ block is found by the dimension whose size is the block count, and its bytes are
 engine's own order (the dimensions before the block dimension, then those after it). The pool
 keeps, per layer and page, every rank's block one after another (``EngineLayout``).
 
-``BlockCopier`` picks its path once: the C page copy (``hicache.cpu_copy``) for CPU caches whose
-blocks are contiguous runs, else torch indexing (any device, any strides; CUDA caches read and
+``BlockCopier`` picks its path once: the C page copy (``hicache/transfers/cpu_copy.py``) for
+CPU caches whose blocks are contiguous runs, else torch indexing (any device, any strides; CUDA caches read and
 write the pinned pool through a staging copy).
 """
 
@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hicache import cpu_copy
 from hicache.config import DTYPES
-from hicache.cpu_copy import copy_pages_c
 from hicache.engine_layout import EngineLayout
+from hicache.transfers import copy_pages_c, cpu_copy
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _LAYER_RE = re.compile(r"(\d+)")
@@ -121,7 +120,7 @@ def engine_layout(
 
 class BlockCopier:
     """Copies whole blocks of every layer between vLLM's caches and this rank's share of the
-    pool. The path is chosen once (``path``): ``c`` (CPU caches, ``hicache.cpu_copy``),
+    pool. The path is chosen once (``path``): ``c`` (CPU caches, ``hicache.transfers.cpu_copy``),
     ``triton`` (CUDA caches: the page-copy kernel reads and writes the pinned, mapped pool on
     the current stream) or ``torch`` (any strides, any device). Not thread-safe: the worker's
     model-runner thread calls it."""

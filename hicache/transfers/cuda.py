@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.copiers import Copier, KernelCopier
 from hicache.pools import DevicePool, HostPool
-from hicache.progress import FAILED
-from hicache.transfer import Ack, CopyJob, Direction, TransferEngine
+from hicache.transfers.copiers import Copier, KernelCopier
+from hicache.transfers.engine import Ack, CopyJob, Direction, TransferEngine
+from hicache.transfers.progress import FAILED
 from hicache.types import Ticket
 
 POLL_SLEEP_S = 50e-6  # wait() polls events this often when it has a timeout

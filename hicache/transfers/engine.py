@@ -25,11 +25,11 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from hicache.copiers import Copier, CpuCopier, Runs
 from hicache.kernels import page_runs
 from hicache.page_sums import PageSums
 from hicache.pools import DevicePool, HostPool
-from hicache.progress import LayerProgress
+from hicache.transfers.copiers import Copier, CpuCopier, Runs
+from hicache.transfers.progress import LayerProgress
 from hicache.types import Ticket
 
 

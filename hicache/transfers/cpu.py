@@ -12,10 +12,10 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 
-from hicache.copiers import Copier
 from hicache.pools import DevicePool, HostPool
-from hicache.progress import FAILED
-from hicache.transfer import Ack, CopyJob, CorruptPages, Direction, TransferEngine
+from hicache.transfers.copiers import Copier
+from hicache.transfers.engine import Ack, CopyJob, CorruptPages, Direction, TransferEngine
+from hicache.transfers.progress import FAILED
 from hicache.types import Ticket
 
 

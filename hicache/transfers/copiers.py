@@ -19,7 +19,6 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from hicache import cpu_copy
 from hicache.config import HiCacheConfig, TransferBackend
 from hicache.kernels import (
     copy_pages_one_layer,
@@ -27,6 +26,7 @@ from hicache.kernels import (
     gather_scatter_one_layer,
     triton_copy,
 )
+from hicache.transfers import cpu_copy
 
 Runs = list[tuple[int, int, int]]  # (src_start, dst_start, pages) consecutive on both sides
 # Slice copies per run beat per-page copies when runs average this many pages or more.

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from hicache.copiers import Copier
 from hicache.pools import DevicePool, HostPool
-from hicache.progress import FAILED
-from hicache.transfer import Ack, CopyJob, CorruptPages, TransferEngine
+from hicache.transfers.copiers import Copier
+from hicache.transfers.engine import Ack, CopyJob, CorruptPages, TransferEngine
+from hicache.transfers.progress import FAILED
 from hicache.types import Ticket
 
 

@@ -23,7 +23,7 @@ import torch
 from hicache.allocator import PageState
 from hicache.histogram import BYTES, SECONDS, Histogram
 from hicache.node import IOState, TreeNode
-from hicache.transfer import Ack, Direction
+from hicache.transfers.engine import Ack, Direction
 from hicache.types import Ticket
 from hicache.write_policy import make_write_policy
 
