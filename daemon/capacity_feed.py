@@ -1,10 +1,11 @@
 """CapacityFeed: the daemon's hit-ratio-against-capacity estimate, fed off the request path.
 
 The handlers note each match's and insert's tokens (``saw``: one deque append); the control
-loop runs the SHARDS estimator (hicache/capacity.py) over what piled up in short slices: 0.3 ms
-per housekeeping pass while requests keep coming (so a request waits at most that for it), 5 ms
-when the socket has been quiet. Under a flood the deque keeps the newest requests up to
-``MAX_PENDING`` of them and ``MAX_PENDING_BYTES`` of tokens, and counts what it dropped. The byte
+loop runs the SHARDS estimator (hicache/observe/capacity.py) over what piled up in short
+slices: 0.3 ms per housekeeping pass while requests keep coming (so a request waits at most
+that for it), 5 ms when the socket has been quiet. Under a flood the deque keeps the newest
+requests up to ``MAX_PENDING`` of them and ``MAX_PENDING_BYTES`` of tokens, and counts what it
+dropped. The byte
 bound matters: every noted request keeps its token bytes alive, and 8,192 prompts of 4,096
 tokens held 128 MiB, which also made each new request's buffer fresh memory (page faults on the
 request path). ``report`` answers `hicache capacity`.
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from hicache.capacity import FACTORS, ShardsEstimator, page_hashes
+from hicache.observe import FACTORS, ShardsEstimator, page_hashes
 
 MAX_PENDING = 8192  # requests noted and not yet counted
 MAX_PENDING_BYTES = 4 << 20  # their token bytes (a few hundred long prompts)

@@ -36,7 +36,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from hicache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from hicache.observe import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 log = logging.getLogger("hicache.daemon.events")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -36,6 +36,7 @@ from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
 from hicache.daemon.tier_names import TierNames
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
 from hicache.node import TreeNode
+from hicache.observe import tree_shape
 from hicache.protocol import (
     MAX_MATCH_TOKENS,
     PROTOCOL_VERSION,
@@ -46,7 +47,6 @@ from hicache.protocol import (
     decode_request,
     encode_reply,
 )
-from hicache.tree_view import tree_shape
 
 log = logging.getLogger("hicache.daemon")
 Frames = list[Any]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from hicache.histogram import SECONDS, Histogram
+from hicache.observe import SECONDS, Histogram
 
 BUCKETS = SECONDS  # upper bounds (seconds) of the latency buckets; the last one is +Inf
 

@@ -52,9 +52,9 @@ from hicache.daemon.settings import DaemonSettings
 from hicache.daemon.snapshot import HostKeeper
 from hicache.endpoints import admin_token_path, is_loopback
 from hicache.engine_layout import EngineLayout
-from hicache.kv_events import TierEvents
 from hicache.l3.registry import LazyStore
 from hicache.l3.tier import L3Tier
+from hicache.observe import TierEvents
 from hicache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 from hicache.transfers import DEFAULT_CAPACITY as PROGRESS_CAPACITY
 from hicache.transfers import LayerProgress

@@ -26,7 +26,7 @@ _EXPORTS = {
     "InvalidIndicesError": "hicache.errors",
     "IOState": "hicache.node",
     "TreeNode": "hicache.node",
-    "CacheStats": "hicache.stats",
+    "CacheStats": "hicache.observe",
     "EvictResult": "hicache.types",
     "MatchResult": "hicache.types",
 }
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
         InvalidIndicesError,
     )
     from hicache.node import IOState, TreeNode
-    from hicache.stats import CacheStats
+    from hicache.observe import CacheStats
     from hicache.types import EvictResult, MatchResult
 
 

@@ -26,10 +26,10 @@ from hicache.insert import InsertMixin
 from hicache.integrity import check_cache_integrity
 from hicache.locks import MovedLocks
 from hicache.node import IO_LOAD, TreeNode
+from hicache.observe import CacheStats, Counters
 from hicache.page_sums import PageSums
 from hicache.pools import DevicePool, HostPool
 from hicache.radix_tree import Namespace, RadixTree
-from hicache.stats import CacheStats, Counters
 from hicache.tiering import TieringMixin
 from hicache.tokens import TokenIds, as_slots, as_tokens, check_token_bytes
 from hicache.transfers import (
@@ -42,8 +42,8 @@ from hicache.transfers import (
 from hicache.types import MatchResult
 
 if TYPE_CHECKING:
-    from hicache.kv_events import TierEvents
     from hicache.l3.tier import L3Tier
+    from hicache.observe import TierEvents
 
 EngineFactory = Callable[[DevicePool, HostPool, Copier], TransferEngine]
 

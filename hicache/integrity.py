@@ -14,8 +14,8 @@ import numpy as np
 
 from hicache.allocator import PagedAllocator, PageState
 from hicache.errors import IntegrityError
-from hicache.kv_events import wanted
 from hicache.node import IOState, TreeNode
+from hicache.observe import wanted
 from hicache.transfers import Direction
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""hicache.capacity: the exact LRU curve against hand counts and a naive LRU, the prefix
+"""hicache.observe.capacity: the exact LRU curve against hand counts and a naive LRU, the prefix
 property, SHARDS accuracy against the exact curve on the project's traces, the estimator's
 memory bound, and bad input.
 
@@ -15,7 +15,7 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from hicache.capacity import (
+from hicache.observe import (
     COLD,
     ExactCurve,
     ShardsEstimator,

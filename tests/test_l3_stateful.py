@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from hicache.kv_events import TierEvents
 from hicache.l3.config import L3Config
 from hicache.l3.memory import drop_space, space
 from hicache.l3.registry import open_store
 from hicache.l3.tier import MISS_TTL_S, L3Tier
+from hicache.observe import TierEvents
 from tests.conftest import make_cache, settle
 from tests.event_model import TierModel, tree_blocks
 from tests.reference import expected_kv, read_kv, write_kv

@@ -13,7 +13,7 @@ import numpy as np
 
 from hicache.client import HiCacheClient
 from hicache.client.top import CLEAR, Rates, render_top
-from hicache.tree_view import tree_shape
+from hicache.observe import tree_shape
 from tests.conftest import make_cache, put
 from tests.daemon_helpers import start_daemon, stop_daemon
 

@@ -279,7 +279,7 @@ def test_removals_name_children_before_their_parents():
     import torch  # noqa: F401  (the cache's pools)
 
     from hicache import HiCacheConfig, HiRadixCache
-    from hicache.kv_events import TierEvents
+    from hicache.observe import TierEvents
     from hicache.transfers import ManualTransferEngine
     from tests.event_model import TierModel
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hicache import HiCacheConfig, HiRadixCache, InvalidIndicesError
-from hicache.kv_events import TierEvents
+from hicache.observe import TierEvents
 from hicache.transfers import Direction, ManualTransferEngine
 from tests.event_model import TierModel, tree_blocks
 from tests.reference import ReferenceCache, expected_kv, read_kv, write_kv

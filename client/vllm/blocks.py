@@ -8,8 +8,8 @@ engine's own order (the dimensions before the block dimension, then those after 
 keeps, per layer and page, every rank's block one after another (``EngineLayout``).
 
 ``BlockCopier`` picks its path once: the C page copy (``hicache/transfers/cpu_copy.py``) for
-CPU caches whose blocks are contiguous runs, else torch indexing (any device, any strides; CUDA caches read and
-write the pinned pool through a staging copy).
+CPU caches whose blocks are contiguous runs, else torch indexing (any device, any strides;
+CUDA caches read and write the pinned pool through a staging copy).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from hicache.allocator import PageState
-from hicache.histogram import BYTES, SECONDS, Histogram
 from hicache.node import IOState, TreeNode
+from hicache.observe import BYTES, SECONDS, Histogram
 from hicache.transfers.engine import Ack, Direction
 from hicache.types import Ticket
 from hicache.write_policy import make_write_policy

@@ -63,7 +63,7 @@ def _column_keys(page_size: int) -> np.ndarray:
 
 def chain_seed(seed: bytes) -> int:
     """The chain's starting state for a namespace ``seed`` (blake2b, 64 bits)."""
-    digest = hashlib.blake2b(b"hicache.capacity\0" + seed, digest_size=8).digest()
+    digest = hashlib.blake2b(b"hicache.observe.capacity\0" + seed, digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 

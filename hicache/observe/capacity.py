@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hicache.page_hash import chain_seed, page_hashes
+from hicache.observe.page_hash import chain_seed, page_hashes
 
 __all__ = [
     "COLD",
