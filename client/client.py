@@ -29,7 +29,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from hicache.backing import AttachedSharedMemory
 from hicache.client.connection import (
     Connection,
     DaemonError,
@@ -40,8 +39,8 @@ from hicache.client.results import LoadTicket, Match, PageFrame
 from hicache.client.session import SessionLink
 from hicache.config import HiCacheConfig
 from hicache.endpoints import env_endpoint
-from hicache.engine_layout import EngineLayout
 from hicache.fastpath import pack_shared
+from hicache.memory import AttachedSharedMemory, EngineLayout
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
     ENGINE_REPORT_MAX,

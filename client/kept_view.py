@@ -1,5 +1,5 @@
 """``hicache kept``: the host pools stopped daemons of this user kept for their successors, and
-freeing them (hicache/kept.py). Needs no daemon; reads /dev/shm only."""
+freeing them (hicache/memory/kept.py). Needs no daemon; reads /dev/shm only."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import json
 import time
 
-from hicache.kept import KeptPool, free_kept, list_kept
+from hicache.memory import KeptPool, free_kept, list_kept
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

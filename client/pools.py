@@ -7,10 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from hicache.backing import AttachedCudaIPC, AttachedSharedMemory
 from hicache.client.trust import segment_path
 from hicache.config import HiCacheConfig
-from hicache.pools import DevicePool, HostPool
+from hicache.memory import AttachedCudaIPC, AttachedSharedMemory, DevicePool, HostPool
 from hicache.transfers import LayerProgress
 
 

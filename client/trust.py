@@ -17,7 +17,7 @@ sends anything, ``verify_endpoint`` checks who listens:
 Trusted users are this process's own, root, and the one ``HICACHE_DAEMON_USER`` (or the
 client's ``daemon_user``) names. ``segment_path`` then turns a pool description into a path
 only under /dev/shm, from a segment name of the daemon's own form and user, and the mapping
-itself (``hicache.backing.attach_shared_memory``) refuses links, FIFOs and files of another
+itself (``hicache.memory.backing.attach_shared_memory``) refuses links, FIFOs and files of another
 owner. Stateless; thread-safe.
 """
 

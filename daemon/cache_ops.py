@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from hicache.allocator import OWNED, TREE
 from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import out_of_memory
 from hicache.daemon.sessions import Session
+from hicache.memory import OWNED, TREE
 from hicache.protocol import (
     ErrorCode,
     ProtocolError,

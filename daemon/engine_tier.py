@@ -20,8 +20,8 @@ from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
 from hicache.daemon.limits import SessionLimits
 from hicache.daemon.settings import DaemonSettings
-from hicache.engine_layout import EngineLayout
 from hicache.errors import InsufficientMemoryError
+from hicache.memory import EngineLayout
 from hicache.protocol import ErrorCode, ProtocolError
 
 log = logging.getLogger("hicache.daemon")

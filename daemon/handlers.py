@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from hicache import __version__
-from hicache.allocator import OWNED
 from hicache.cache import HiRadixCache
 from hicache.daemon.cache_ops import CacheOpsMixin
 from hicache.daemon.capacity_feed import CapacityFeed
@@ -35,6 +34,7 @@ from hicache.daemon.request_stats import RequestStats
 from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
 from hicache.daemon.tier_names import TierNames
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
+from hicache.memory import OWNED
 from hicache.node import TreeNode
 from hicache.observe import tree_shape
 from hicache.protocol import (

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from hicache.kept import HOST, KEEP, KeptPool, expired, free_kept, own_name, read_marker
+from hicache.memory import HOST, KEEP, KeptPool, expired, free_kept, own_name, read_marker
 
 POLL_S = 1.0  # how often a waiting reaper looks whether the pool was adopted or freed
 

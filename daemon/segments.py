@@ -8,7 +8,7 @@ however it dies, and the lock means the same in every PID namespace that shares 
 (containers), where a pid would name another process or none (and pid 1 is always "alive").
 
 A daemon that keeps its host tier across restarts (``keep_host``) also has a ``...-keep``
-marker (hicache/kept.py): when it is gone, its host segment stays for the next daemon on its
+marker (hicache/memory/kept.py): when it is gone, its host segment stays for the next daemon on its
 endpoint to adopt (daemon/snapshot.py) for the marker's grace time (``keep_host_seconds``);
 after that its reaper (daemon/reaper.py) or any later clean-up removes it, and once adopted it
 goes like the rest.
@@ -28,7 +28,7 @@ import secrets
 import stat
 
 from hicache.endpoints import SHM_DIR
-from hicache.kept import (  # noqa: F401  (names of the files, shared with the CLI)
+from hicache.memory import (  # noqa: F401  (names of the files, shared with the CLI)
     DEFAULT_GRACE_S,
     HOST,
     KEEP,
@@ -119,7 +119,7 @@ def mark_kept(
 ) -> str:
     """Create (or renew) this instance's keep marker, naming the snapshot that will say what
     its host segment holds, how long it may wait for a successor and for which endpoint;
-    returns the marker's path (hicache/kept.py: never written through what was planted)."""
+    returns the marker's path (hicache/memory/kept.py: never written through what was planted)."""
     path = os.path.join(directory, segment_name(KEEP, token))
     write_marker(path, snapshot, grace_s, endpoint)
     return path

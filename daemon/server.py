@@ -24,8 +24,6 @@ import time
 import numpy as np
 import zmq
 
-from hicache.allocator import PageState
-from hicache.backing import CudaBacking, SharedMemoryBacking
 from hicache.cache import HiRadixCache
 from hicache.client.curve import load_secret
 from hicache.config import HiCacheConfig
@@ -51,9 +49,9 @@ from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
 from hicache.daemon.snapshot import HostKeeper
 from hicache.endpoints import admin_token_path, is_loopback
-from hicache.engine_layout import EngineLayout
 from hicache.l3.registry import LazyStore
 from hicache.l3.tier import L3Tier
+from hicache.memory import CudaBacking, EngineLayout, PageState, SharedMemoryBacking
 from hicache.observe import TierEvents
 from hicache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 from hicache.transfers import DEFAULT_CAPACITY as PROGRESS_CAPACITY

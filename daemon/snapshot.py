@@ -1,7 +1,7 @@
 """HostKeeper: restarts that keep the host tier (``--keep-host``, on by default).
 
 A daemon that stops (SIGTERM, SIGINT) waits for its copies, writes a snapshot of the tree's
-host part (hicache/host_snapshot.py: nodes, page ids, page checksums) beside its endpoint
+host part (hicache/memory/host_snapshot.py: nodes, page ids, page checksums) beside its endpoint
 (``PATH.snapshot`` for ``ipc://PATH``, else in the runtime folder), and leaves its host pool's
 shared-memory segment in place; its ``keep`` marker (daemon/segments.py) tells other daemons'
 clean-ups to spare it. The next daemon on the same endpoint with the same KV shape and host
@@ -39,8 +39,6 @@ from typing import Any
 
 import msgpack
 
-from hicache import host_snapshot
-from hicache.backing import SHM_DIR, SharedMemoryBacking
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
 from hicache.daemon.segments import (
@@ -53,8 +51,15 @@ from hicache.daemon.segments import (
     segment_name,
 )
 from hicache.endpoints import admin_token_path
-from hicache.kept import expired, own_name, read_marker
-from hicache.page_sums import PageSums
+from hicache.memory import (
+    SHM_DIR,
+    PageSums,
+    SharedMemoryBacking,
+    expired,
+    host_snapshot,
+    own_name,
+    read_marker,
+)
 
 log = logging.getLogger("hicache.daemon")
 DISCARD_READ_BYTES = 1 << 26  # read to free what a snapshot names (larger: only the file goes)

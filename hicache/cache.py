@@ -17,18 +17,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from hicache.allocator import PagedAllocator, PageState
-from hicache.backing import Backing
 from hicache.config import HiCacheConfig
 from hicache.eviction_policy import LeafHeap, make_priority
 from hicache.fastpath import tally
 from hicache.insert import InsertMixin
 from hicache.integrity import check_cache_integrity
 from hicache.locks import MovedLocks
+from hicache.memory import Backing, DevicePool, HostPool, PagedAllocator, PageState, PageSums
 from hicache.node import IO_LOAD, TreeNode
 from hicache.observe import CacheStats, Counters
-from hicache.page_sums import PageSums
-from hicache.pools import DevicePool, HostPool
 from hicache.radix_tree import Namespace, RadixTree
 from hicache.tiering import TieringMixin
 from hicache.tokens import TokenIds, as_slots, as_tokens, check_token_bytes

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import numpy as np
 
-    from hicache.allocator import PagedAllocator, PageState
     from hicache.config import HiCacheConfig
+    from hicache.memory import PagedAllocator, PageState
     from hicache.node import TreeNode
     from hicache.radix_tree import RadixTree
     from hicache.types import EvictResult

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from hicache.allocator import OWNED, TREE
 from hicache.fastpath import own_nodes, slot_pages
+from hicache.memory import OWNED, TREE
 from hicache.node import IO_LOAD, TreeNode
 from hicache.radix_tree import Namespace
 

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicache.allocator import PagedAllocator, PageState
 from hicache.errors import IntegrityError
+from hicache.memory import PagedAllocator, PageState
 from hicache.node import IOState, TreeNode
 from hicache.observe import wanted
 from hicache.transfers import Direction

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hicache.allocator import PageState
+from hicache.memory import PageState
 from hicache.node import IO_NONE, TreeNode
 from hicache.types import EvictResult
 

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hicache.allocator import as_int64
 from hicache.errors import InvalidIndicesError
 from hicache.fastpath import min_token
+from hicache.memory import as_int64
 
 INT32_MAX = 2**31 - 1
 _INT32 = np.dtype(np.int32)  # numpy caches builtin dtypes: an identity test is enough

@@ -106,14 +106,14 @@ MUTATIONS = [
     ),
     Mutation(
         "pool-mapped-through-links",
-        "hicache/backing.py",
+        "hicache/memory/backing.py",
         "os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC",
         "os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC",
         ("tests/test_trust.py",),
     ),
     Mutation(
         "keep-marker-written-through-links",
-        "hicache/kept.py",
+        "hicache/memory/kept.py",
         '    with open(os.open(tmp, flags, 0o600), "w") as fh:\n',
         "    tmp = path\n    with open(os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600), "
         '"w") as fh:\n',

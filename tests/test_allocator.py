@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hicache import DoubleFreeError, HiCacheConfig, HiRadixCache, InvalidIndicesError
-from hicache.allocator import PagedAllocator, PageState
+from hicache.memory import PagedAllocator, PageState
 
 
 def make_cache(ps=4, tokens=64, host=0):

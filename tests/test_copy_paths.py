@@ -15,7 +15,7 @@ import torch
 
 from hicache import HiCacheConfig
 from hicache.kernels import copy_pages_all_layers, copy_pages_one_layer, page_runs, triton_copy
-from hicache.pools import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool
 from hicache.transfers import CpuCopier, DirectCopier, KernelCopier, cpu_copy
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]

@@ -56,7 +56,7 @@ def test_daemon_exports_its_cuda_pool(tmp_path):
 @pytest.mark.parametrize("backend", ["kernel", "direct"])
 def test_gpu_copiers_equal_the_reference_both_ways(layout, backend):
     from hicache.kernels import copy_pages_all_layers, page_runs
-    from hicache.pools import DevicePool, HostPool
+    from hicache.memory import DevicePool, HostPool
     from hicache.transfers import DirectCopier, KernelCopier
 
     cfg = HiCacheConfig(
@@ -157,8 +157,8 @@ def test_vllm_blocks_on_cuda_round_trip_through_a_pinned_pool(path):
     torch) reads and writes the pinned, mapped pool."""
     import numpy as np
 
-    from hicache.backing import register_pinned
     from hicache.client.vllm.blocks import BlockCopier, block_format
+    from hicache.memory import register_pinned
 
     layers, nb, heads, bs, hs, pages = 3, 16, 2, 16, 64, 10
     engine = torch.randn(layers, 2, nb, bs, heads, hs, device="cuda")  # FlashAttention-like

@@ -9,7 +9,7 @@ import torch
 from hicache.client import DaemonError, HiCacheClient, LayoutMismatch
 from hicache.daemon.launch import start_daemon, stop_daemon
 from hicache.daemon.settings import build_parser, parse_bytes, resolve
-from hicache.engine_layout import EngineLayout
+from hicache.memory import EngineLayout
 from hicache.protocol import ErrorCode
 from tests.daemon_helpers import SMALL
 

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache import fastpath
-from hicache.allocator import PagedAllocator, PageState
 from hicache.errors import DoubleFreeError, InvalidIndicesError
+from hicache.memory import PagedAllocator, PageState
 from hicache.node import IOState, TreeNode
 from hicache.radix_tree import RadixTree
 

@@ -1,6 +1,6 @@
 """A stopped daemon's kept host pool comes back within its grace time without another daemon,
 ``hicache kept`` lists and frees what is kept, and a daemon that ends without keeping (SIGKILL
-included) leaves nothing in /dev/shm (daemon/reaper.py, hicache/kept.py)."""
+included) leaves nothing in /dev/shm (daemon/reaper.py, hicache/memory/kept.py)."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_a_pool_whose_grace_ran_out_without_its_reaper_is_not_adopted(tmp_path):
 
 
 def test_a_marker_with_an_absurd_grace_is_not_a_kept_pool(tmp_path):
-    from hicache.kept import read_marker, write_marker
+    from hicache.memory import read_marker, write_marker
 
     for grace in ("inf", "1e300", "nan", "-1", "86401"):
         path = str(tmp_path / f"m-{grace}")

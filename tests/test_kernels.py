@@ -11,7 +11,7 @@ from hicache.kernels import (
     gather_scatter_one_layer,
     page_runs,
 )
-from hicache.pools import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool
 
 
 def test_page_runs_are_maximal_on_both_sides():

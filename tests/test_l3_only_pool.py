@@ -9,13 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.allocator import PageState
 from hicache.daemon.settings import build_parser, resolve
 from hicache.l3.config import L3Config
 from hicache.l3.keys import KeyChain, identity_of
 from hicache.l3.memory import drop_space, space
 from hicache.l3.registry import open_store
 from hicache.l3.tier import L3Tier
+from hicache.memory import PageState
 from tests.conftest import make_cache
 from tests.reference import expected_kv, read_kv, write_kv
 from tests.test_l3_tier import machine as tier_machine

@@ -16,7 +16,7 @@ from hicache.l3.keys import KeyChain, identity_of
 from hicache.l3.memory import drop_space, space
 from hicache.l3.mooncake import pages_per_call as mooncake_pages_per_call
 from hicache.l3.pages import PageSegments, trailer, verify
-from hicache.pools import HostPool
+from hicache.memory import HostPool
 from tests.l3_servers import mooncake_master, redis_cluster
 
 LAYOUTS = ["layer_first", "page_first", "page_first_direct"]

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from hicache import IOState
-from hicache.allocator import PageState
+from hicache.memory import PageState
 from tests.conftest import make_cache, put, settle, values_at
 
 

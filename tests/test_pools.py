@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from hicache import HiCacheConfig, HiRadixCache, InsufficientMemoryError
-from hicache.backing import SharedMemoryBacking, attach_shared_memory
-from hicache.pools import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool, SharedMemoryBacking, attach_shared_memory
 
 MHA = dict(num_layers=3, num_kv_heads=2, head_dim=5, dtype="float32", page_size=4, device_tokens=16)
 MLA = dict(
@@ -93,7 +92,7 @@ def test_a_buffer_is_pinned_by_its_bytes_not_its_elements(dtype):
     """register_pinned hands CUDA the buffer's whole byte length: a float32 buffer registered
     by its element count left three quarters unmapped, and the vLLM block copy's kernel
     faulted writing there (the first GPU run)."""
-    from hicache.backing import pinned_span
+    from hicache.memory import pinned_span
 
     buf = torch.zeros(3, 160, 256, dtype=dtype)
     address, nbytes = pinned_span(buf)

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from hicache import HiCacheConfig, HiRadixCache
-from hicache.backing import SharedMemoryBacking
-from hicache.pools import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool, SharedMemoryBacking
 from hicache.transfers import (
     CpuCopier,
     Direction,

@@ -20,7 +20,6 @@ import time
 import numpy as np
 import pytest
 
-from hicache.backing import attach_shared_memory
 from hicache.client import HiCacheClient
 from hicache.client.trust import (
     UntrustedDaemon,
@@ -30,6 +29,7 @@ from hicache.client.trust import (
     trusted_uids,
     verify_endpoint,
 )
+from hicache.memory import attach_shared_memory
 from tests.daemon_helpers import start_daemon, stop_daemon
 from tests.l3_servers import free_port
 

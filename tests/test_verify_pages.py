@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from hicache.errors import IntegrityError
-from hicache.page_sums import PageSums
-from hicache.pools import HostPool
+from hicache.memory import HostPool, PageSums
 from tests.conftest import make_cache, put, settle, values_at
 
 

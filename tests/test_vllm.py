@@ -23,7 +23,7 @@ require_module("vllm", what="real vLLM engines (tests/test_vllm.py)")
 
 from hicache.client import HiCacheClient  # noqa: E402
 from hicache.daemon.launch import start_daemon, stop_daemon  # noqa: E402
-from hicache.engine_layout import EngineLayout  # noqa: E402
+from hicache.memory import EngineLayout  # noqa: E402
 from tests.l3_servers import l3_settled, mooncake_master  # noqa: E402
 from tests.vllm_runner import BLOCK, daemon_stats, make_model, prompts  # noqa: E402
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from hicache.config import DTYPES
-from hicache.engine_layout import EngineLayout
+from hicache.memory import EngineLayout
 from hicache.transfers import copy_pages_c, cpu_copy
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}

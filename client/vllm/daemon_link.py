@@ -33,7 +33,7 @@ from hicache.client.connection import (
     LeaseLost,
 )
 from hicache.client.vllm.meta import PoolRef
-from hicache.engine_layout import EngineLayout
+from hicache.memory import EngineLayout
 
 log = logging.getLogger("hicache.vllm")
 T = TypeVar("T")

@@ -34,7 +34,7 @@ from hicache.client.vllm.daemon_link import DOWN
 from hicache.client.vllm.layer_loads import StreamLoads, ThreadLoads
 from hicache.client.vllm.meta import Copy, PoolRef, StepPlan, StepReport
 from hicache.config import HiCacheConfig
-from hicache.engine_layout import EngineLayout
+from hicache.memory import EngineLayout
 
 log = logging.getLogger("hicache.vllm")
 KEEP_POOLS = 2  # daemon lives whose pools stay mapped (the current one and the one before)

@@ -14,7 +14,7 @@ import struct
 import numpy as np
 import xxhash
 
-from hicache.pools import KVPool
+from hicache.memory import KVPool
 
 MAGIC = 0x3163_6863_6968  # "hichc1" little-endian, in the trailer's second word
 TRAILER = struct.Struct("<QQ")

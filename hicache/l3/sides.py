@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hicache.allocator import PagedAllocator, PageState
-from hicache.pools import KVPool
+from hicache.memory import KVPool, PagedAllocator, PageState
 
 if TYPE_CHECKING:
     from hicache.cache_view import L3Host

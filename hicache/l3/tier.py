@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hicache.allocator import PageState
 from hicache.l3.breaker import Breaker
 from hicache.l3.config import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy
 from hicache.l3.counters import L3Counters, ewma, keys_above, tokens_above
@@ -40,6 +39,7 @@ from hicache.l3.pages import PageSegments
 from hicache.l3.sides import side_of
 from hicache.l3.store import L3Store
 from hicache.l3.worker import IOWorker
+from hicache.memory import PageState
 
 if TYPE_CHECKING:
     from hicache.cache_view import L3Host

@@ -23,7 +23,7 @@ from hicache.l3.jobs import Fetch, Write
 from hicache.l3.keys import KeyChain
 from hicache.l3.pages import PageSegments, trailer, verify
 from hicache.l3.store import L3Store, StoreDown
-from hicache.page_sums import PageSums
+from hicache.memory import PageSums
 
 log = logging.getLogger("hicache.l3")
 CLOSE_WAIT_S = 1.0  # how long close() waits for a store call that runs

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hicache.allocator import PageState
+from hicache.memory import PageState
 from hicache.node import IOState, TreeNode
 from hicache.observe import BYTES, SECONDS, Histogram
 from hicache.transfers.engine import Ack, Direction

@@ -12,7 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 
-from hicache.pools import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool
 from hicache.transfers.copiers import Copier
 from hicache.transfers.engine import Ack, CopyJob, CorruptPages, Direction, TransferEngine
 from hicache.transfers.progress import FAILED

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.pools import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool
 from hicache.transfers.copiers import Copier, KernelCopier
 from hicache.transfers.engine import Ack, CopyJob, Direction, TransferEngine
 from hicache.transfers.progress import FAILED

@@ -26,8 +26,7 @@ import numpy as np
 import torch
 
 from hicache.kernels import page_runs
-from hicache.page_sums import PageSums
-from hicache.pools import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool, PageSums
 from hicache.transfers.copiers import Copier, CpuCopier, Runs
 from hicache.transfers.progress import LayerProgress
 from hicache.types import Ticket

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
-from hicache.pools import DevicePool, HostPool
+from hicache.memory import DevicePool, HostPool
 from hicache.transfers.copiers import Copier
 from hicache.transfers.engine import Ack, CopyJob, CorruptPages, TransferEngine
 from hicache.transfers.progress import FAILED

@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from hicache.allocator import PageState
+from hicache.memory.allocator import PageState
+from hicache.memory.page_sums import PageSums
 from hicache.node import IO_BACKUP
-from hicache.page_sums import PageSums
 
 if TYPE_CHECKING:
     from hicache.cache import HiRadixCache

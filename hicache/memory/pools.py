@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hicache.backing import Backing, PlainBacking
 from hicache.config import HiCacheConfig, HostLayout, KVFormat
+from hicache.memory.backing import Backing, PlainBacking
 
 
 @dataclass(frozen=True)
