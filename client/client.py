@@ -39,7 +39,6 @@ from hicache.client.results import LoadTicket, Match, PageFrame
 from hicache.client.session import SessionLink
 from hicache.config import HiCacheConfig
 from hicache.endpoints import env_endpoint
-from hicache.fastpath import pack_shared
 from hicache.memory import AttachedSharedMemory, EngineLayout
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
@@ -49,8 +48,8 @@ from hicache.protocol import (
     slots_frame,
     tokens_frame,
 )
-from hicache.tokens import as_slots, as_tokens
 from hicache.transfers import LayerProgress
+from hicache.tree import as_slots, as_tokens, pack_shared
 
 LIVENESS_S = 0.5  # a wait for a layer checks that the daemon is still there this often
 

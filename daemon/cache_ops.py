@@ -24,7 +24,7 @@ from hicache.protocol import (
     split,
     split_tokens,
 )
-from hicache.tokens import check_token_bytes
+from hicache.tree import check_token_bytes
 from hicache.types import MatchResult
 
 Frames = list[Any]

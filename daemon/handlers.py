@@ -35,7 +35,6 @@ from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
 from hicache.daemon.tier_names import TierNames
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
 from hicache.memory import OWNED
-from hicache.node import TreeNode
 from hicache.observe import tree_shape
 from hicache.protocol import (
     MAX_MATCH_TOKENS,
@@ -47,6 +46,7 @@ from hicache.protocol import (
     decode_request,
     encode_reply,
 )
+from hicache.tree import TreeNode
 
 log = logging.getLogger("hicache.daemon")
 Frames = list[Any]

@@ -24,8 +24,8 @@ _EXPORTS = {
     "InsufficientMemoryError": "hicache.errors",
     "IntegrityError": "hicache.errors",
     "InvalidIndicesError": "hicache.errors",
-    "IOState": "hicache.node",
-    "TreeNode": "hicache.node",
+    "IOState": "hicache.tree.node",
+    "TreeNode": "hicache.tree.node",
     "CacheStats": "hicache.observe",
     "EvictResult": "hicache.types",
     "MatchResult": "hicache.types",
@@ -68,8 +68,8 @@ if TYPE_CHECKING:
         IntegrityError,
         InvalidIndicesError,
     )
-    from hicache.node import IOState, TreeNode
     from hicache.observe import CacheStats
+    from hicache.tree import IOState, TreeNode
     from hicache.types import EvictResult, MatchResult
 
 

@@ -18,23 +18,31 @@ import numpy as np
 import torch
 
 from hicache.config import HiCacheConfig
-from hicache.eviction_policy import LeafHeap, make_priority
-from hicache.fastpath import tally
-from hicache.insert import InsertMixin
 from hicache.integrity import check_cache_integrity
-from hicache.locks import MovedLocks
 from hicache.memory import Backing, DevicePool, HostPool, PagedAllocator, PageState, PageSums
-from hicache.node import IO_LOAD, TreeNode
 from hicache.observe import CacheStats, Counters
-from hicache.radix_tree import Namespace, RadixTree
 from hicache.tiering import TieringMixin
-from hicache.tokens import TokenIds, as_slots, as_tokens, check_token_bytes
 from hicache.transfers import (
     Copier,
     ThreadTransferEngine,
     TransferBookMixin,
     TransferEngine,
     make_copier,
+)
+from hicache.tree import (
+    IO_LOAD,
+    InsertMixin,
+    LeafHeap,
+    MovedLocks,
+    Namespace,
+    RadixTree,
+    TokenIds,
+    TreeNode,
+    as_slots,
+    as_tokens,
+    check_token_bytes,
+    make_priority,
+    tally,
 )
 from hicache.types import MatchResult
 

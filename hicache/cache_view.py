@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
     from hicache.config import HiCacheConfig
     from hicache.memory import PagedAllocator, PageState
-    from hicache.node import TreeNode
-    from hicache.radix_tree import RadixTree
+    from hicache.tree import RadixTree, TreeNode
     from hicache.types import EvictResult
 
 

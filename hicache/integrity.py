@@ -14,9 +14,9 @@ import numpy as np
 
 from hicache.errors import IntegrityError
 from hicache.memory import PagedAllocator, PageState
-from hicache.node import IOState, TreeNode
 from hicache.observe import wanted
 from hicache.transfers import Direction
+from hicache.tree import IOState, TreeNode
 
 if TYPE_CHECKING:
     from hicache.cache_view import CacheView

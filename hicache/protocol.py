@@ -283,7 +283,7 @@ def split_tokens(frame: bytes | memoryview, lengths: Any, shared: Any = None) ->
         )
     if sum(lengths) - sum(shared) != len(frame) // 4 or len(frame) % 4:
         raise ProtocolError(ErrorCode.BAD_FIELD, "lengths: must be ints summing to the token ids")
-    from hicache.fastpath import unpack_shared  # the schema alone imports no torch
+    from hicache.tree import unpack_shared  # the schema alone imports no torch
 
     return unpack_shared(frame, lengths, shared)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from hicache.memory import PageState
-from hicache.node import IO_NONE, TreeNode
+from hicache.tree import IO_NONE, TreeNode
 from hicache.types import EvictResult
 
 # Rebuild a heap when it holds this many times more entries than the tree has nodes.

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, NamedTuple, NewType
 import numpy as np
 import torch
 
-from hicache.fastpath import page_slots
+from hicache.tree import page_slots
 
 if TYPE_CHECKING:
-    from hicache.node import TreeNode
+    from hicache.tree import TreeNode
 
 PageId = NewType("PageId", int)  # index of a page in a pool (device page 0 is the padding page)
 Slot = NewType("Slot", int)  # index of a token row in a pool: page * page_size + offset

@@ -34,7 +34,7 @@ from hicache.client import HiCacheClient
 from hicache.client.results import Match, PageFrame
 from hicache.daemon.launch import start_daemon, stop_daemon
 from hicache.protocol import PROTOCOL_VERSION, Op, tokens_frame
-from hicache.tokens import as_tokens
+from hicache.tree import as_tokens
 
 WARMUP, ROUNDS = 200, 2000
 THREADS = 4

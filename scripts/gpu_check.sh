@@ -31,7 +31,7 @@ fi
 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 "$PY" - <<'PY' || exit 1
 import torch, triton, zmq
-import hicache.fastpath as fastpath
+import hicache.tree.fastpath as fastpath
 print(f"python {__import__('sys').version.split()[0]}, torch {torch.__version__} (CUDA "
       f"{torch.version.cuda}), triton {triton.__version__}, pyzmq {zmq.__version__}, "
       f"C helpers {'built' if fastpath.USE_C else 'MISSING'}")

@@ -27,7 +27,7 @@ export LD_PRELOAD="$preload" ASAN_OPTIONS="detect_leaks=0:abort_on_error=1" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" PYTHONMALLOC=malloc \
   PYTHONPATH="$out" TRITON_INTERPRET=1
 cd "$out"
-$PY -c "import hicache.fastpath as f, hicache.transfers.cpu_copy as c, sys; \
+$PY -c "import hicache.tree.fastpath as f, hicache.transfers.cpu_copy as c, sys; \
 sys.exit(0 if f.USE_C and c.USE_C and f._fast.__file__.startswith('$out') else 'no sanitized C')"
 $PY -m pytest -q -p no:cacheprovider --capture=sys tests/test_c_hostile.py tests/test_fastpath.py \
   tests/test_copy_paths.py tests/test_handlers_fuzz.py tests/test_protocol.py \

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import xxhash
 
-from hicache.node import IOState
+from hicache.tree import IOState
 
 Blocks = dict[str, dict[int, tuple[int | None, tuple[int, ...]]]]  # medium -> hash -> block
 

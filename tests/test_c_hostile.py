@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from hicache import fastpath
-from hicache.node import TreeNode
 from hicache.transfers import cpu_copy
+from hicache.tree import TreeNode, fastpath
 
 pytestmark = pytest.mark.skipif(not fastpath.USE_C, reason="the C helpers are not built")
 BIG = 2**63 - 1  # PY_SSIZE_T_MAX
@@ -321,8 +320,8 @@ def test_misaligned_buffers_read_as_the_twin_reads_them(monkeypatch):
 OWN_NODES_CASES = """
 import sys
 import numpy as np
-from hicache import fastpath
-from hicache.node import TreeNode
+from hicache.tree import fastpath
+from hicache.tree import TreeNode
 
 rng = np.random.default_rng(int(sys.argv[1]))
 for case in range(400):

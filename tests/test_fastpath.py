@@ -5,11 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache import fastpath
 from hicache.errors import DoubleFreeError, InvalidIndicesError
 from hicache.memory import PagedAllocator, PageState
-from hicache.node import IOState, TreeNode
-from hicache.radix_tree import RadixTree
+from hicache.tree import IOState, RadixTree, TreeNode, fastpath
 
 needs_c = pytest.mark.skipif(fastpath._fast is None, reason="C helpers not built")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hicache.node import TreeNode
+    from hicache.tree import TreeNode
 
 EWMA = 0.2  # weight of a new measurement in the bandwidth and latency averages
 

@@ -22,7 +22,7 @@ from hicache.memory import KVPool, PagedAllocator, PageState
 
 if TYPE_CHECKING:
     from hicache.cache_view import L3Host
-    from hicache.node import TreeNode
+    from hicache.tree import TreeNode
 
 
 class HostSide:

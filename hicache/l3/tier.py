@@ -43,7 +43,7 @@ from hicache.memory import PageState
 
 if TYPE_CHECKING:
     from hicache.cache_view import L3Host
-    from hicache.node import TreeNode
+    from hicache.tree import TreeNode
 
 log = logging.getLogger("hicache.l3")
 MISS_TTL_S = 1.0  # a prefix the store did not have is not asked for again this soon

@@ -18,8 +18,8 @@ from enum import IntEnum
 import numpy as np
 import torch
 
-from hicache import fastpath
 from hicache.errors import DoubleFreeError, IntegrityError, InvalidIndicesError
+from hicache.tree import fastpath
 
 
 class PageState(IntEnum):

@@ -35,12 +35,12 @@ import numpy as np
 
 from hicache.memory.allocator import PageState
 from hicache.memory.page_sums import PageSums
-from hicache.node import IO_BACKUP
+from hicache.tree import IO_BACKUP
 
 if TYPE_CHECKING:
     from hicache.cache import HiRadixCache
     from hicache.config import HiCacheConfig
-    from hicache.node import TreeNode
+    from hicache.tree import TreeNode
 
 VERSION = 2  # 2: entries name their parent's index and hold only their own key
 # what shapes the host pool's bytes: a snapshot is adopted only under equal values

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from hicache.node import IO_BACKUP, IO_LOAD, TreeNode
+from hicache.tree import IO_BACKUP, IO_LOAD, TreeNode
 
 DEVICE, HOST = 1, 2  # bits of TreeNode.ev: the tiers a node's pages are announced on
 SEED_PREFIX = b"hicache-block-v1"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hicache.cache import HiRadixCache
-    from hicache.node import TreeNode
+    from hicache.tree import TreeNode
 
 HEAD_TOKENS = 8  # first tokens shown per prefix
 

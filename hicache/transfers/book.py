@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from hicache.memory import PageState
-from hicache.node import IOState, TreeNode
 from hicache.observe import BYTES, SECONDS, Histogram
 from hicache.transfers.engine import Ack, Direction
+from hicache.tree import IOState, TreeNode
 from hicache.types import Ticket
 from hicache.write_policy import make_write_policy
 

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from hicache.fastpath import load_acquire, store_release
+from hicache.tree import load_acquire, store_release
 from hicache.types import Ticket
 
 LAYER_BITS = 16  # up to 65535 layers

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hicache.node import TreeNode
+from hicache.tree.node import TreeNode
 
 
 class MovedLocks:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from hicache.fastpath import own_nodes, slot_pages
 from hicache.memory import OWNED, TREE
-from hicache.node import IO_LOAD, TreeNode
-from hicache.radix_tree import Namespace
+from hicache.tree.fastpath import own_nodes, slot_pages
+from hicache.tree.node import IO_LOAD, TreeNode
+from hicache.tree.radix_tree import Namespace
 
 
 class InsertMixin:

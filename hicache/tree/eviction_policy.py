@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from hicache.config import EvictionPolicyName, HiCacheConfig
-from hicache.node import TreeNode
+from hicache.tree.node import TreeNode
 
 Priority = Callable[[TreeNode], Any]
 

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from hicache.node import TreeNode
+from hicache.tree.node import TreeNode
 
 try:
     from hicache import _fast, _tree

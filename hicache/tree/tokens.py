@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from hicache.errors import InvalidIndicesError
-from hicache.fastpath import min_token
 from hicache.memory import as_int64
+from hicache.tree.fastpath import min_token
 
 INT32_MAX = 2**31 - 1
 _INT32 = np.dtype(np.int32)  # numpy caches builtin dtypes: an identity test is enough

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from hicache.fastpath import common_tokens, descend
-from hicache.node import TreeNode
+from hicache.tree.fastpath import common_tokens, descend
+from hicache.tree.node import TreeNode
 
 Namespace = str | int | bytes | None
 MAX_NAMESPACE = 1024  # characters of a str namespace, bytes of a bytes one
