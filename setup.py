@@ -1,7 +1,7 @@
 """Builds the optional C helpers (hicache/_fast.c, _tree.c, _copy.c); the rest is in pyproject.
 
 ``optional=True``: without a C compiler the install still succeeds and hicache uses its numpy
-fallback (hicache/fastpath.py), which behaves the same, only slower.
+fallback (hicache/tree/fastpath.py), which behaves the same, only slower.
 """
 
 from setuptools import Extension, setup

@@ -23,6 +23,7 @@ import contextlib
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, NamedTuple
 
@@ -51,6 +52,7 @@ from hicache.protocol import (
 from hicache.transfers import LayerProgress
 from hicache.tree import as_slots, as_tokens, pack_shared
 
+REGISTER_TIMEOUT_S = 30.0  # the first REGISTER makes the pool: reserving it takes seconds
 LIVENESS_S = 0.5  # a wait for a layer checks that the daemon is still there this often
 
 
@@ -143,6 +145,11 @@ class HiCacheClient:
         until ``reconnect``."""
         return self._link.lost
 
+    def when_draining(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, on the heartbeat's thread, when the daemon says it is
+        shutting down (give back what you hold so that it can stop). It must be thread-safe."""
+        self._link.on_draining = callback
+
     @property
     def draining(self) -> bool:
         """The daemon said (in a heartbeat reply) that it is shutting down: its sessions are
@@ -209,8 +216,15 @@ class HiCacheClient:
         makes the daemon's pool (the shared host tier, one page per engine block); a later one
         must be equal in identity (``EngineLayout.identity``). Returns the layout the daemon
         serves; ``config`` and ``attach()`` then describe the pool. Raises LayoutMismatch
-        (naming both layouts) and changes nothing when it differs."""
-        reply = self._call(Op.REGISTER, {"layout": layout.as_dict()})[0]
+        (naming both layouts) and changes nothing when it differs. The first registration
+        makes the pool (gigabytes reserved in shared memory: seconds), so while the daemon
+        serves no layout yet this call waits up to REGISTER_TIMEOUT_S, not the client's
+        timeout (a later one only compares layouts)."""
+        fields = {"layout": layout.as_dict()}
+        timeout = self._link.timeout_s
+        if self.layout is None:  # (as hello said: this REGISTER may make the pool)
+            timeout = max(REGISTER_TIMEOUT_S, timeout)
+        reply = self._link.call(Op.REGISTER, fields, (), timeout)[0]
         with self._attach_lock:
             self._link.info.update(reply.fields)
             if self.pools is None:  # (a pool already mapped stays: the daemon has one pool)

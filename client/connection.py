@@ -143,6 +143,7 @@ class Connection:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         slice_ms = self.timeout_ms if closing is None else min(self.timeout_ms, SLICE_MS)
+        self.slice_s = max(slice_ms, 1) / 1000  # one receive's wait
         self.sock.setsockopt(zmq.RCVTIMEO, max(slice_ms, 1))  # recv raises zmq.Again after it
         if keys is not None:
             apply_client(self.sock, keys)
@@ -155,10 +156,15 @@ class Connection:
         self._timed_out: OrderedDict[int, Op] = OrderedDict()
 
     def call(
-        self, op: Op, fields: dict | None = None, frames: Sequence[Any] = ()
+        self,
+        op: Op,
+        fields: dict | None = None,
+        frames: Sequence[Any] = (),
+        timeout_s: float | None = None,
     ) -> tuple[Reply, list[zmq.Frame]]:
-        """Send one request and wait for its reply. Raises DaemonError, EpochChanged,
-        LeaseLost, DaemonTimeout."""
+        """Send one request and wait for its reply (``timeout_s``: longer than this
+        connection's timeout for this call). Raises DaemonError, EpochChanged, LeaseLost,
+        DaemonTimeout."""
         if os.getpid() != self._pid:
             raise RuntimeError("a Connection cannot be used after fork; make a new one")
         for frame in frames:
@@ -171,15 +177,15 @@ class Connection:
         request_id = next(self._ids)
         request = Request(op, request_id, self.session, self.epoch, fields or {})
         self._send(encode_request(request), frames)
-        deadline = None
+        wait = self.timeout_ms / 1000 if timeout_s is None else max(timeout_s, 0.001)
+        deadline = time.monotonic() + wait
         while True:
             try:
                 parts = self._recv()
             except zmq.Again:
                 now = time.monotonic()
-                deadline = deadline or now + self.timeout_ms / 1000 - SLICE_MS / 1000
                 closing = self.closing is not None and self.closing.is_set()
-                if self.closing is not None and now < deadline and not closing:
+                if not closing and now + self.slice_s <= deadline + 0.001:
                     continue  # one slice of the wait: look whether the client closes
                 self._timed_out[request_id] = op
                 if len(self._timed_out) > MAX_LATE:

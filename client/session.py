@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -75,6 +76,7 @@ class SessionLink:
         self._pid = os.getpid()
         self.generation = 0  # +1 per (re)connect: Matches of an older one are void
         self.draining = False  # the daemon said it is shutting down (heartbeat replies)
+        self.on_draining: Callable[[], None] | None = None  # called once, on the heartbeat thread
         self._beat_wanted = beat
         self._noted = [0, 0, 0]  # the engine's figures not yet reported (note_engine)
         self._noted_lock = threading.Lock()
@@ -158,7 +160,13 @@ class SessionLink:
                 conn.close()
                 del self._conns[ident]
 
-    def call(self, op: Op, fields: dict | None = None, frames: list | tuple = ()) -> tuple:
+    def call(
+        self,
+        op: Op,
+        fields: dict | None = None,
+        frames: list | tuple = (),
+        timeout_s: float | None = None,
+    ) -> tuple:
         """One request of the session on this thread's connection. Raises what the session
         learned before (EpochChanged, LeaseLost), ClientClosed, or the call's own error."""
         if self.lost is not None or self.closed:
@@ -170,7 +178,7 @@ class SessionLink:
                 raise ClientClosed("this HiCacheClient was closed; open a new one")
             if self._owed:
                 self._give_back_late(conn)
-            reply, out = conn.call(op, fields, frames)
+            reply, out = conn.call(op, fields, frames, timeout_s)
         except (EpochChanged, LeaseLost) as exc:
             self._lose(exc, generation)
             raise
@@ -319,6 +327,11 @@ def _heartbeat(link: SessionLink, stop: threading.Event, generation: int) -> Non
                 link.heard = time.monotonic()
                 if reply.fields.get("draining") and not link.draining:
                     link.draining = True
+                    if link.on_draining is not None:
+                        try:
+                            link.on_draining()
+                        except Exception:  # noqa: BLE001 (the engine's; the beat goes on)
+                            log.exception("hicache: the engine's on_draining failed")
                     log.warning("hicache-daemon at %s is shutting down", link.endpoint)
             except (EpochChanged, LeaseLost) as exc:
                 link._lose(exc, generation)

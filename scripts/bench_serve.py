@@ -107,10 +107,13 @@ def vllm_counters(url: str) -> dict[str, float]:
 def hicache_figures(endpoint: str | None) -> dict[str, int]:
     if not endpoint:
         return {}
-    from hicache.client import HiCacheClient
+    from hicache.client import DaemonTimeout, HiCacheClient
 
-    with HiCacheClient(endpoint, name="bench-serve", heartbeat=False) as hc:
-        stats = hc.stats()
+    try:
+        with HiCacheClient(endpoint, name="bench-serve", heartbeat=False) as hc:
+            stats = hc.stats()
+    except (DaemonTimeout, PermissionError) as exc:
+        raise SystemExit(f"bench_serve: cannot read hicache-daemon at {endpoint}: {exc}") from None
     return {k: stats.get(k, 0) for k in HICACHE_FIGURES}
 
 

@@ -186,6 +186,15 @@ MUTATIONS = [
         ("tests/test_vllm_sides.py::test_a_stopped_link_stays_stopped",),
     ),
     Mutation(
+        "reserve-kept-while-the-daemon-drains",
+        "client/vllm/scheduler.py",
+        "        link.on_draining = self._give_back_reserve\n",
+        "",
+        (
+            "tests/test_vllm_sides.py::test_a_draining_daemon_gets_the_engines_reserve_back_and_stops_without_waiting",
+        ),
+    ),
+    Mutation(
         "planted-files-count-as-ours",
         "daemon/segments.py",
         "if len(parts) == 3 and _is_own(os.path.join(directory, name)):",

@@ -764,3 +764,20 @@ def test_a_signal_the_process_ignores_leaves_the_session_alone(ep):
         signal.signal(signal.SIGTERM, saved)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     v.close()
+
+
+def test_a_draining_daemon_gets_the_engines_reserve_back_and_stops_without_waiting(tmp_path):
+    """Operator's walk: the connector held pages ahead for later stores, so a daemon stopped
+    under an idle vLLM always waited its whole --shutdown-timeout. The heartbeat's "draining"
+    now makes the engine give them back."""
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    proc = start_daemon(endpoint, *ENGINE, "--shutdown-timeout", "60")
+    v = FakeVllm(endpoint)
+    try:
+        run_to_end(v, "r1", prompt(42))
+        assert len(v.sched.reserve) > 0  # pages held ahead, as an idle vLLM holds them
+    finally:
+        log = stop_daemon(proc, timeout=90)
+        v.close()
+    assert "drained: no session holds pages or locks" in log, log
+    assert "shutdown timeout" not in log

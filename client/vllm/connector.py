@@ -189,7 +189,7 @@ def _say_connected(link: DaemonLink, endpoint: str) -> None:
         return
     tokens = pool.config.get("device_tokens", 0)
     log.info(
-        "hicache: host tier of this engine: daemon at %s (boot %x); layout %s, %d layers, "
+        "hicache: host tier of this engine: daemon at %s (boot epoch %d); layout %s, %d layers, "
         "%d KV heads of %d, %s, block %d; pool %d tokens (%.2f GiB), shared by every engine "
         "of this layout",
         endpoint,

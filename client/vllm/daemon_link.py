@@ -73,6 +73,7 @@ class DaemonLink:
         self.wait_s = 0.0  # blocked on the daemon (wall minus CPU time of calls), until taken
         self._said: str | None = None  # the last problem logged (each is logged once)
         self.stopped = False  # stop() was called: no session is opened again
+        self.on_draining: Callable[[], None] | None = None  # the daemon is shutting down
 
     # ---- the session ------------------------------------------------------------------------
     def ready(self) -> HiCacheClient | None:
@@ -96,6 +97,8 @@ class DaemonLink:
                     self.endpoint, self.name, timeout_s=self.timeout_s, daemon_user=self.daemon_user
                 )
                 self.generation += 1
+                if self.on_draining is not None:
+                    self.client.when_draining(self.on_draining)
                 if self.stopped:  # stop() ran while this one was opening: end it too
                     self.stop()
                     raise Unavailable
@@ -114,6 +117,12 @@ class DaemonLink:
                 info["layout"],
                 client.daemon_uid,
             )
+            if self._said is not None:  # it was down, and said so: say it is back
+                log.info(
+                    "hicache-daemon at %s usable again (boot epoch %d): lookups and stores resume",
+                    self.endpoint,
+                    info["boot_epoch"],
+                )
             self._said = None
             return client
         except LayoutMismatch as exc:

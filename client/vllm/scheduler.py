@@ -23,8 +23,10 @@ Runs on vLLM's scheduler thread only; holds nothing of vLLM but the live Request
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -60,6 +62,9 @@ class SchedulerSide:
         self.figures = Figures()
         self.reserve = _NO_PAGES  # first slots of pages the session owns for later stores
         self.reserve_generation = 0
+        self.reserve_lock = threading.Lock()  # the reserve: this thread, and a draining daemon's
+        self.keep_reserve = True  # False once the daemon drains: pages are taken as needed
+        link.on_draining = self._give_back_reserve
         self.block_ids = None  # callable(req_id) -> block ids of group 0 (vLLM's manager)
         # requests whose prefix is coming from the third tier: (first "not yet", last ask)
         self.l3_waiting: dict[str, tuple[float, float]] = {}
@@ -263,7 +268,23 @@ class SchedulerSide:
         tokens = pool.config["device_tokens"] if pool is not None else 0
         return tokens // PIN_SHARE // self.block_size * self.block_size
 
+    def _give_back_reserve(self) -> None:
+        """The daemon is shutting down (on the heartbeat's thread): free the pages held ahead
+        for later stores, and hold none from now on, so that it need not wait for them."""
+        with self.reserve_lock:
+            reserve, self.reserve = self.reserve, _NO_PAGES
+            generation, self.keep_reserve = self.reserve_generation, False
+            client = self.link.client
+        if len(reserve) and client is not None and generation == self.link.generation:
+            slots = (reserve[:, None] + torch.arange(self.block_size)).reshape(-1)
+            with contextlib.suppress(Exception):  # (a daemon gone already took them back)
+                client.free(slots)
+
     def _take(self, pages: int) -> torch.Tensor | None:
+        with self.reserve_lock:
+            return self._take_locked(pages)
+
+    def _take_locked(self, pages: int) -> torch.Tensor | None:
         """Slots of ``pages`` whole pages the session owns, from the reserve: one ALLOC brings
         the pages of many stores (at most 1/64 of the pool stays allocated ahead; the daemon
         takes it back with the session). None when there are none, or the session changed."""
@@ -275,7 +296,7 @@ class SchedulerSide:
         short = pages - len(self.reserve)
         if short > 0:
             capacity = pool.config["device_tokens"] // self.block_size
-            extra = min(RESERVE_PAGES, capacity // 64)
+            extra = min(RESERVE_PAGES, capacity // 64) if self.keep_reserve else 0
             for ask in (short + extra, short):  # (a full pool may still have the bare need)
                 try:
                     got = self.link.call(lambda c, n=ask: c.alloc(n * self.block_size))

@@ -96,26 +96,30 @@ class WorkerSide:
                 daemon_user=self.daemon_user,
             ) as hc:
                 hc.register_layout(layout)
+            registered = True
         except LayoutMismatch as exc:
             raise RuntimeError(
                 f"hicache: vLLM's KV layout does not fit the daemon at {self.endpoint}: "
                 f"{exc.message}"
             ) from None
         except (DaemonError, *DOWN) as exc:
+            registered = False
             log.warning(
-                "hicache-daemon at %s not usable at start (%s): serving without it until it is",
+                "hicache-daemon at %s not usable at start (%s): serving without it until it is "
+                "(the scheduler registers this layout when it is)",
                 self.endpoint,
                 exc,
             )
-        log.info(
-            "hicache: rank %d registered its KV layout with the daemon (%d layers, blocks %s "
-            "%s, %s copies); it copies through the scheduler's session from now on",
-            self.rank,
-            layout.num_layers,
-            list(layout.block_shape),
-            layout.dtype,
-            self.copier.path,
-        )
+        if registered:
+            log.info(
+                "hicache: rank %d registered its KV layout with the daemon (%d layers, blocks "
+                "%s %s; %s); it copies through the scheduler's session from now on",
+                self.rank,
+                layout.num_layers,
+                list(layout.block_shape),
+                layout.dtype,
+                {"c": "C page copies"}.get(self.copier.path, f"{self.copier.path} copies"),
+            )
         return layout
 
     # ---- copies -----------------------------------------------------------------------------
