@@ -161,7 +161,7 @@ def test_busy_polling_finds_the_next_request_awake_and_costs_the_watch(tmp_path)
             def engine(hc: HiCacheClient = hc) -> None:
                 for _ in range(150):
                     think = time.perf_counter() + 0.001  # the engine's step between lookups
-                    while time.perf_counter() < think:
+                    while time.perf_counter() < think:  # (a spin: a sleep would let the CPU idle)
                         pass
                     assert hc.match_prefix(PROMPT, lock=False).device_hit_length == 64
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hicache.client.cli import sections
+from hicache.client.info_view import sections
 from hicache.daemon.segments import InstanceLock, remove_stale
 from hicache.daemon.settings import build_parser, resolve
 

@@ -200,7 +200,7 @@ def test_a_daemon_for_engines_names_its_pool_the_host_tier_everywhere(ep):
     """The engines keep their device tier; the daemon's pool is their host tier: stats, info,
     metrics, capacity, the tree and eviction all say host, and the device tier is empty."""
     from hicache.client.capacity_view import render_capacity
-    from hicache.client.cli import sections
+    from hicache.client.info_view import sections
     from hicache.daemon.metrics import families
     from hicache.protocol import Op
 
@@ -256,7 +256,7 @@ def test_a_daemon_for_engines_names_its_pool_the_host_tier_everywhere(ep):
 
 
 def test_info_config_shows_the_registered_layout_not_a_default_shape(ep):
-    from hicache.client.cli import sections
+    from hicache.client.info_view import sections
 
     with HiCacheClient(ep, name="e") as hc:
         before = sections(hc.stats())["config"]

@@ -195,8 +195,6 @@ def test_well_formed_requests_of_live_sessions_keep_ownership_exact(data):
             locks += [i for i in new if i]
         elif reply.ok and op is Op.RELEASE:
             locks = locks[1:]
-        elif reply.ok and op is Op.FLUSH:
-            pass
         handlers.check_integrity()
         holds, frames_out = _call(handlers, Op.HOLDINGS, session)
         owned = set(np.frombuffer(bytes(frames_out[0]), np.int64).tolist())
