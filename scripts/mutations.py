@@ -180,7 +180,7 @@ MUTATIONS = [
     ),
     Mutation(
         "stopped-link-reopens",
-        "client/vllm/daemon_link.py",
+        "client/daemon_link.py",
         '        self.stopped, self.down_until = True, float("inf")',
         '        self.down_until = float("inf")',
         ("tests/test_vllm_sides.py::test_a_stopped_link_stays_stopped",),

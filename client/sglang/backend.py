@@ -1,0 +1,439 @@
+"""HiCacheStore: SGLang's ``HiCacheStorage`` over hicache-daemon.
+
+SGLang calls a storage backend from three of its threads: the prefetch thread asks
+``batch_exists`` (how many leading pages the tier has), the prefetch IO thread reads them into
+its host pool (``batch_get_v1``, or ``batch_get`` into flat pages), the backup thread writes
+finished pages (``batch_set_v1`` / ``batch_set``). Here each is one or a few daemon round
+trips plus copies between SGLang's host pool and the daemon's shared pool (the C page copy,
+no GIL), made by the calling thread:
+
+- ``batch_exists``: one batched MATCH of one-page keys (each page its own key: SGLang names
+  pages by their chained hash, and its calls start mid-chain, so every page is found alone).
+  The pages found stay pinned (locked) for the get that follows; pins not taken by a get are
+  released after ``pin_s``, when the next call comes.
+- gets: the pinned pages (or a MATCH for keys nobody pinned), copied, then released in one
+  RELEASE; True for the leading run copied.
+- sets: a MATCH (which pages the daemon lacks), an ALLOC for those, the copy, an INSERT in the
+  keys' order; pages the daemon holds already are not copied again.
+
+Every daemon failure is a miss (0 pages, False), never an exception in SGLang's threads
+(``DaemonLink``: down for ``retry_s`` after a failure; a new session, the layout registered
+again, after a restart). Keys that are not page hashes and host indices outside the pool are
+logged and refused the same way, with nothing changed in the daemon.
+
+Thread safety: the session's state changes under DaemonLink's lock; pins and the figures
+under ``self._lock``; copies and calls run in parallel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from hicache.client.client import HiCacheClient
+from hicache.client.connection import DaemonError
+from hicache.client.daemon_link import DaemonLink, Unavailable
+from hicache.client.results import Match
+from hicache.client.sglang.pages import (
+    PageFormat,
+    copy_pages,
+    daemon_view,
+    host_pages,
+    host_view,
+    key_words,
+    page_bytes,
+    page_format,
+)
+from hicache.client.sglang.settings import StoreSettings
+
+log = logging.getLogger("hicache.sglang")
+MAX_SAMPLES = 4096  # per-call figures kept between two get_stats() calls
+
+
+class _Link(DaemonLink):
+    log = log
+
+
+@dataclass
+class _Pin:
+    match: Match  # a locked one-page match
+    generation: int  # the link's session it belongs to
+    since: float  # monotonic time it was taken
+
+
+class HiCacheStore(HiCacheStorage):
+    """Built by SGLang's StorageBackendFactory as ``cls(storage_config, kwargs)``; the host
+    pool arrives later through ``register_mem_pool_host``."""
+
+    def __init__(self, storage_config: Any, kwargs: Any = None):
+        self.settings = StoreSettings.from_extra(getattr(storage_config, "extra_config", None))
+        self.config = storage_config
+        s = self.settings
+        self.tp_rank, self.tp_size = int(storage_config.tp_rank), int(storage_config.tp_size)
+        self.mla = bool(storage_config.is_mla_model)
+        writer = getattr(storage_config, "is_storage_writer", None)
+        self.writer = (not self.mla or self.tp_rank == 0) if writer is None else bool(writer)
+        self.model = str(storage_config.model_name or "")
+        self.link = _Link(
+            s.endpoint,
+            f"sglang tp{self.tp_rank}/{self.tp_size}",
+            s.timeout_s,
+            s.retry_s,
+            model=self.model,
+            daemon_user=s.daemon_user or None,
+        )
+        self.format: PageFormat | None = None  # once the host pool is registered
+        self.namespace = ""
+        self._host: torch.Tensor | None = None  # SGLang's host pool as [kv, L, pages, P, W]
+        self._layout = ""
+        self._lock = threading.Lock()
+        self._pins: dict[str, list[_Pin]] = defaultdict(list)
+        self._unpinned: list[_Pin] = []  # pins to release with the next call
+        self._said: set[str] = set()  # problems logged once
+        # figures for SGLang's storage metrics (get_stats) and for the daemon (note_engine)
+        self._get_pages: list[int] = []
+        self._set_pages: list[int] = []
+        self._get_gbps: list[float] = []
+        self._set_gbps: list[float] = []
+
+    # ---- registration -----------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """SGLang's host pool: its format becomes this rank's layout in the daemon (registered
+        at the first call that reaches it). ValueError for a pool the daemon cannot hold."""
+        super().register_mem_pool_host(mem_pool_host)
+        fmt = page_format(mem_pool_host, self.model)
+        self.format = fmt
+        self._layout = mem_pool_host.layout
+        self._host = host_view(fmt, self._layout, mem_pool_host.kv_buffer)
+        self.link.layout = fmt.engine_layout()
+        self.link.expect = dict(self.link.expect, **fmt.engine_layout().as_dict())
+        # MLA: every rank holds the same KV (rank 0 writes it); MHA: each rank its shard
+        shard = "mla" if self.mla else f"tp{self.tp_rank}/{self.tp_size}"
+        digest = hashlib.blake2b(
+            f"{self.model}\0{shard}\0{self.settings.namespace}".encode(), digest_size=16
+        )
+        self.namespace = "sglang:" + digest.hexdigest()
+        log.info(
+            "hicache: SGLang %s pages of %d tokens (%d bytes per rank page, host layout %s) "
+            "stored in hicache-daemon at %s",
+            "MLA" if self.mla else "MHA",
+            fmt.page_size,
+            page_bytes(fmt),
+            self._layout,
+            self.settings.endpoint,
+        )
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading pages of ``keys`` the daemon holds; they stay pinned for the get
+        that follows (up to ``pin_s``). 0 for anything that goes wrong."""
+        words = self._words(keys)
+        if words is None or not len(keys):
+            return 0
+        self._release_stale()
+        try:
+            matches = self.link.call(lambda c: self._match(c, words, lock=True))
+        except (Unavailable, DaemonError) as exc:
+            self._say_once("exists", exc)
+            return 0
+        generation = self.link.generation
+        hit = _leading(matches, self.format.page_size)
+        now = time.monotonic()
+        with self._lock:
+            for key, m in zip(keys[:hit], matches[:hit], strict=True):
+                self._pins[key].append(_Pin(m, generation, now))
+            self._unpinned += [_Pin(m, generation, now) for m in matches[hit:] if m.lock_id]
+        self._note(queried=len(keys), hit=hit)
+        return hit
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ---- gets ---------------------------------------------------------------------------------
+    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        """Copy the daemon's pages of ``keys`` into SGLang's host pool at ``host_indices``;
+        True for the leading run copied (SGLang stops at the first False)."""
+        n = len(keys)
+        if self.format is None or not n:
+            return [False] * n
+        try:
+            dst = host_pages(host_indices, n, self.format.page_size, self._host.shape[2])
+        except (ValueError, TypeError) as exc:
+            self._say_once("get", exc)
+            return [False] * n
+        done = self._get(keys, self._host, dst)
+        return [i < done for i in range(n)]
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[torch.Tensor | None]:
+        """The generic path: each page into its flat tensor (SGLang's host layout order);
+        None from the first page that could not be read."""
+        n = len(keys)
+        if self.format is None or target_locations is None or len(target_locations) != n:
+            return [None] * n
+        try:
+            views = [self._flat_view(t) for t in target_locations]
+        except (ValueError, RuntimeError, TypeError) as exc:
+            self._say_once("get", exc)
+            return [None] * n
+        done = self._get(keys, views, None)
+        return [t if i < done else None for i, t in enumerate(target_locations)]
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return self.batch_get([key], [target_location])[0]
+
+    def _get(self, keys: list[str], dst: Any, dst_pages: np.ndarray | None) -> int:
+        """Pages copied, from the first: into ``dst`` (one view, at ``dst_pages``) or into
+        each of the views ``dst`` lists. Releases every pin it used."""
+        words = self._words(keys)
+        if words is None:
+            return 0
+        self._release_stale()
+        generation = self.link.generation
+        pins: list[_Pin | None] = []
+        with self._lock:
+            for key in keys:
+                mine = self._pins.get(key)
+                pin = mine.pop(0) if mine else None
+                if mine == []:
+                    del self._pins[key]
+                pins.append(pin if pin is not None and pin.generation == generation else None)
+        fmt = self.format
+        start = time.perf_counter()
+
+        def read(c: HiCacheClient) -> int:
+            matches = [p.match if p else None for p in pins]
+            missing = [i for i, m in enumerate(matches) if m is None]
+            if missing:
+                for i, m in zip(missing, self._match(c, words[missing], lock=True), strict=True):
+                    matches[i] = m
+            try:
+                count = _leading(matches, fmt.page_size)
+                src = np.array([int(m.device_pages[0]) for m in matches[:count]], np.int64)
+                pool = daemon_view(fmt, c.attach().layers[0])
+                if dst_pages is not None:
+                    copy_pages(pool, dst, src, dst_pages[:count])
+                else:
+                    for page, view in zip(src, dst[:count], strict=True):
+                        copy_pages(pool, view, np.array([page]), np.zeros(1, np.int64))
+                return count
+            finally:
+                c.release(*(m for m in matches if m is not None and m.lock_id))
+
+        try:
+            done = self.link.call(read, generation)
+        except (Unavailable, DaemonError, IndexError) as exc:
+            self._say_once("get", exc)
+            return 0
+        self._sample(self._get_pages, self._get_gbps, done, start)
+        self._note(loaded=done)
+        return done
+
+    # ---- sets ---------------------------------------------------------------------------------
+    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        """Store the pages of ``keys`` from SGLang's host pool at ``host_indices``: those the
+        daemon lacks are copied and inserted in the keys' order. All True or all False."""
+        n = len(keys)
+        if not self.writer:  # an MLA rank other than the writer: rank 0 stores the page
+            return [True] * n
+        if self.format is None or not n:
+            return [False] * n
+        try:
+            src = host_pages(host_indices, n, self.format.page_size, self._host.shape[2])
+        except (ValueError, TypeError) as exc:
+            self._say_once("set", exc)
+            return [False] * n
+        return [self._set(keys, self._host, src)] * n
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """The generic path: each page from its flat tensor (SGLang's host layout order)."""
+        if not self.writer:
+            return True
+        if self.format is None or values is None or len(values) != len(keys) or not keys:
+            return False
+        try:
+            views = [self._flat_view(v) for v in values]
+        except (ValueError, RuntimeError, TypeError) as exc:
+            self._say_once("set", exc)
+            return False
+        return self._set(keys, views, None)
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return self.batch_set([key], [value])
+
+    def _set(self, keys: list[str], src: Any, src_pages: np.ndarray | None) -> bool:
+        words = self._words(keys)
+        if words is None:
+            return False
+        self._release_stale()
+        fmt, ns, start = self.format, self.namespace, time.perf_counter()
+
+        def write(c: HiCacheClient) -> int:
+            have = self._match(c, words, lock=False)
+            lacking = [i for i, m in enumerate(have) if m.device_hit_length < fmt.page_size]
+            if not lacking:
+                return 0
+            slots = c.alloc(len(lacking) * fmt.page_size)
+            try:
+                pages = (slots[:: fmt.page_size] // fmt.page_size).numpy()
+                pool = daemon_view(fmt, c.attach().layers[0])
+                if src_pages is not None:
+                    copy_pages(src, pool, src_pages[lacking], pages)
+                else:
+                    for i, page in zip(lacking, pages, strict=True):
+                        copy_pages(src[i], pool, np.zeros(1, np.int64), np.array([page]))
+                pairs = [
+                    (words[i], slots[j * fmt.page_size : (j + 1) * fmt.page_size])
+                    for j, i in enumerate(lacking)
+                ]
+                c.insert_batch(pairs, [ns] * len(pairs))
+            except BaseException:
+                _free_quietly(c, slots)
+                raise
+            return len(lacking)
+
+        try:
+            stored = self.link.call(write)
+        except (Unavailable, DaemonError, IndexError) as exc:
+            self._say_once("set", exc)
+            return False
+        self._sample(self._set_pages, self._set_gbps, stored, start)
+        return True
+
+    # ---- housekeeping -------------------------------------------------------------------------
+    def clear(self) -> None:
+        """SGLang's ``clear_storage_backend``: drops this instance's pins. The daemon's pages
+        are shared with every other instance and stay (an operator flushes them with
+        ``hicache flush``)."""
+        with self._lock:
+            pins = [p for mine in self._pins.values() for p in mine] + self._unpinned
+            self._pins.clear()
+            self._unpinned = []
+        self._release(pins)
+        log.info("hicache: storage clear drops this instance's pins; shared pages stay")
+
+    def close(self) -> None:
+        """SGLang detaches the backend or stops: pins go, the session ends."""
+        self.clear()
+        self.link.stopped = True
+        self.link.close()
+
+    def get_stats(self) -> Any:
+        """SGLang's StorageMetrics since the last call: pages per get and set, and their
+        bandwidth (GB/s, copy included)."""
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        with self._lock:
+            out = StorageMetrics(
+                prefetch_pgs=self._get_pages,
+                backup_pgs=self._set_pages,
+                prefetch_bandwidth=self._get_gbps,
+                backup_bandwidth=self._set_gbps,
+            )
+            self._get_pages, self._set_pages, self._get_gbps, self._set_gbps = [], [], [], []
+        return out
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _match(self, c: HiCacheClient, words: np.ndarray, lock: bool) -> list[Match]:
+        return c.match_batch(list(words), [self.namespace] * len(words), lock=lock)
+
+    def _words(self, keys: list[str]) -> np.ndarray | None:
+        if self.format is None:
+            return None
+        try:
+            return key_words(keys, self.format.page_size)
+        except (ValueError, TypeError) as exc:
+            self._say_once("keys", exc)
+            return None
+
+    def _flat_view(self, flat: Any) -> torch.Tensor:
+        fmt = self.format
+        if not isinstance(flat, torch.Tensor) or flat.dtype != self._host.dtype:
+            raise ValueError("a flat page must be a tensor of the host pool's dtype")
+        if flat.numel() * flat.element_size() != page_bytes(fmt) or not flat.is_contiguous():
+            raise ValueError(f"a flat page must be {page_bytes(fmt)} contiguous bytes")
+        return host_view(fmt, self._layout, flat)
+
+    def _release_stale(self) -> None:
+        """Release pins no get took within ``pin_s`` and those beyond an exists' hit run."""
+        deadline = time.monotonic() - self.settings.pin_s
+        with self._lock:
+            stale, self._unpinned = self._unpinned, []
+            for key in [k for k, pins in self._pins.items() if pins[0].since < deadline]:
+                pins = self._pins[key]
+                stale += [p for p in pins if p.since < deadline]
+                pins[:] = [p for p in pins if p.since >= deadline]
+                if not pins:
+                    del self._pins[key]
+        self._release(stale)
+
+    def _release(self, pins: list[_Pin]) -> None:
+        live = [p.match for p in pins if p.generation == self.link.generation and p.match.lock_id]
+        if not live:
+            return
+        try:
+            self.link.call(lambda c: c.release(*live))
+        except (Unavailable, DaemonError) as exc:
+            self._say_once("release", exc)
+
+    def _note(self, queried: int = 0, hit: int = 0, loaded: int = 0) -> None:
+        client = self.link.client
+        if client is None:
+            return
+        page = self.format.page_size
+        try:
+            client.note_engine(queried * page, hit * page, loaded * page)
+        except Exception:  # noqa: BLE001 (a figure is never worth an exception in SGLang)
+            pass
+
+    def _sample(self, pages: list[int], gbps: list[float], count: int, start: float) -> None:
+        if not count:
+            return
+        seconds = max(time.perf_counter() - start, 1e-9)
+        with self._lock:
+            if len(pages) < MAX_SAMPLES:
+                pages.append(count)
+                gbps.append(count * page_bytes(self.format) / seconds / 1e9)
+
+    def _say_once(self, what: str, exc: BaseException) -> None:
+        text = f"{what}: {type(exc).__name__}: {exc}"
+        if isinstance(exc, Unavailable):
+            return  # the link said why, once
+        if text not in self._said:
+            self._said.add(text)
+            log.warning("hicache: SGLang storage %s (a miss)", text)
+
+
+def _leading(matches: list[Match | None], page_size: int) -> int:
+    """How many matches from the first found their whole page."""
+    count = 0
+    for m in matches:
+        if m is None or m.device_hit_length < page_size:
+            break
+        count += 1
+    return count
+
+
+def _free_quietly(c: HiCacheClient, slots: torch.Tensor) -> None:
+    try:
+        c.free(slots)
+    except Exception:  # noqa: BLE001 (the session's pages go back with it anyway)
+        pass
