@@ -39,8 +39,7 @@ def read_settings(cls: type[S], extra: dict[str, Any] | None, where: str) -> S:
 def _check_common(out: Any, where: str) -> None:
     if not 0 < out.timeout_s <= MAX_WAIT_S:
         raise ValueError(
-            f"{where}: hicache.timeout_s={out.timeout_s!r} must be in (0, {MAX_WAIT_S:.0f}] "
-            "seconds"
+            f"{where}: hicache.timeout_s={out.timeout_s!r} must be in (0, {MAX_WAIT_S:.0f}] seconds"
         )
     if not 0 <= out.retry_s <= MAX_WAIT_S:
         raise ValueError(
@@ -48,7 +47,9 @@ def _check_common(out: Any, where: str) -> None:
         )
     endpoint = out.endpoint
     if not endpoint.startswith(("ipc://", "tcp://")) or len(endpoint) <= 6:
-        raise ValueError(f"{where}: hicache.endpoint={endpoint!r} is not ipc://PATH or tcp://HOST:PORT")
+        raise ValueError(
+            f"{where}: hicache.endpoint={endpoint!r} is not ipc://PATH or tcp://HOST:PORT"
+        )
     if not is_loopback(endpoint) and client_keys() is None:
         raise ValueError(
             f"{where}: hicache.endpoint={endpoint!r} is another host: without CurveZMQ keys "

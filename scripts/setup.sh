@@ -51,12 +51,15 @@ has_ibverbs() { PATH=$PATH:/sbin:/usr/sbin ldconfig -p 2>/dev/null | grep -q lib
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server redis-tools)
 has_ibverbs || need+=(libibverbs1)
+# SGLang hashes pages with a C++ extension it builds at first use (g++, OpenSSL's headers).
+command -v g++ >/dev/null 2>&1 || need+=(g++)
+[ -e /usr/include/openssl/sha.h ] || need+=(libssl-dev)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     step "installing ${need[*]} (apt)"
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
   else
-    echo "setup: install ${need[*]} for the L3 tests (they are skipped without them)" >&2
+    echo "setup: install ${need[*]} for the L3 and SGLang tests (they are skipped without them)" >&2
   fi
 fi
 # What the tests cannot use on this machine, recorded for them (tests/optional.py): they skip
@@ -64,6 +67,8 @@ fi
 : >"$venv/hicache-tests-without"
 command -v redis-server >/dev/null 2>&1 || echo redis-server >>"$venv/hicache-tests-without"
 has_ibverbs || echo mooncake >>"$venv/hicache-tests-without"
+{ command -v g++ >/dev/null 2>&1 && [ -e /usr/include/openssl/sha.h ]; } \
+  || echo sglang >>"$venv/hicache-tests-without"
 step "installing hicache and its extras"
 # The build tools are locked too: the C helpers are built with them, not in an isolated
 # environment that would take the newest setuptools.

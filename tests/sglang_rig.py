@@ -114,23 +114,129 @@ def backend(host, extra: dict, mla: bool = False, tp_rank: int = 0, tp_size: int
     return be
 
 
-def controller(dev, host, extra: dict, init_file: str):
+def controller(dev, host, extra: dict):
     """A real HiCacheController (write-through, its storage threads running) over one rank."""
     stub_torchvision()
-    import torch.distributed as dist
     from types import SimpleNamespace
 
     from sglang.srt.managers.cache_controller import HiCacheController
-    from sglang.srt.runtime_context import get_parallel
 
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    group = dist.new_group([0], backend="gloo")
-    get_parallel().override_permanently(
-        attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1
-    )
     return HiCacheController(
-        SimpleNamespace(get_kvcache=lambda: dev), host, PAGE, group, threading.Event(),
+        SimpleNamespace(get_kvcache=lambda: dev), host, PAGE, _group(), threading.Event(),
         write_policy="write_through", io_backend="direct", storage_backend="dynamic",
         model_name=MODEL, storage_backend_extra_config=dict(extra),
     )  # fmt: skip
+
+
+_GROUP: list = []
+
+
+def _group():
+    """This process's one-rank gloo group (made once: controllers share it in turn)."""
+    if not _GROUP:
+        import socket
+
+        import torch.distributed as dist
+        from sglang.srt.runtime_context import get_parallel
+
+        with socket.socket() as s:  # a free loopback port for the rendezvous (no files)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        _GROUP.append(dist.new_group([0], backend="gloo"))
+        get_parallel().override_permanently(
+            attn_dcp_size=1, attn_dcp_rank=0, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1
+        )
+    return _GROUP[0]
+
+
+def chain_hashes(tokens: list[int], prior: bytes = b"") -> list[str]:
+    """SGLang's page keys in pure Python: sha256(previous digest || the page's tokens as
+    uint32 little-endian), chained from ``prior`` (nothing, unless a namespace seeds it)."""
+    import hashlib
+
+    import numpy as np
+
+    out, prev = [], prior
+    for i in range(0, len(tokens) - len(tokens) % PAGE, PAGE):
+        prev = hashlib.sha256(prev + np.asarray(tokens[i : i + PAGE], "<u4").tobytes()).digest()
+        out.append(prev.hex())
+    return out
+
+
+def canonical_page(host, index: int) -> torch.Tensor:
+    """One page as ``[kv, layers, page, width]`` through SGLang's own accessor (its layout's
+    shape), so pages of pools of different layouts compare."""
+    page = host.get_data_page(index, flat=False)
+    layout, mla = host.layout, hasattr(host, "kv_lora_rank")
+    if mla:  # layer_first [L, P, 1, W], page_first [P, L, 1, W], direct [1, L, P, 1, W]
+        page = page.squeeze(-2)
+        if layout == "page_first":
+            page = page.permute(1, 0, 2)
+        elif layout == "page_first_direct":
+            page = page[0]
+        return page[None].clone()
+    # layer_first [2, L, P, H, D], page_first [2, P, L, H, D], direct [2, 1, L, P, H, D]
+    if layout == "page_first":
+        page = page.permute(0, 2, 1, 3, 4)
+    elif layout == "page_first_direct":
+        page = page[:, 0]
+    return page.flatten(3).clone()
+
+
+def fill(host, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(host.kv_buffer.shape, generator=gen)
+    host.kv_buffer.copy_(values.to(host.kv_buffer.dtype))
+
+
+def write_through(
+    endpoint: str, layout: str, mla: bool, v1: bool, tokens: list[int],
+    seed: int = 0, **more,
+) -> tuple[int, list[torch.Tensor]]:  # fmt: skip
+    """A controller writes ``tokens``' pages to the daemon (its backup thread, SGLang's own
+    write path); returns the tokens it acknowledged and the pages it wrote."""
+    dev, host = host_pool(layout, mla)
+    c = controller(dev, host, extra_config(endpoint, v1, **more))
+    try:
+        fill(host, seed)
+        src = host.alloc(len(tokens))
+        pages = [canonical_page(host, int(src[i])) for i in range(0, len(tokens), PAGE)]
+        c.write_storage(src, tokens, hash_value=chain_hashes(tokens))
+        ack = c.ack_backup_queue.get(timeout=60)
+        return ack.completed_tokens, pages
+    finally:
+        c.detach_storage_backend()
+
+
+def read_through(
+    endpoint: str, layout: str, mla: bool, v1: bool, tokens: list[int], **more
+) -> tuple[int, list[torch.Tensor]]:
+    """A controller prefetches ``tokens`` from the daemon (SGLang's prefetch threads):
+    returns the tokens found and the pages it read."""
+    dev, host = host_pool(layout, mla)
+    c = controller(dev, host, extra_config(endpoint, v1, **more))
+    try:
+        return prefetch(c, host, tokens)
+    finally:
+        c.detach_storage_backend()
+
+
+def prefetch(c, host, tokens: list[int]) -> tuple[int, list[torch.Tensor]]:
+    """What SGLang's scheduler does around a prefetch: ask, give host room for the hit, wait
+    for the acks. Returns the tokens read and their pages."""
+    c.prefetch("rid", tokens)
+    op = c.prefetch_hit_queue.get(timeout=60)
+    hit = op.storage_hit_count
+    if not hit:
+        return 0, []
+    op.host_indices = host.alloc(hit)
+    c.prefetch_buffer.put(op)
+    done = 0
+    while True:
+        ack = c.ack_prefetch_queue.get(timeout=60)
+        if ack.completed_req:
+            break
+        done = max(done, ack.completed_tokens or 0)
+    pages = [canonical_page(host, int(op.host_indices[i])) for i in range(0, done, PAGE)]
+    return done, pages

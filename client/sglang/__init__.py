@@ -22,7 +22,7 @@ _EXPORTS = {
     "StoreSettings": "hicache.client.sglang.settings",
     "PageFormat": "hicache.client.sglang.pages",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = ["HiCacheStore", "PageFormat", "StoreSettings"]
 __getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:

@@ -136,10 +136,10 @@ class HiCacheStore(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading pages of ``keys`` the daemon holds; they stay pinned for the get
         that follows (up to ``pin_s``). 0 for anything that goes wrong."""
+        self._release_stale()
         words = self._words(keys)
         if words is None or not len(keys):
             return 0
-        self._release_stale()
         try:
             matches = self.link.call(lambda c: self._match(c, words, lock=True))
         except (Unavailable, DaemonError) as exc:
@@ -159,7 +159,9 @@ class HiCacheStore(HiCacheStorage):
         return self.batch_exists([key]) == 1
 
     # ---- gets ---------------------------------------------------------------------------------
-    def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
         """Copy the daemon's pages of ``keys`` into SGLang's host pool at ``host_indices``;
         True for the leading run copied (SGLang stops at the first False)."""
         n = len(keys)
@@ -240,7 +242,9 @@ class HiCacheStore(HiCacheStorage):
         return done
 
     # ---- sets ---------------------------------------------------------------------------------
-    def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
         """Store the pages of ``keys`` from SGLang's host pool at ``host_indices``: those the
         daemon lacks are copied and inserted in the keys' order. All True or all False."""
         n = len(keys)
@@ -350,6 +354,11 @@ class HiCacheStore(HiCacheStorage):
             )
             self._get_pages, self._set_pages, self._get_gbps, self._set_gbps = [], [], [], []
         return out
+
+    def pinned(self) -> int:
+        """Pages this backend holds pinned for gets (and pins waiting to be released)."""
+        with self._lock:
+            return sum(len(p) for p in self._pins.values()) + len(self._unpinned)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _match(self, c: HiCacheClient, words: np.ndarray, lock: bool) -> list[Match]:

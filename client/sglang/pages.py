@@ -152,9 +152,7 @@ def host_pages(host_indices: torch.Tensor, count: int, page_size: int, pool_page
     slots, ``page_size`` per page, page-aligned). ValueError, naming it, for anything else."""
     idx = torch.as_tensor(host_indices).reshape(-1)
     if idx.numel() != count * page_size:
-        raise ValueError(
-            f"{idx.numel()} host indices for {count} pages of {page_size} tokens"
-        )
+        raise ValueError(f"{idx.numel()} host indices for {count} pages of {page_size} tokens")
     if count == 0:
         return np.empty(0, dtype=np.int64)
     firsts = idx[::page_size].to(torch.int64).numpy()

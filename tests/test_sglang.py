@@ -1,0 +1,354 @@
+"""SGLang's storage plug on hicache-daemon, driven through SGLang's own classes (its backend
+factory, host pools, and HiCacheController with its threads): pages one controller writes
+are prefetched byte-identical by another process, in every host layout, MHA and MLA, zero-copy
+and generic paths; failures are misses; hostile input changes nothing."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing as mp
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from tests import optional
+
+optional.require_module(
+    "sglang.srt.mem_cache.hicache_storage", "sglang", "the SGLang storage backend's tests"
+)
+
+from hicache.client import HiCacheClient  # noqa: E402
+from hicache.client.sglang import StoreSettings  # noqa: E402
+from hicache.client.sglang.pages import (  # noqa: E402
+    LAYOUTS,
+    host_view,
+    key_words,
+    page_format,
+)
+from tests import sglang_rig as rig  # noqa: E402
+from tests.daemon_helpers import start_daemon, stop_daemon, wait_until  # noqa: E402
+
+ENGINE = ("--device-tier", "engine", "--host-bytes", "1MiB")
+
+
+def daemon(endpoint: str, *extra: str):
+    return start_daemon(endpoint, *ENGINE, *extra)
+
+
+@pytest.fixture
+def ep(tmp_path):
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = daemon(endpoint)
+    try:
+        yield endpoint
+    finally:
+        stop_daemon(proc)
+
+
+@pytest.fixture(scope="module")
+def other_process():
+    """A second process (spawned: nothing shared with this one but the daemon)."""
+    with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        yield pool
+
+
+def tokens(n_pages: int, seed: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 50000, n_pages * rig.PAGE).tolist()
+
+
+def cached_tokens(endpoint: str) -> int:
+    with HiCacheClient(endpoint, name="probe") as hc:
+        stats = hc.stats(check=True)
+    assert stats["integrity"] == "ok"
+    return stats["host_cached_tokens"]
+
+
+# ---- the page format, without a daemon -------------------------------------------------------
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_views_address_every_element_as_sglangs_own_page_accessor(layout, mla):
+    _, host = rig.host_pool(layout, mla, pages=8)
+    rig.fill(host, seed=1)
+    fmt = page_format(host, rig.MODEL)
+    view = host_view(fmt, layout, host.kv_buffer)
+    assert view.shape == (fmt.kv, rig.LAYERS, host.size // rig.PAGE, rig.PAGE, fmt.width)
+    for page in (0, 3, host.size // rig.PAGE - 1):
+        assert torch.equal(view[:, :, page], rig.canonical_page(host, page * rig.PAGE))
+        flat = host.get_data_page(page * rig.PAGE, flat=True)
+        assert torch.equal(host_view(fmt, layout, flat)[:, :, 0], view[:, :, page])
+
+
+def test_page_keys_are_sglangs_hashes_as_31_bit_words():
+    keys = rig.chain_hashes(list(range(40)))
+    assert len(keys) == 10 and len(set(keys)) == 10
+    for page in (2, 4, 8, 9, 64):
+        words = key_words(keys, page)
+        assert words.shape == (10, page) and words.dtype == np.int32 and (words >= 0).all()
+        assert len({w.tobytes() for w in words}) == 10
+    full = key_words(keys, 9)  # 9 words of 31 bits hold all 256 bits: the digest comes back
+    digest = bytes.fromhex(keys[0])
+    high = [(int(full[0, 8]) >> i) & 1 for i in range(8)]
+    rebuilt = b"".join(((int(full[0, i]) | (high[i] << 31)).to_bytes(4, "big")) for i in range(8))
+    assert rebuilt == digest
+    for bad in ["ab" * 31, "zz" * 32, 7, None, "AB" * 32 + "0"]:
+        with pytest.raises(ValueError, match="not a 64-hex-digit page hash"):
+            key_words(keys[:1] + [bad], 4)
+
+
+def test_settings_refuse_unknown_keys_and_bad_values_and_leave_sglangs_keys_alone():
+    base = rig.extra_config("ipc:///tmp/x.sock")
+    s = StoreSettings.from_extra({**base, "hicache.pin_s": "3", "prefetch_threshold": 8})
+    assert s.endpoint == "ipc:///tmp/x.sock" and s.pin_s == 3.0
+    for key, value, what in [
+        ("hicache.pin", 1, "unknown key 'hicache.pin'"),
+        ("hicache.pin_s", 0, "pin_s=0.0 must be in"),
+        ("hicache.timeout_s", "soon", "is not a float"),
+        ("hicache.endpoint", "http://x", "is not ipc://PATH"),
+        ("hicache.endpoint", "tcp://10.1.2.3:5555", "another host"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            StoreSettings.from_extra({**base, key: value})
+    with pytest.raises(ValueError, match="hicache.pin_s"):
+        rig.backend(rig.host_pool("page_first")[1], {**base, "hicache.pin_s": -1})
+
+
+def test_a_page_size_of_one_token_or_another_layout_is_refused_clearly():
+    _, host = rig.host_pool("page_first")
+    host.page_size = 1
+    with pytest.raises(ValueError, match="page size is 1"):
+        page_format(host, "m")
+    host.page_size, host.layout = rig.PAGE, "page_head"
+    with pytest.raises(ValueError, match="'page_head' is not one of"):
+        page_format(host, "m")
+
+
+# ---- through a daemon, with SGLang's controller ------------------------------------------------
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_pages_written_by_one_controller_are_prefetched_by_another_process(
+    tmp_path, other_process, mla
+):
+    """Every host layout, zero-copy and generic: the writer's layout and the reader's differ
+    (the daemon keeps one page format), and the bytes are the writer's."""
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = daemon(endpoint)
+    try:
+        for i, layout in enumerate(LAYOUTS):
+            reader_layout = LAYOUTS[(i + 1) % len(LAYOUTS)]
+            for v1 in (True, False):
+                prompt = tokens(5, seed=10 * i + v1)
+                done, written = rig.write_through(endpoint, layout, mla, v1, prompt, seed=i)
+                assert done == len(prompt)
+                more = prompt + tokens(2, seed=99)  # two pages nobody wrote
+                got, read = other_process.submit(
+                    rig.read_through, endpoint, reader_layout, mla, not v1, more
+                ).result(timeout=120)
+                assert got == len(prompt), (layout, v1)
+                assert len(read) == len(written)
+                for a, b in zip(read, written, strict=True):
+                    assert torch.equal(a, b), (layout, reader_layout, v1)
+        assert cached_tokens(endpoint) == 6 * 5 * rig.PAGE
+    finally:
+        stop_daemon(proc)
+
+
+def test_a_second_writer_stores_only_what_the_daemon_lacks_and_tp_ranks_stay_apart(ep):
+    _, host = rig.host_pool("page_first")
+    rig.fill(host, seed=3)
+    keys = rig.chain_hashes(tokens(6, seed=3))
+    src = host.alloc(6 * rig.PAGE)
+    rank0 = rig.backend(host, rig.extra_config(ep), tp_rank=0, tp_size=2)
+    rank1 = rig.backend(host, rig.extra_config(ep), tp_rank=1, tp_size=2)
+    try:
+        assert rank0.batch_set_v1(keys[:4], src[: 4 * rig.PAGE]) == [True] * 4
+        assert rank0.batch_exists(keys) == 4
+        assert rank1.batch_exists(keys) == 0  # rank 1's shard is another page: not found
+        assert cached_tokens(ep) == 4 * rig.PAGE
+        assert rank0.batch_set_v1(keys, src) == [True] * 6
+        assert cached_tokens(ep) == 6 * rig.PAGE  # the 4 it had were not stored again
+        stats = rank0.get_stats()
+        assert stats.backup_pgs == [4, 2]  # pages copied per call
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+def test_mla_ranks_share_one_page_and_only_the_writer_stores(ep):
+    _, host = rig.host_pool("layer_first", mla=True)
+    rig.fill(host, seed=4)
+    keys = rig.chain_hashes(tokens(3, seed=4))
+    src = host.alloc(3 * rig.PAGE)
+    rank0 = rig.backend(host, rig.extra_config(ep), mla=True, tp_rank=0, tp_size=2)
+    rank1 = rig.backend(host, rig.extra_config(ep), mla=True, tp_rank=1, tp_size=2)
+    try:
+        assert rank1.batch_set_v1(keys, src) == [True] * 3  # not the writer: nothing stored
+        assert rank1.batch_exists(keys) == 0
+        assert rank0.batch_set_v1(keys, src) == [True] * 3
+        assert rank1.batch_exists(keys) == 3  # every rank reads rank 0's page
+        dst = host.alloc(3 * rig.PAGE)
+        assert rank1.batch_get_v1(keys, dst) == [True] * 3
+        for i in range(3):
+            a = rig.canonical_page(host, int(src[i * rig.PAGE]))
+            assert torch.equal(a, rig.canonical_page(host, int(dst[i * rig.PAGE])))
+    finally:
+        rank0.close()
+        rank1.close()
+
+
+def test_exists_pins_pages_until_the_get_and_releases_the_rest(ep):
+    _, host = rig.host_pool("page_first")
+    be = rig.backend(host, rig.extra_config(ep, **{"hicache.pin_s": 600}))
+    try:
+        keys = rig.chain_hashes(tokens(4, seed=5))
+        assert be.batch_set_v1(keys[:3], host.alloc(3 * rig.PAGE)) == [True] * 3
+        assert be.batch_exists(keys) == 3
+        with HiCacheClient(ep, name="admin", admin=True) as admin:
+            admin.flush()  # pinned pages survive a flush
+            assert cached_tokens(ep) == 3 * rig.PAGE
+            assert be.batch_get_v1(keys[:3], host.alloc(3 * rig.PAGE)) == [True] * 3
+            admin.flush()  # the get released them
+            assert cached_tokens(ep) == 0
+            assert be.batch_exists(keys) == 0
+    finally:
+        be.close()
+
+
+def test_pins_no_get_took_are_released_after_pin_s(ep):
+    _, host = rig.host_pool("page_first")
+    be = rig.backend(host, rig.extra_config(ep, **{"hicache.pin_s": 0.2}))
+    try:
+        keys = rig.chain_hashes(tokens(2, seed=6))
+        assert be.batch_set_v1(keys, host.alloc(2 * rig.PAGE)) == [True] * 2
+        assert be.batch_exists(keys) == 2  # ... and SGLang never asks for them
+        with HiCacheClient(ep, name="admin", admin=True) as admin:
+            admin.flush()
+            assert cached_tokens(ep) == 2 * rig.PAGE  # pinned
+            wait_until(lambda: be.batch_exists([]) == 0 and not be.pinned(), what="pins")
+            admin.flush()
+            assert cached_tokens(ep) == 0
+    finally:
+        be.close()
+
+
+def test_hostile_input_is_a_miss_or_false_and_changes_nothing(ep, caplog):
+    _, host = rig.host_pool("page_first", pages=16)
+    be = rig.backend(host, rig.extra_config(ep))
+    try:
+        keys = rig.chain_hashes(tokens(2, seed=7))
+        src = host.alloc(2 * rig.PAGE)
+        assert be.batch_set_v1(keys, src) == [True, True]
+        before = cached_tokens(ep)
+        beyond = torch.arange(host.size, host.size + 2 * rig.PAGE)
+        other = rig.chain_hashes(tokens(2, seed=8))
+        cases = [
+            ("not hashes", lambda: be.batch_set_v1(["../../etc", "x"], src), [False, False]),
+            ("not hashes", lambda: be.batch_exists(["f" * 63, keys[0]]), 0),
+            ("not hashes", lambda: be.batch_get_v1([b"x" * 32, keys[1]], src), [False, False]),
+            ("wrong count", lambda: be.batch_set_v1(other, src[:5]), [False, False]),
+            ("wrong count", lambda: be.batch_get_v1(keys, src[:4]), [False, False]),
+            ("out of range", lambda: be.batch_set_v1(other, beyond), [False, False]),
+            ("out of range", lambda: be.batch_get_v1(keys, beyond), [False, False]),
+            ("unaligned", lambda: be.batch_set_v1(other, src + 1), [False, False]),
+            ("flat size", lambda: be.batch_set(other, [torch.zeros(3), torch.zeros(3)]), False),
+            ("flat size", lambda: be.batch_get(keys, [torch.zeros(3)] * 2), [None, None]),
+            ("flat count", lambda: be.batch_get(keys, [torch.zeros(3)]), [None, None]),
+        ]
+        for what, call, expected in cases:
+            assert call() == expected, what
+        assert cached_tokens(ep) == before
+        assert be.batch_exists(keys) == 2  # and the backend still works
+        assert be.batch_get_v1(keys, host.alloc(2 * rig.PAGE)) == [True, True]
+    finally:
+        be.close()
+
+
+def test_another_layout_gets_an_error_naming_both_and_misses(ep, caplog):
+    _, mha = rig.host_pool("page_first")
+    _, mla = rig.host_pool("page_first", mla=True)
+    first = rig.backend(mha, rig.extra_config(ep))
+    second = rig.backend(mla, rig.extra_config(ep), mla=True)
+    try:
+        keys = rig.chain_hashes(tokens(2, seed=9))
+        assert first.batch_set_v1(keys, mha.alloc(2 * rig.PAGE)) == [True, True]
+        with caplog.at_level("WARNING", logger="hicache.sglang"):
+            assert second.batch_exists(keys) == 0
+            assert second.batch_set_v1(keys, mla.alloc(2 * rig.PAGE)) == [False, False]
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "sglang-v1-mha" in said and "sglang-v1-mla" in said
+        assert cached_tokens(ep) == 2 * rig.PAGE
+    finally:
+        first.close()
+        second.close()
+
+
+# ---- failures ----------------------------------------------------------------------------------
+def test_a_killed_daemon_is_a_miss_and_a_new_one_is_used_without_a_restart(tmp_path):
+    """SIGKILL between and during SGLang's calls: its threads see misses and False, never an
+    exception; the next daemon on the endpoint gets a new session and the layout again."""
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = daemon(endpoint)
+    dev, host = rig.host_pool("page_first")
+    extra = rig.extra_config(endpoint, **{"hicache.retry_s": 0, "hicache.timeout_s": 1})
+    c = rig.controller(dev, host, extra)
+    try:
+        rig.fill(host, seed=11)
+        prompt = tokens(4, seed=11)
+        src = host.alloc(len(prompt))
+        c.write_storage(src, prompt, hash_value=rig.chain_hashes(prompt))
+        assert c.ack_backup_queue.get(timeout=60).completed_tokens == len(prompt)
+        expected = [rig.canonical_page(host, int(src[i])) for i in range(0, 16, rig.PAGE)]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert rig.prefetch(c, host, prompt) == (0, [])  # a miss
+        c.write_storage(src, prompt, hash_value=rig.chain_hashes(prompt))
+        assert c.ack_backup_queue.get(timeout=60).completed_tokens == 0  # False: not stored
+        proc = daemon(endpoint)  # a new daemon: empty, registered again at the next call
+        assert rig.prefetch(c, host, prompt) == (0, [])
+        c.write_storage(src, prompt, hash_value=rig.chain_hashes(prompt))
+        assert c.ack_backup_queue.get(timeout=60).completed_tokens == len(prompt)
+        got, pages = rig.prefetch(c, host, prompt)
+        assert got == len(prompt)
+        assert all(torch.equal(a, b) for a, b in zip(pages, expected, strict=True))
+        assert all(t.is_alive() for t in (c.prefetch_thread, c.backup_thread))
+    finally:
+        c.detach_storage_backend()
+        stop_daemon(proc)
+
+
+def test_a_daemon_killed_during_a_get_or_a_set_fails_that_call_only(tmp_path, monkeypatch):
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = daemon(endpoint)
+    _, host = rig.host_pool("page_first")
+    be = rig.backend(host, rig.extra_config(endpoint, **{"hicache.retry_s": 0}))
+    try:
+        rig.fill(host, seed=12)
+        keys = rig.chain_hashes(tokens(3, seed=12))
+        src = host.alloc(3 * rig.PAGE)
+        assert be.batch_set_v1(keys, src) == [True] * 3
+        assert be.batch_exists(keys) == 3
+        from hicache.client.sglang import pages
+
+        real = pages.copy_pages
+        state = {"proc": proc}
+
+        def copy_then_die(*args):  # the daemon dies while the pages are being copied
+            real(*args)
+            os.kill(state["proc"].pid, signal.SIGKILL)
+            state["proc"].wait()
+
+        monkeypatch.setattr("hicache.client.sglang.backend.copy_pages", copy_then_die)
+        dst = host.alloc(3 * rig.PAGE)
+        assert be.batch_get_v1(keys, dst) == [False] * 3  # the release never came back
+        state["proc"] = proc = daemon(endpoint)
+        assert be.batch_set_v1(keys, src) == [False] * 3  # killed before its insert
+        monkeypatch.setattr("hicache.client.sglang.backend.copy_pages", real)
+        proc = daemon(endpoint)
+        assert be.batch_exists(keys) == 0  # nothing half-written is readable
+        assert be.batch_set_v1(keys, src) == [True] * 3
+        assert be.batch_exists(keys) == 3
+    finally:
+        be.close()
+        stop_daemon(proc)
