@@ -78,6 +78,7 @@ class EngineTier:
             s.session_owned_fraction,
             s.session_max_locks,
             s.session_max_loads,
+            pool="host",
         )
         log.info(limits.describe(s.max_sessions))
         info = {"config": s.as_dict(cfg), "pools": pools, "layout": layout.as_dict()}

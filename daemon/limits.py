@@ -34,6 +34,7 @@ class SessionLimits:
     max_locks: int  # locks one session may hold at once
     max_loads: int  # load-backs of one session in flight at once
     max_total_locks: int = MAX_TOTAL_LOCKS  # locks of every session at once
+    pool: str = "device"  # what operators call the pool (host: a daemon for engine tiers)
 
     @classmethod
     def for_pool(
@@ -42,6 +43,7 @@ class SessionLimits:
         owned_fraction: float = DEFAULT_OWNED_FRACTION,
         max_locks: int = DEFAULT_MAX_LOCKS,
         max_loads: int = DEFAULT_MAX_LOADS,
+        pool: str = "device",
     ) -> SessionLimits:
         if not 0 < owned_fraction <= 1:
             raise ValueError(f"session_owned_fraction: must be in (0, 1], got {owned_fraction}")
@@ -51,7 +53,8 @@ class SessionLimits:
         # one session takes at most a quarter of every session's locks: one client alone
         # cannot leave the others none
         max_locks = min(max_locks, max(1, total // SHARES_OF_ALL_LOCKS))
-        return cls(max(1, int(device_pages * owned_fraction)), max_locks, max_loads, total)
+        owned = max(1, int(device_pages * owned_fraction))
+        return cls(owned, max_locks, max_loads, total, pool)
 
     def describe(self, max_sessions: int) -> str:
         """What these limits let every client together hold in the daemon's memory at most
@@ -59,7 +62,7 @@ class SessionLimits:
         locks = self.max_total_locks * LOCK_BYTES
         return (
             f"limits: {max_sessions} sessions; {self.max_locks} locks each, {self.max_total_locks}"
-            f" in all (~{locks / 2**20:.0f} MiB); {self.max_owned_pages} device pages owned or "
+            f" in all (~{locks / 2**20:.0f} MiB); {self.max_owned_pages} {self.pool} pages owned or "
             f"pinned each; {SNDHWM} replies queued per connection; frames of at most "
             f"{MAX_FRAME_BYTES / 2**20:.0f} MiB"
         )
@@ -70,7 +73,7 @@ class SessionLimits:
         if held + new_pages > self.max_owned_pages:
             raise ProtocolError(
                 ErrorCode.QUOTA_EXCEEDED,
-                f"session {session.id} would hold {held + new_pages} device pages "
+                f"session {session.id} would hold {held + new_pages} {self.pool} pages "
                 f"({len(session.owned)} owned, {session.pinned_pages} pinned by its locks, "
                 f"{new_pages} new); a session may hold {self.max_owned_pages} (insert, free or "
                 "release some first)",

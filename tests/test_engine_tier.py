@@ -216,6 +216,8 @@ def test_a_daemon_for_engines_names_its_pool_the_host_tier_everywhere(ep):
             hc.evict(device_tokens=64)  # (not a silent 0)
         evicted = hc.evict(host_tokens=64)
         after = hc.stats(check=True)
+        with pytest.raises(DaemonError, match=r"would hold \d+ host pages"):
+            hc.alloc(128 * 32)  # (past a session's share of the pool)
     assert stats["integrity"] == "ok"
     assert (stats["hit_host_tokens"], stats["hit_device_tokens"]) == (64, 0)
     assert stats["host_capacity_tokens"] == 128 * 32 and stats["device_capacity_tokens"] == 0

@@ -265,6 +265,29 @@ def test_hostile_input_is_a_miss_or_false_and_changes_nothing(ep, caplog):
         be.close()
 
 
+def test_a_pool_pinned_full_refuses_a_set_and_changes_nothing(tmp_path):
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(endpoint, "--device-tier", "engine", "--host-tokens", str(8 * rig.PAGE))
+    _, host = rig.host_pool("page_first")
+    extra = rig.extra_config(endpoint, **{"hicache.pin_s": 600})
+    one, two = rig.backend(host, extra), rig.backend(host, extra)  # (a session pins <= 3/4)
+    try:
+        keys = rig.chain_hashes(tokens(8, seed=13))
+        assert one.batch_set_v1(keys[:4], host.alloc(4 * rig.PAGE)) == [True] * 4
+        assert two.batch_set_v1(keys[4:], host.alloc(4 * rig.PAGE)) == [True] * 4
+        assert one.batch_exists(keys[:4]) == 4 and two.batch_exists(keys[4:]) == 4
+        more = rig.chain_hashes(tokens(2, seed=14))  # every page of the pool is pinned:
+        assert one.batch_set_v1(more, host.alloc(2 * rig.PAGE)) == [False, False]
+        assert cached_tokens(endpoint) == 8 * rig.PAGE and one.batch_exists(more) == 0
+        assert one.batch_get_v1(keys[:4], host.alloc(4 * rig.PAGE)) == [True] * 4  # released
+        assert one.batch_set_v1(more, host.alloc(2 * rig.PAGE)) == [True, True]  # room again
+        assert one.batch_exists(more) == 2
+    finally:
+        one.close()
+        two.close()
+        stop_daemon(proc)
+
+
 def test_another_layout_gets_an_error_naming_both_and_misses(ep, caplog):
     _, mha = rig.host_pool("page_first")
     _, mla = rig.host_pool("page_first", mla=True)
