@@ -175,7 +175,8 @@ class CacheOpsMixin:
         """One match's reply entry. A node shared by several matches (a system prompt) travels
         once: ``state`` holds each distinct node's page ids, and the entry lists the chunks its
         prefix is made of. ``inserted``: pages of the session's the insert before it added."""
-        lock_id = self._lock(session, m, inserted) if lock else 0
+        found = m.device_hit_length or m.host_hit_length or inserted
+        lock_id = self._lock(session, m, inserted) if lock and found else 0  # (nothing: none)
         chunks, index = state
         ids = []
         for chunk in m.page_chunks:  # the nodes' own immutable bytes, alive meanwhile

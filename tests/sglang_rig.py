@@ -184,6 +184,22 @@ def canonical_page(host, index: int) -> torch.Tensor:
     return page.flatten(3).clone()
 
 
+def set_canonical(host, index: int, page: torch.Tensor) -> None:
+    """Write ``page`` (``[kv, layers, page, width]``) at ``index`` through SGLang's accessor:
+    the inverse of canonical_page."""
+    view = host.get_data_page(index, flat=False)
+    layout, mla = host.layout, hasattr(host, "kv_lora_rank")
+    if mla:
+        view = view.squeeze(-2)
+        view = {"page_first": view.permute(1, 0, 2), "page_first_direct": view[0]}.get(layout, view)
+        view.copy_(page[0])
+        return
+    view = {"page_first": view.permute(0, 2, 1, 3, 4), "page_first_direct": view[:, 0]}.get(
+        layout, view
+    )
+    view.copy_(page.view(view.shape))
+
+
 def fill(host, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     values = torch.randn(host.kv_buffer.shape, generator=gen)

@@ -24,6 +24,9 @@ from hicache.client import HiCacheClient  # noqa: E402
 from hicache.client.sglang import StoreSettings  # noqa: E402
 from hicache.client.sglang.pages import (  # noqa: E402
     LAYOUTS,
+    copy_pages,
+    daemon_view,
+    folded,
     host_view,
     key_words,
     page_format,
@@ -75,9 +78,18 @@ def test_views_address_every_element_as_sglangs_own_page_accessor(layout, mla):
     rig.fill(host, seed=1)
     fmt = page_format(host, rig.MODEL)
     view = host_view(fmt, layout, host.kv_buffer)
-    assert view.shape == (fmt.kv, rig.LAYERS, host.size // rig.PAGE, rig.PAGE, fmt.width)
-    for page in (0, 3, host.size // rig.PAGE - 1):
-        assert torch.equal(view[:, :, page], rig.canonical_page(host, page * rig.PAGE))
+    pages = host.size // rig.PAGE
+    pool = torch.zeros((pages + 1) * fmt.engine_layout().page_elems, dtype=host.kv_buffer.dtype)
+    dview = daemon_view(fmt, layout, pool)
+    if folded(layout):
+        assert view.shape == (fmt.kv, 1, pages, rig.PAGE, rig.LAYERS * fmt.width)
+    else:
+        assert view.shape == (fmt.kv, rig.LAYERS, pages, rig.PAGE, fmt.width)
+    copy_pages(view, dview, np.arange(pages), np.arange(pages) + 1)
+    flat_pool = pool.view(pages + 1, fmt.kv, rig.PAGE, rig.LAYERS, fmt.width)  # the format
+    for page in (0, 3, pages - 1):
+        expected = rig.canonical_page(host, page * rig.PAGE)  # [kv, L, P, W]
+        assert torch.equal(flat_pool[page + 1].permute(0, 2, 1, 3), expected)
         flat = host.get_data_page(page * rig.PAGE, flat=True)
         assert torch.equal(host_view(fmt, layout, flat)[:, :, 0], view[:, :, page])
 

@@ -21,7 +21,7 @@ optional.require_module(
 )
 
 from hicache.client import HiCacheClient  # noqa: E402
-from hicache.client.sglang.pages import daemon_view, host_view, page_format  # noqa: E402
+from hicache.client.sglang.pages import daemon_view, page_format  # noqa: E402
 from tests import sglang_rig as rig  # noqa: E402
 from tests.daemon_helpers import start_daemon, stop_daemon  # noqa: E402
 
@@ -47,16 +47,14 @@ class Shared(RuleBasedStateMachine):
         super().__init__()
         n = next(self.examples)
         more = {"hicache.namespace": f"ex{n}", "hicache.pin_s": 0.5}
-        self.hosts, self.backends, self.views = [], [], []
+        self.hosts, self.backends = [], []
         for layout in ("page_first", "layer_first"):
             _, host = rig.host_pool(layout, pages=POOL_PAGES)
             self.hosts.append(host)
             self.backends.append(rig.backend(host, rig.extra_config(self.endpoint, **more)))
-            fmt = page_format(host, rig.MODEL)
-            self.views.append(host_view(fmt, layout, host.kv_buffer))
-        self.fmt = fmt
+        self.fmt = page_format(host, rig.MODEL)
         self.vllm = HiCacheClient(self.endpoint, name=f"vllm-style-{n}")
-        self.vllm.register_layout(fmt.engine_layout())
+        self.vllm.register_layout(self.fmt.engine_layout())
         self.vllm_ns = f"vllm-{n}"
         rng = np.random.default_rng(n)
         base = rng.integers(0, 30000, PAGES * rig.PAGE).tolist()
@@ -87,17 +85,17 @@ class Shared(RuleBasedStateMachine):
 
     def backup(self, inst, prompt, pages):
         keys = rig.chain_hashes(self.prompts[prompt][: pages * rig.PAGE])
-        host, view = self.hosts[inst], self.views[inst]
+        host = self.hosts[inst]
         src = host.alloc(pages * rig.PAGE)
         for i, key in enumerate(keys):
-            view[:, :, int(src[i * rig.PAGE]) // rig.PAGE] = kv_for(key, self.fmt)
+            rig.set_canonical(host, int(src[i * rig.PAGE]), kv_for(key, self.fmt))
         ok = self.backends[inst].batch_set_v1(keys, src)
         assert ok in ([True] * pages, [False] * pages)  # False: the pool is pinned full
         host.free(src)
 
     def prefetch(self, inst, prompt, start, get):
         keys = rig.chain_hashes(self.prompts[prompt])[start:]
-        be, host, view = self.backends[inst], self.hosts[inst], self.views[inst]
+        be, host = self.backends[inst], self.hosts[inst]
         hit = be.batch_exists(keys)
         assert 0 <= hit <= len(keys)
         self.seen["evicted"] += any(k in self.found for k in keys[hit:])
@@ -105,13 +103,16 @@ class Shared(RuleBasedStateMachine):
         if not get or not hit:
             return
         dst = host.alloc(hit * rig.PAGE)
-        view[:, :, dst.view(-1, rig.PAGE)[:, 0] // rig.PAGE] = float("nan")  # poisoned
+        poison = torch.full_like(kv_for("", self.fmt), float("nan"))
+        for i in range(hit):
+            rig.set_canonical(host, int(dst[i * rig.PAGE]), poison)
         got = be.batch_get_v1(keys[:hit], dst)
         done = got.index(False) if False in got else hit
         assert got == [True] * done + [False] * (hit - done)
         for i, key in enumerate(keys[:done]):
-            page = int(dst[i * rig.PAGE]) // rig.PAGE
-            assert torch.equal(view[:, :, page], kv_for(key, self.fmt))
+            assert torch.equal(
+                rig.canonical_page(host, int(dst[i * rig.PAGE])), kv_for(key, self.fmt)
+            )
         self.seen["read"] += done
         host.free(dst)
 
@@ -124,7 +125,7 @@ class Shared(RuleBasedStateMachine):
             slots = hc.alloc(len(tokens))
         except Exception:  # noqa: BLE001 (OUT_OF_MEMORY under pins: a refused store)
             return
-        pool = daemon_view(self.fmt, hc.attach().layers[0])
+        pool = daemon_view(self.fmt, "layer_first", hc.attach().layers)
         for i in range(pages):
             name = "v" + repr(tokens[: (i + 1) * rig.PAGE])
             pool[:, :, int(slots[i * rig.PAGE]) // rig.PAGE] = kv_for(name, self.fmt)
@@ -135,7 +136,7 @@ class Shared(RuleBasedStateMachine):
         tokens = self.prompts[prompt]
         m = self.vllm.match_prefix(tokens, namespace=self.vllm_ns)
         try:
-            pool = daemon_view(self.fmt, self.vllm.attach().layers[0])
+            pool = daemon_view(self.fmt, "layer_first", self.vllm.attach().layers)
             for i, page in enumerate(m.device_pages.tolist()):
                 name = "v" + repr(tokens[: (i + 1) * rig.PAGE])
                 assert torch.equal(pool[:, :, page], kv_for(name, self.fmt))

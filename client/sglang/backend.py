@@ -222,7 +222,7 @@ class HiCacheStore(HiCacheStorage):
             try:
                 count = _leading(matches, fmt.page_size)
                 src = np.array([int(m.device_pages[0]) for m in matches[:count]], np.int64)
-                pool = daemon_view(fmt, c.attach().layers[0])
+                pool = daemon_view(fmt, self._layout, c.attach().layers)
                 if dst_pages is not None:
                     copy_pages(pool, dst, src, dst_pages[:count])
                 else:
@@ -298,7 +298,7 @@ class HiCacheStore(HiCacheStorage):
             slots = c.alloc(len(lacking) * fmt.page_size)
             try:
                 pages = (slots[:: fmt.page_size] // fmt.page_size).numpy()
-                pool = daemon_view(fmt, c.attach().layers[0])
+                pool = daemon_view(fmt, self._layout, c.attach().layers)
                 if src_pages is not None:
                     copy_pages(src, pool, src_pages[lacking], pages)
                 else:

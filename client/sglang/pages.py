@@ -2,20 +2,25 @@
 
 SGLang keeps host KV in one of three layouts (``--hicache-mem-layout``); the daemon keeps every
 SGLang page in one format whatever the layout, so instances with different layouts share KV:
-per layer, the page's ``page_size`` tokens in order, each token's K then V (``kv`` parts of
-``width`` elements: MHA ``2 x heads*head_dim``, MLA ``1 x kv_lora_rank+rope``). Every copy
-is written against 5-D views ``[kv, layers, pages, page_size, width]`` (rows contiguous), the
-form hicache's C page copy takes:
+one contiguous run per page, in SGLang's page_first order: K then V (``kv`` parts: MHA 2, MLA
+1), each ``page_size`` tokens of every layer's ``width`` elements (``heads * head_dim``; MLA
+``kv_lora_rank + rope``). The daemon's pool then has one "layer" of ``kv * layers * width``
+elements per token. Every copy is written against 5-D views ``[kv, layers, pages,
+page_size, width]`` (rows contiguous), the form hicache's C page copy takes; for a page_first
+host both sides fold the layers into the row (``[kv, 1, pages, P, layers * width]``), so a
+page moves as one copy per part:
 
     SGLang MHA kv_buffer                        view
     layer_first        [2, L, tokens, H, D]     view(2, L, pages, P, HD)
-    page_first         [2, tokens, L, H, D]     view(2, pages, P, L, HD).permute(0, 3, 1, 2, 4)
+    page_first         [2, tokens, L, H, D]     view(2, pages, P, L * HD)[:, None]   (folded)
     page_first_direct  [2, pages, L, P, H, D]   view(2, pages, L, P, HD).permute(0, 2, 1, 3, 4)
     SGLang MLA kv_buffer (one part)
     layer_first        [L, tokens, 1, W]        view(1, L, pages, P, W)
-    page_first         [tokens, L, 1, W]        view(pages, P, L, W).permute(2, 0, 1, 3)[None]
+    page_first         [tokens, L, 1, W]        view(1, 1, pages, P, L * W)           (folded)
     page_first_direct  [pages, L, P, 1, W]      view(pages, L, P, W).permute(1, 0, 2, 3)[None]
-    daemon pool        [L, pages * P, kv * W]   view(L, pages, P, kv, W).permute(3, 0, 1, 2, 4)
+    daemon pool        [1, pages * P, 1, kv * L * W]
+                       folded:   view(pages, kv, 1, P, L * W).permute(1, 2, 0, 3, 4)
+                       per layer: view(pages, kv, P, L, W).permute(1, 3, 0, 2, 4)
 
 A flat page of SGLang's generic path (``get_data_page(i).flatten()``) is a pool of one page of
 the same layout. Keys: SGLang names a page by a 64-hex-digit sha256 chained over the prefix;
@@ -64,17 +69,18 @@ class PageFormat:
         return self.heads * self.head_dim
 
     def engine_layout(self) -> EngineLayout:
-        """The daemon's layout: one pool page per SGLang page of this rank, in FORMAT. Ranks
-        keep their pages apart by namespace (tensor parallel size and rank), so the layout is
-        one rank's page."""
+        """The daemon's layout: one pool page per SGLang page of this rank, in FORMAT, as one
+        run (a single pool "layer"; the model's layers are in ``block_shape``). Ranks keep
+        their pages apart by namespace (tensor parallel size and rank), so the layout is one
+        rank's page."""
         return EngineLayout(
             model=self.model,
-            num_layers=self.layers,
+            num_layers=1,
             num_kv_heads=self.heads,
             head_size=self.head_dim,
             dtype=self.dtype,
             block_size=self.page_size,
-            block_shape=(self.page_size, self.kv, self.heads, self.head_dim),
+            block_shape=(self.kv, self.page_size, self.layers, self.heads, self.head_dim),
             tp_size=1,
             shard="rank",
             backend=f"{FORMAT}-{'mla' if self.mla else 'mha'}",
@@ -108,30 +114,38 @@ def page_format(pool: object, model: str) -> PageFormat:
     return PageFormat(model, mla, int(pool.layer_num), page, heads, dim, dtype)
 
 
+def folded(layout: str) -> bool:
+    """Whether views for this host layout fold the layers into the row (page_first: a page
+    is then one run per part on both sides)."""
+    return layout == "page_first"
+
+
 def host_view(fmt: PageFormat, layout: str, buffer: torch.Tensor) -> torch.Tensor:
-    """SGLang's ``kv_buffer`` (or one flat page of it) as ``[kv, L, pages, P, width]``."""
+    """SGLang's ``kv_buffer`` (or one flat page of it) as ``[kv, L, pages, P, width]``
+    (``[kv, 1, pages, P, L * width]`` when ``folded(layout)``)."""
     kv, layers, page, width = fmt.kv, fmt.layers, fmt.page_size, fmt.width
     pages = buffer.numel() // (kv * layers * page * width)
     flat = buffer.reshape(-1)
+    if folded(layout):
+        return flat.view(kv, pages, page, layers * width)[:, None]
     if fmt.mla:
         if layout == "layer_first":
             return flat.view(1, layers, pages, page, width)
-        if layout == "page_first":
-            return flat.view(pages, page, layers, width).permute(2, 0, 1, 3)[None]
         return flat.view(pages, layers, page, width).permute(1, 0, 2, 3)[None]
     if layout == "layer_first":
         return flat.view(2, layers, pages, page, width)
-    if layout == "page_first":
-        return flat.view(2, pages, page, layers, width).permute(0, 3, 1, 2, 4)
     return flat.view(2, pages, layers, page, width).permute(0, 2, 1, 3, 4)
 
 
-def daemon_view(fmt: PageFormat, layer_rows: torch.Tensor) -> torch.Tensor:
-    """The daemon's pool (``[L, rows, 1, kv * width]``, as ``attach()`` maps it) as
-    ``[kv, L, pages, P, width]``."""
-    layers, page, kv, width = fmt.layers, fmt.page_size, fmt.kv, fmt.width
-    pages = layer_rows.shape[1] // page
-    return layer_rows.reshape(layers, pages, page, kv, width).permute(3, 0, 1, 2, 4)
+def daemon_view(fmt: PageFormat, layout: str, rows: torch.Tensor) -> torch.Tensor:
+    """The daemon's pool (``rows``: the one layer ``attach()`` maps, ``[1, rows, 1, kv * L *
+    width]``) in the form ``host_view`` gives for ``layout``."""
+    kv, layers, page, width = fmt.kv, fmt.layers, fmt.page_size, fmt.width
+    pages = rows.numel() // (kv * layers * page * width)
+    flat = rows.reshape(-1)
+    if folded(layout):
+        return flat.view(pages, kv, 1, page, layers * width).permute(1, 2, 0, 3, 4)
+    return flat.view(pages, kv, page, layers, width).permute(1, 3, 0, 2, 4)
 
 
 def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: np.ndarray, dst_pages: np.ndarray):
@@ -195,6 +209,7 @@ __all__ = [
     "PageFormat",
     "copy_pages",
     "daemon_view",
+    "folded",
     "host_pages",
     "host_view",
     "key_words",
