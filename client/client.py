@@ -245,8 +245,8 @@ class HiCacheClient:
         it, on the host. ``lock=True`` (the default): the device prefix stays valid for this
         session until ``release(match)``; without a lock its slots may be reused at any time.
         A match that found nothing on either tier holds no lock (``lock_id`` 0: releasing it
-        is a no-op). With a third tier, ``l3_wait=True`` lets the reply wait (up to the daemon's prefetch
-        bound) for pages coming from it; ``l3_wait=False`` never waits, and
+        is a no-op). With a third tier, ``l3_wait=True`` lets the reply wait (up to the
+        daemon's prefetch bound) for pages coming from it; ``l3_wait=False`` never waits, and
         ``match.l3_pending`` says more is coming (a later match finds it).
 
         A full hit covers every whole page of the prompt: an engine that must compute at least

@@ -62,8 +62,8 @@ class SessionLimits:
         locks = self.max_total_locks * LOCK_BYTES
         return (
             f"limits: {max_sessions} sessions; {self.max_locks} locks each, {self.max_total_locks}"
-            f" in all (~{locks / 2**20:.0f} MiB); {self.max_owned_pages} {self.pool} pages owned or "
-            f"pinned each; {SNDHWM} replies queued per connection; frames of at most "
+            f" in all (~{locks / 2**20:.0f} MiB); {self.max_owned_pages} {self.pool} pages owned"
+            f" or pinned each; {SNDHWM} replies queued per connection; frames of at most "
             f"{MAX_FRAME_BYTES / 2**20:.0f} MiB"
         )
 

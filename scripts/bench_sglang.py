@@ -97,7 +97,7 @@ def throughput(args, endpoint: str, shm: str) -> dict:
             nbytes = n * page_bytes
             best: dict[str, float] = {}
 
-            def note(name: str, seconds: float) -> None:
+            def note(name: str, seconds: float, best: dict = best) -> None:
                 best[name] = min(best.get(name, float("inf")), seconds)
 
             for r in range(args.rounds):
@@ -221,7 +221,7 @@ def doc_qa(args, endpoint: str) -> dict:
     page = 64
     requests = traces.doc_qa(seed=args.seed)
     prompts = [np.array(r["prompt"], dtype=np.int64) for r in requests]
-    finished = [np.concatenate([p, np.array(r["answer"])]) for p, r in zip(prompts, requests)]
+    finished = [np.concatenate([p, np.array(r["answer"])]) for p, r in zip(prompts, requests, strict=True)]
     distinct = {k for f in finished for k in chain(f, page)}
     quarter = max(1, len(distinct) // 4)
 
@@ -232,7 +232,7 @@ def doc_qa(args, endpoint: str) -> dict:
     results = {}
     for mode in ("alone", "hicache"):
         instances = []
-        for i in range(2):
+        for _ in range(2):
             if mode == "alone":
                 instances.append(Instance(quarter))
                 continue
