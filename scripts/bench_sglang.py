@@ -221,7 +221,9 @@ def doc_qa(args, endpoint: str) -> dict:
     page = 64
     requests = traces.doc_qa(seed=args.seed)
     prompts = [np.array(r["prompt"], dtype=np.int64) for r in requests]
-    finished = [np.concatenate([p, np.array(r["answer"])]) for p, r in zip(prompts, requests, strict=True)]
+    finished = [
+        np.concatenate([p, np.array(r["answer"])]) for p, r in zip(prompts, requests, strict=True)
+    ]
     distinct = {k for f in finished for k in chain(f, page)}
     quarter = max(1, len(distinct) // 4)
 
