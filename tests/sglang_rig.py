@@ -81,13 +81,14 @@ def host_pool(layout: str, mla: bool = False, pages: int = 64, dtype=torch.float
     return dev, cls(info, 1.0, 0, PAGE, layout, pin_memory=False, device="cpu", **kw)
 
 
-def storage_config(extra: dict, mla: bool = False, tp_rank: int = 0, tp_size: int = 1):
+def storage_config(extra: dict, mla: bool = False, tp_rank: int = 0, tp_size: int = 1, **ranks):
+    """SGLang's HiCacheStorageConfig for one rank (``ranks``: pp_rank, pp_size, ...)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
+    fields = {"pp_rank": 0, "pp_size": 1, "attn_cp_rank": 0, "attn_cp_size": 1, **ranks}
     return HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
-        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
-        is_page_first_layout=True, model_name=MODEL, extra_config=dict(extra),
+        tp_rank=tp_rank, tp_size=tp_size, is_mla_model=mla, enable_storage_metrics=False,
+        is_page_first_layout=True, model_name=MODEL, extra_config=dict(extra), **fields,
     )  # fmt: skip
 
 
@@ -103,12 +104,12 @@ def extra_config(endpoint: str, v1: bool = True, **more) -> dict:
     }
 
 
-def backend(host, extra: dict, mla: bool = False, tp_rank: int = 0, tp_size: int = 1):
+def backend(host, extra: dict, mla: bool = False, tp_rank: int = 0, tp_size: int = 1, **ranks):
     """A backend as SGLang builds it (the factory's dynamic path), its host pool registered."""
     stub_torchvision()
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-    cfg = storage_config(extra, mla, tp_rank, tp_size)
+    cfg = storage_config(extra, mla, tp_rank, tp_size, **ranks)
     be = StorageBackendFactory.create_backend("dynamic", cfg, host)
     be.register_mem_pool_host(host)
     return be

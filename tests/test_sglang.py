@@ -178,6 +178,11 @@ def test_a_second_writer_stores_only_what_the_daemon_lacks_and_tp_ranks_stay_apa
         assert rank0.batch_set_v1(keys[:4], src[: 4 * rig.PAGE]) == [True] * 4
         assert rank0.batch_exists(keys) == 4
         assert rank1.batch_exists(keys) == 0  # rank 1's shard is another page: not found
+        stage1 = rig.backend(host, rig.extra_config(ep), tp_size=2, pp_rank=1, pp_size=2)
+        try:  # another pipeline stage (another part of the layers) finds nothing either
+            assert stage1.batch_exists(keys) == 0
+        finally:
+            stage1.close()
         assert cached_tokens(ep) == 4 * rig.PAGE
         assert rank0.batch_set_v1(keys, src) == [True] * 6
         assert cached_tokens(ep) == 6 * rig.PAGE  # the 4 it had were not stored again

@@ -116,8 +116,15 @@ class HiCacheStore(HiCacheStorage):
         self._host = host_view(fmt, self._layout, mem_pool_host.kv_buffer)
         self.link.layout = fmt.engine_layout()
         self.link.expect = dict(self.link.expect, **fmt.engine_layout().as_dict())
-        # MLA: every rank holds the same KV (rank 0 writes it); MHA: each rank its shard
+        # MLA: every tensor-parallel rank holds the same KV (one writes it); MHA: each rank
+        # its heads. Pipeline stages and context-parallel ranks always hold their own part;
+        # data-parallel replicas hold the same KV and share it.
+        cfg = self.config
         shard = "mla" if self.mla else f"tp{self.tp_rank}/{self.tp_size}"
+        for name in ("pp", "attn_cp", "dcp"):
+            rank, size = getattr(cfg, f"{name}_rank", 0), getattr(cfg, f"{name}_size", 1)
+            if size and size > 1:
+                shard += f"|{name}{rank}/{size}"
         digest = hashlib.blake2b(
             f"{self.model}\0{shard}\0{self.settings.namespace}".encode(), digest_size=16
         )
