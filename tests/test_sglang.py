@@ -392,3 +392,50 @@ def test_a_daemon_killed_during_a_get_or_a_set_fails_that_call_only(tmp_path, mo
     finally:
         be.close()
         stop_daemon(proc)
+
+
+# ---- the third tier ---------------------------------------------------------------------------
+@pytest.mark.parametrize("store", ["redis", "mooncake"])
+def test_pages_stored_on_one_machine_come_back_on_another_through_the_third_tier(tmp_path, store):
+    """Two daemons ("machines") over one store: an SGLang instance on the second finds and
+    reads, byte-identical, the pages an instance on the first stored."""
+    from tests.l3_servers import mooncake_master, redis_cluster
+
+    servers = redis_cluster(tmp_path / "redis") if store == "redis" else mooncake_master()
+    with servers as server:
+        flags = ["--l3", server.url, "--l3-model", "rig@test", "--l3-segment-bytes", "32MiB"]
+        eps = [f"ipc://{tmp_path}/{name}.sock" for name in ("a", "b")]
+        procs = [daemon(ep, *flags) for ep in eps]
+        _, host_a = rig.host_pool("page_first")
+        _, host_b = rig.host_pool("page_first_direct")
+        a = rig.backend(host_a, rig.extra_config(eps[0]))
+        b = rig.backend(host_b, rig.extra_config(eps[1], **{"hicache.timeout_s": 30}))
+        try:
+            rig.fill(host_a, seed=21)
+            keys = rig.chain_hashes(tokens(6, seed=21))
+            src = host_a.alloc(6 * rig.PAGE)
+            assert a.batch_set_v1(keys, src) == [True] * 6
+            with HiCacheClient(eps[0], name="probe") as hc:
+                wait_until(
+                    lambda: (
+                        hc.stats()["l3"]["written_pages"] == 6
+                        and not hc.stats()["l3"]["queued_pages"]
+                    ),
+                    what="pages written to the store",
+                )
+            assert b.batch_exists(keys) == 6  # (the daemon waited for the store)
+            dst = host_b.alloc(6 * rig.PAGE)
+            assert b.batch_get_v1(keys, dst) == [True] * 6
+            for i in range(0, 6 * rig.PAGE, rig.PAGE):
+                assert torch.equal(
+                    rig.canonical_page(host_b, int(dst[i])),
+                    rig.canonical_page(host_a, int(src[i])),
+                )
+            with HiCacheClient(eps[1], name="probe") as hc:
+                stats = hc.stats(check=True)
+            assert stats["integrity"] == "ok" and stats["l3"]["adopted_pages"] == 6
+        finally:
+            a.close()
+            b.close()
+            for proc in procs:
+                stop_daemon(proc)
