@@ -136,6 +136,14 @@ def test_a_page_size_of_one_token_or_another_layout_is_refused_clearly():
     host.page_size, host.layout = rig.PAGE, "page_head"
     with pytest.raises(ValueError, match="'page_head' is not one of"):
         page_format(host, "m")
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    host.layout = "page_first"
+    be = rig.backend(host, rig.extra_config("ipc:///nonexistent/h.sock"))
+    be.register_mem_host_pool_v2(host, PoolName.KV)  # the KV pool itself: fine
+    with pytest.raises(ValueError, match="mamba pool .* not supported"):
+        be.register_mem_host_pool_v2(host, PoolName.MAMBA)
+    be.close()
 
 
 # ---- through a daemon, with SGLang's controller ------------------------------------------------

@@ -139,6 +139,16 @@ class HiCacheStore(HiCacheStorage):
             self.settings.endpoint,
         )
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Sidecar pools (SWA, Mamba, DSA indexer, draft) of hybrid models: not supported.
+        Raises at attach (SGLang's start), so a server never runs with half its state stored."""
+        if str(host_pool_name) in ("kv", "PoolName.KV"):
+            return
+        raise ValueError(
+            f"hicache: SGLang's {host_pool_name} pool (a hybrid model's sidecar) is not "
+            "supported by the hicache storage backend; only MHA and MLA KV pools are"
+        )
+
     # ---- lookups ------------------------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading pages of ``keys`` the daemon holds; they stay pinned for the get
