@@ -208,6 +208,47 @@ MUTATIONS = [
         "        pass",
         ("tests/test_daemon.py", "-k", "escaped"),
     ),
+    Mutation(
+        "sglang-pins-kept-after-the-get",
+        "client/sglang/backend.py",
+        "                c.release(*(m for m in matches if m is not None and m.lock_id))",
+        "                pass",
+        ("tests/test_sglang.py::test_exists_pins_pages_until_the_get_and_releases_the_rest",),
+    ),
+    Mutation(
+        "sglang-every-mla-rank-writes",
+        "client/sglang/backend.py",
+        "        if not self.writer:  # an MLA rank other than the writer: rank 0 stores the page",
+        "        if False:",
+        ("tests/test_sglang.py::test_mla_ranks_share_one_page_and_only_the_writer_stores",),
+    ),
+    Mutation(
+        "sglang-ranks-share-one-namespace",
+        "client/sglang/backend.py",
+        'shard = "mla" if self.mla else f"tp{self.tp_rank}/{self.tp_size}"',
+        'shard = "mla" if self.mla else "tp"',
+        (
+            "tests/test_sglang.py::"
+            "test_a_second_writer_stores_only_what_the_daemon_lacks_and_tp_ranks_stay_apart",
+        ),
+    ),
+    Mutation(
+        "sglang-set-stores-what-the-daemon-has",
+        "client/sglang/backend.py",
+        "lacking = [i for i, m in enumerate(have) if m.device_hit_length < fmt.page_size]",
+        "lacking = list(range(len(have)))",
+        (
+            "tests/test_sglang.py::"
+            "test_a_second_writer_stores_only_what_the_daemon_lacks_and_tp_ranks_stay_apart",
+        ),
+    ),
+    Mutation(
+        "empty-match-locks",
+        "daemon/cache_ops.py",
+        "if lock and found else 0",
+        "if lock else 0",
+        ("tests/test_sglang.py::test_a_lookup_that_finds_nothing_holds_nothing",),
+    ),
 ]
 
 

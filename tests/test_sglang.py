@@ -241,6 +241,21 @@ def test_exists_pins_pages_until_the_get_and_releases_the_rest(ep):
         be.close()
 
 
+def test_a_lookup_that_finds_nothing_holds_nothing(ep):
+    _, host = rig.host_pool("page_first")
+    be = rig.backend(host, rig.extra_config(ep))
+    try:
+        assert be.batch_exists(rig.chain_hashes(tokens(8, seed=15))) == 0
+        with HiCacheClient(ep, name="probe") as hc:
+            (me,) = [s for s in hc.stats()["session_list"] if s["client"].startswith("sglang")]
+            assert me["locks"] == 0 and be.pinned() == 0
+            m = hc.match_prefix(tokens(2, seed=16))
+            assert m.lock_id == 0 and hc.holdings().lock_ids == []
+            hc.release(m)  # (a no-op)
+    finally:
+        be.close()
+
+
 def test_pins_no_get_took_are_released_after_pin_s(ep):
     _, host = rig.host_pool("page_first")
     be = rig.backend(host, rig.extra_config(ep, **{"hicache.pin_s": 0.2}))
