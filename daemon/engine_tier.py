@@ -44,6 +44,7 @@ class EngineTier:
         self.make_cache = make_cache  # creates the pools and the cache (and their description)
         self.layout: EngineLayout | None = None  # what the first engine registered
         self.registrations = 0  # REGISTER requests accepted (every engine rank sends one)
+        self._refused = ""  # the last refusal logged
 
     def register(self, raw: Any) -> tuple[EngineLayout, Made | None]:
         """Check an engine's layout. Returns the served layout and, when this registration made
@@ -55,6 +56,9 @@ class EngineTier:
         if self.layout is not None:
             message = self.layout.mismatch(layout)
             if message:
+                if message != self._refused:  # (an engine asks again every few seconds)
+                    log.warning("an engine's registration refused: %s", message)
+                    self._refused = message
                 raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, message)
             self.registrations += 1
             return self.layout, None

@@ -89,7 +89,10 @@ fi
 if ! "$py" -c "import sglang" 2>/dev/null; then
   step "installing SGLang's cache classes"
   pip install "${locked[@]}" --no-deps 'sglang==0.5.23' 2>&1 | quiet
-  pip install "${locked[@]}" orjson ipython gguf 2>&1 | quiet
+  # pip then reports SGLang's GPU dependencies as conflicts: expected (they are left out)
+  pip install "${locked[@]}" orjson ipython gguf 2>&1 | quiet \
+    | grep -vE "^ERROR: pip's dependency resolver|^sglang 0\.5\.23 requires" || true
+  echo "setup: SGLang 0.5.23 installed without its GPU dependencies (its cache classes only)" >&2
 fi
 if [ -n "${HICACHE_FREEZE:-}" ]; then
   "$py" -m pip freeze --all --exclude-editable --disable-pip-version-check 2>/dev/null \

@@ -121,6 +121,9 @@ def test_settings_refuse_unknown_keys_and_bad_values_and_leave_sglangs_keys_alon
         ("hicache.timeout_s", "soon", "is not a float"),
         ("hicache.endpoint", "http://x", "is not ipc://PATH"),
         ("hicache.endpoint", "tcp://10.1.2.3:5555", "another host"),
+        ("pin_s", 3, "'pin_s' is not read .did you mean 'hicache.pin_s'"),
+        ("hicahce.pin_s", 3, "'hicahce.pin_s' is not read .did you mean 'hicache.pin_s'"),
+        ("endpoint", "ipc:///x", "did you mean 'hicache.endpoint'"),
     ]:
         with pytest.raises(ValueError, match=what):
             StoreSettings.from_extra({**base, key: value})

@@ -344,18 +344,21 @@ class HiCacheStore(HiCacheStorage):
         """SGLang's ``clear_storage_backend``: drops this instance's pins. The daemon's pages
         are shared with every other instance and stay (an operator flushes them with
         ``hicache flush``)."""
+        self._drop_pins()
+        log.info("hicache: storage clear drops this instance's pins; shared pages stay")
+
+    def close(self) -> None:
+        """SGLang detaches the backend or stops: pins go, the session ends."""
+        self._drop_pins()
+        self.link.stopped = True
+        self.link.close()
+
+    def _drop_pins(self) -> None:
         with self._lock:
             pins = [p for mine in self._pins.values() for p in mine] + self._unpinned
             self._pins.clear()
             self._unpinned = []
         self._release(pins)
-        log.info("hicache: storage clear drops this instance's pins; shared pages stay")
-
-    def close(self) -> None:
-        """SGLang detaches the backend or stops: pins go, the session ends."""
-        self.clear()
-        self.link.stopped = True
-        self.link.close()
 
     def get_stats(self) -> Any:
         """SGLang's StorageMetrics since the last call: pages per get and set, and their

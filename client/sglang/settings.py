@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import difflib
+from dataclasses import dataclass, fields
 from typing import Any
 
 from hicache.client.engine_settings import MAX_WAIT_S, read_settings
@@ -22,7 +23,21 @@ class StoreSettings:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> StoreSettings:
-        """ValueError naming the key for an unknown ``hicache.*`` key or a bad value."""
+        """ValueError naming the key for an unknown ``hicache.*`` key, a bad value, or a key
+        that is one of ours without its prefix or with a misspelt one (``pin_s``,
+        ``hicahce.pin_s``: SGLang would pass it by, and the setting would be lost)."""
+        names = {f.name for f in fields(cls)}
+        for key in extra or {}:
+            head, dot, name = str(key).partition(".")
+            close = (
+                dot
+                and head != "hicache"
+                and difflib.SequenceMatcher(None, head, "hicache").ratio() > 0.7
+            )
+            if key in names or close:
+                raise ValueError(
+                    f"{WHERE}: {key!r} is not read (did you mean 'hicache.{name or key}'?)"
+                )
         out = read_settings(cls, extra, WHERE)
         if not 0 < out.pin_s <= MAX_WAIT_S:
             raise ValueError(
