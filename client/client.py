@@ -468,7 +468,11 @@ class HiCacheClient:
 
     def lock(self, match: Match) -> Match:
         """A second lock on the same prefix (another thread's or request's own), released on
-        its own with ``release``."""
+        its own with ``release``. A match that found nothing holds no lock and needs none:
+        it is returned as it is."""
+        if not (match.lock_id or match.device_hit_length or match.host_hit_length):
+            match.check_live()
+            return match
         match.check_locked()
         lock_id = self._call(Op.LOCK, {"lock_id": match.lock_id})[0].fields["lock_id"]
         return match.relocked(lock_id)

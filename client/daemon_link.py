@@ -174,13 +174,20 @@ class DaemonLink:
         """``fn(client)``; raises Unavailable (the link goes down or renews its session, or
         is no longer at ``generation``: slots and locks of another session must never be
         sent) or DaemonError for a refused operation. Any thread."""
+        return self.call_at(fn, generation)[0]
+
+    def call_at(
+        self, fn: Callable[[HiCacheClient], T], generation: int | None = None
+    ) -> tuple[T, int]:
+        """``call``, and the generation of the session it ran in: what its result (locks,
+        pages) belongs to, even when another thread renews the session meanwhile."""
         with self._lock:
             client, current = self.ready(), self.generation
         if client is None or (generation is not None and generation != current):
             raise Unavailable
         wall, cpu = time.perf_counter(), time.thread_time()
         try:
-            return fn(client)
+            return fn(client), current
         except (EpochChanged, LeaseLost) as exc:
             with self._lock:
                 if current == self.generation:
@@ -205,7 +212,7 @@ class DaemonLink:
         self.failures += 1
         self.down_until = time.monotonic() + self.retry_s
         if message != self._said:
-            self.log.warning("%s (next try in %.0f s)", message, self.retry_s)
+            self.log.warning("%s (next try in %.3g s)", message, self.retry_s)
             self._said = message
         self._drop()
 

@@ -249,6 +249,33 @@ MUTATIONS = [
         "if lock else 0",
         ("tests/test_sglang.py::test_a_lookup_that_finds_nothing_holds_nothing",),
     ),
+    Mutation(
+        "sglang-pins-take-the-generation-after-the-call",
+        "client/sglang/backend.py",
+        "matches, generation = self.link.call_at(lambda c: self._match(c, words, lock=True))",
+        "matches, generation = (\n"
+        "                self.link.call(lambda c: self._match(c, words, lock=True)),\n"
+        "                self.link.generation,\n"
+        "            )",
+        ("tests/test_sglang.py::test_pins_of_a_session_another_thread_renewed_are_never_used",),
+    ),
+    Mutation(
+        "sglang-a-refused-match-fails-the-whole-get",
+        "client/sglang/backend.py",
+        "                        found = [None] * len(missing)",
+        "                        raise",
+        (
+            "tests/test_sglang.py::"
+            "test_a_get_refused_room_for_unpinned_keys_serves_the_pinned_run_and_releases_it",
+        ),
+    ),
+    Mutation(
+        "sglang-host-indices-checked-by-their-first-only",
+        "client/sglang/pages.py",
+        "rows, firsts[:, None] + torch.arange(page_size)",
+        "rows, rows",
+        ("tests/test_sglang.py::test_hostile_input_is_a_miss_or_false_and_changes_nothing",),
+    ),
 ]
 
 

@@ -254,6 +254,7 @@ def test_a_lookup_that_finds_nothing_holds_nothing(ep):
             assert me["locks"] == 0 and be.pinned() == 0
             m = hc.match_prefix(tokens(2, seed=16))
             assert m.lock_id == 0 and hc.holdings().lock_ids == []
+            assert hc.lock(m) is m  # nothing to lock: the same (empty) match
             hc.release(m)  # (a no-op)
     finally:
         be.close()
@@ -298,6 +299,18 @@ def test_hostile_input_is_a_miss_or_false_and_changes_nothing(ep, caplog):
             ("flat size", lambda: be.batch_set(other, [torch.zeros(3), torch.zeros(3)]), False),
             ("flat size", lambda: be.batch_get(keys, [torch.zeros(3)] * 2), [None, None]),
             ("flat count", lambda: be.batch_get(keys, [torch.zeros(3)]), [None, None]),
+            ("no indices", lambda: be.batch_set_v1(other, None), [False, False]),
+            ("not a tensor", lambda: be.batch_get_v1(keys, {"a": 1}), [False, False]),
+            ("objects", lambda: be.batch_set_v1(other, [object()] * 8), [False, False]),
+            ("floats", lambda: be.batch_set_v1(other, src.double() + 0.5), [False, False]),
+            (
+                "scattered",
+                lambda: be.batch_set_v1(other, src[[0, 5, 2, 3, 4, 1, 6, 7]]),
+                [False] * 2,
+            ),
+            ("no keys", lambda: be.batch_set_v1(None, src), [False]),
+            ("no keys", lambda: be.batch_get_v1(None, src), [False]),
+            ("no keys", lambda: be.batch_exists(None), 0),
         ]
         for what, call, expected in cases:
             assert call() == expected, what
@@ -465,3 +478,84 @@ def test_pages_stored_on_one_machine_come_back_on_another_through_the_third_tier
             b.close()
             for proc in procs:
                 stop_daemon(proc)
+
+
+# ---- races and limits a hostile review found -----------------------------------------------------
+def test_pins_of_a_session_another_thread_renewed_are_never_used(tmp_path):
+    """A renewal (a restarted daemon) between another thread's exists and its get: the old
+    session's pins are void; the get never reads the new pool at the old pages, never releases
+    the new session's locks by the old ids."""
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    state = {"proc": daemon(endpoint)}
+    _, host = rig.host_pool("page_first", pages=32)
+    extra = {"hicache.retry_s": 0, "hicache.timeout_s": 1, "hicache.pin_s": 600}
+    be = rig.backend(host, rig.extra_config(endpoint, **extra))
+    try:
+        rig.fill(host, seed=31)
+        mine, theirs = rig.chain_hashes(tokens(3, 31)), rig.chain_hashes(tokens(3, 32))
+        src_mine, src_theirs = host.alloc(12), host.alloc(12)
+        assert be.batch_set_v1(mine, src_mine) == [True] * 3
+        real, armed = be.link.call_at, [True]
+
+        def call_at(fn, generation=None):
+            out = real(fn, generation)
+            if armed.pop() if armed else False:  # --- another thread runs here ---
+                os.kill(state["proc"].pid, signal.SIGKILL)
+                state["proc"].wait()
+                state["proc"] = daemon(endpoint)
+                wait_until(lambda: be.batch_set_v1(theirs, src_theirs) == [True] * 3)
+                assert be.batch_exists(theirs) == 3  # the new session's pins, ids from 1
+            return out
+
+        be.link.call_at = call_at
+        assert be.batch_exists(mine) == 3  # (found in the old daemon)
+        del be.link.call_at
+        assert be.batch_get_v1(mine, host.alloc(12)) == [False] * 3  # not in the new one
+        dst = host.alloc(12)
+        assert be.batch_get_v1(theirs, dst) == [True] * 3  # their pins were not released
+        for i in range(0, 12, rig.PAGE):
+            a, b = (
+                rig.canonical_page(host, int(dst[i])),
+                rig.canonical_page(host, int(src_theirs[i])),
+            )
+            assert torch.equal(a, b)
+        assert be.pinned() == 0
+    finally:
+        be.close()
+        stop_daemon(state["proc"])
+
+
+def test_a_get_refused_room_for_unpinned_keys_serves_the_pinned_run_and_releases_it(tmp_path):
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(endpoint, "--device-tier", "engine", "--host-tokens", str(8 * rig.PAGE))
+    _, host = rig.host_pool("page_first")
+    extra = rig.extra_config(endpoint, **{"hicache.pin_s": 600})
+    one, two = rig.backend(host, extra), rig.backend(host, extra)
+    try:
+        keys = rig.chain_hashes(tokens(7, seed=33))
+        assert one.batch_set_v1(keys[:6], host.alloc(6 * rig.PAGE)) == [True] * 6
+        assert two.batch_set_v1(keys[6:], host.alloc(rig.PAGE)) == [True]
+        assert one.batch_exists(keys[:6]) == 6  # the session's whole share pinned
+        # the 7th key was never pinned: pinning it now is past the share (refused)
+        assert one.batch_get_v1(keys, host.alloc(7 * rig.PAGE)) == [True] * 6 + [False]
+        with HiCacheClient(endpoint, name="probe") as hc:
+            held = [s["locks"] for s in hc.stats()["session_list"] if s["client"] != "probe"]
+        assert held == [0, 0] and one.pinned() == 0
+    finally:
+        one.close()
+        two.close()
+        stop_daemon(proc)
+
+
+def test_key_lists_past_a_batch_are_split_not_dropped(ep):
+    _, host = rig.host_pool("page_first")
+    be = rig.backend(host, rig.extra_config(ep))
+    try:
+        keys = rig.chain_hashes(tokens(5, seed=34))
+        assert be.batch_set_v1(keys, host.alloc(5 * rig.PAGE)) == [True] * 5
+        many = keys + [os.urandom(32).hex() for _ in range(30000)]
+        assert be.batch_exists(many) == 5  # 30 batches of at most 1024 keys
+        assert be.batch_get_v1(keys, host.alloc(5 * rig.PAGE)) == [True] * 5
+        assert be.link.failures == 0 and be.pinned() == 0
+    finally:
+        be.close()

@@ -54,6 +54,7 @@ from hicache.client.sglang.pages import (
     page_format,
 )
 from hicache.client.sglang.settings import StoreSettings
+from hicache.protocol import MAX_BATCH
 
 log = logging.getLogger("hicache.sglang")
 MAX_SAMPLES = 4096  # per-call figures kept between two get_stats() calls
@@ -157,12 +158,11 @@ class HiCacheStore(HiCacheStorage):
         words = self._words(keys)
         if words is None or not len(keys):
             return 0
-        try:
-            matches = self.link.call(lambda c: self._match(c, words, lock=True))
+        try:  # (the generation the pins belong to: another thread may renew the session)
+            matches, generation = self.link.call_at(lambda c: self._match(c, words, lock=True))
         except (Unavailable, DaemonError) as exc:
             self._say_once("exists", exc)
             return 0
-        generation = self.link.generation
         hit = _leading(matches, self.format.page_size)
         now = time.monotonic()
         with self._lock:
@@ -181,12 +181,12 @@ class HiCacheStore(HiCacheStorage):
     ) -> list[bool]:
         """Copy the daemon's pages of ``keys`` into SGLang's host pool at ``host_indices``;
         True for the leading run copied (SGLang stops at the first False)."""
-        n = len(keys)
+        n = _count(keys)
         if self.format is None or not n:
             return [False] * n
         try:
             dst = host_pages(host_indices, n, self.format.page_size, self._host.shape[2])
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RuntimeError) as exc:
             self._say_once("get", exc)
             return [False] * n
         done = self._get(keys, self._host, dst)
@@ -197,7 +197,7 @@ class HiCacheStore(HiCacheStorage):
     ) -> list[torch.Tensor | None]:
         """The generic path: each page into its flat tensor (SGLang's host layout order);
         None from the first page that could not be read."""
-        n = len(keys)
+        n = _count(keys)
         if self.format is None or target_locations is None or len(target_locations) != n:
             return [None] * n
         try:
@@ -233,10 +233,15 @@ class HiCacheStore(HiCacheStorage):
         def read(c: HiCacheClient) -> int:
             matches = [p.match if p else None for p in pins]
             missing = [i for i, m in enumerate(matches) if m is None]
-            if missing:
-                for i, m in zip(missing, self._match(c, words[missing], lock=True), strict=True):
-                    matches[i] = m
             try:
+                if missing:
+                    try:  # (refused, e.g. the session's share: the pinned run still serves)
+                        found = self._match(c, words[missing], lock=True)
+                    except DaemonError as exc:
+                        self._say_once("get", exc)
+                        found = [None] * len(missing)
+                    for i, m in zip(missing, found, strict=True):
+                        matches[i] = m
                 count = _leading(matches, fmt.page_size)
                 src = np.array([int(m.device_pages[0]) for m in matches[:count]], np.int64)
                 pool = daemon_view(fmt, self._layout, c.attach().layers)
@@ -264,14 +269,14 @@ class HiCacheStore(HiCacheStorage):
     ) -> list[bool]:
         """Store the pages of ``keys`` from SGLang's host pool at ``host_indices``: those the
         daemon lacks are copied and inserted in the keys' order. All True or all False."""
-        n = len(keys)
+        n = _count(keys)
         if not self.writer:  # an MLA rank other than the writer: rank 0 stores the page
             return [True] * n
         if self.format is None or not n:
             return [False] * n
         try:
             src = host_pages(host_indices, n, self.format.page_size, self._host.shape[2])
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, RuntimeError) as exc:
             self._say_once("set", exc)
             return [False] * n
         return [self._set(keys, self._host, src)] * n
@@ -286,7 +291,13 @@ class HiCacheStore(HiCacheStorage):
         """The generic path: each page from its flat tensor (SGLang's host layout order)."""
         if not self.writer:
             return True
-        if self.format is None or values is None or len(values) != len(keys) or not keys:
+        n = _count(keys)
+        if (
+            self.format is None
+            or not n
+            or not isinstance(values, (list, tuple))
+            or len(values) != n
+        ):
             return False
         try:
             views = [self._flat_view(v) for v in values]
@@ -325,7 +336,9 @@ class HiCacheStore(HiCacheStorage):
                     (words[i], slots[j * fmt.page_size : (j + 1) * fmt.page_size])
                     for j, i in enumerate(lacking)
                 ]
-                c.insert_batch(pairs, [ns] * len(pairs))
+                for at in range(0, len(pairs), MAX_BATCH):  # (in the keys' order)
+                    part = pairs[at : at + MAX_BATCH]
+                    c.insert_batch(part, [ns] * len(part))
             except BaseException:
                 _free_quietly(c, slots)
                 raise
@@ -382,10 +395,15 @@ class HiCacheStore(HiCacheStorage):
 
     # ---- helpers ------------------------------------------------------------------------------
     def _match(self, c: HiCacheClient, words: np.ndarray, lock: bool) -> list[Match]:
-        return c.match_batch(list(words), [self.namespace] * len(words), lock=lock)
+        """One batched MATCH of one-page keys per MAX_BATCH of them (SGLang sends 128)."""
+        out: list[Match] = []
+        for at in range(0, len(words), MAX_BATCH):
+            part = list(words[at : at + MAX_BATCH])
+            out += c.match_batch(part, [self.namespace] * len(part), lock=lock)
+        return out
 
     def _words(self, keys: list[str]) -> np.ndarray | None:
-        if self.format is None:
+        if self.format is None or not isinstance(keys, (list, tuple)):
             return None
         try:
             return key_words(keys, self.format.page_size)
@@ -415,11 +433,13 @@ class HiCacheStore(HiCacheStorage):
         self._release(stale)
 
     def _release(self, pins: list[_Pin]) -> None:
-        live = [p.match for p in pins if p.generation == self.link.generation and p.match.lock_id]
+        """Release pins of the current session (those of an older one died with it)."""
+        generation = self.link.generation
+        live = [p.match for p in pins if p.generation == generation and p.match.lock_id]
         if not live:
             return
         try:
-            self.link.call(lambda c: c.release(*live))
+            self.link.call(lambda c: c.release(*live), generation)
         except (Unavailable, DaemonError) as exc:
             self._say_once("release", exc)
 
@@ -449,6 +469,12 @@ class HiCacheStore(HiCacheStorage):
         if text not in self._said:
             self._said.add(text)
             log.warning("hicache: SGLang storage %s (a miss)", text)
+
+
+def _count(keys: Any) -> int:
+    """How many keys SGLang passed: a list of them (anything else is taken as one bad key,
+    so that a get or set answers one False and changes nothing)."""
+    return len(keys) if isinstance(keys, (list, tuple)) else 1
 
 
 def _leading(matches: list[Match | None], page_size: int) -> int:

@@ -34,6 +34,7 @@ Pure torch and numpy: duck-typed on SGLang's pool (``layout``, ``kv_buffer``, ``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ from hicache.transfers import copy_pages_c
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 FORMAT = "sglang-v1"  # the daemon's page format (part of the layout identity)
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 @dataclass(frozen=True)
@@ -161,18 +163,27 @@ def copy_pages(src: torch.Tensor, dst: torch.Tensor, src_pages: np.ndarray, dst_
     dst[:, :, d] = src[:, :, s]
 
 
-def host_pages(host_indices: torch.Tensor, count: int, page_size: int, pool_pages: int):
-    """The host pool page of each of ``count`` pages from SGLang's ``host_indices`` (token
-    slots, ``page_size`` per page, page-aligned). ValueError, naming it, for anything else."""
-    idx = torch.as_tensor(host_indices).reshape(-1)
+def host_pages(host_indices: Any, count: int, page_size: int, pool_pages: int) -> np.ndarray:
+    """The host pool page of each of ``count`` pages from SGLang's ``host_indices``: token
+    slots as an integer tensor (or array), ``page_size`` consecutive ones per page, starting
+    pages. ValueError, naming it, for anything else (nothing may be read from or written to a
+    page the indices do not name whole)."""
+    if isinstance(host_indices, np.ndarray):
+        host_indices = torch.from_numpy(host_indices)
+    if not isinstance(host_indices, torch.Tensor) or host_indices.dtype not in _INDEX_DTYPES:
+        raise ValueError("host indices must be an integer tensor")
+    idx = host_indices.reshape(-1).to(torch.int64).cpu()
     if idx.numel() != count * page_size:
         raise ValueError(f"{idx.numel()} host indices for {count} pages of {page_size} tokens")
     if count == 0:
         return np.empty(0, dtype=np.int64)
-    firsts = idx[::page_size].to(torch.int64).numpy()
-    if (firsts % page_size).any():
-        raise ValueError("host indices do not start pages")
-    pages = firsts // page_size
+    rows = idx.view(count, page_size)
+    firsts = rows[:, 0]
+    if (firsts % page_size).any() or not torch.equal(
+        rows, firsts[:, None] + torch.arange(page_size)
+    ):
+        raise ValueError("host indices are not whole pages (page-aligned runs)")
+    pages = (firsts // page_size).numpy()
     if int(pages.min()) < 0 or int(pages.max()) >= pool_pages:
         raise ValueError(f"host indices outside the host pool's {pool_pages} pages")
     return pages
