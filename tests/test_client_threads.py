@@ -134,6 +134,7 @@ def test_close_from_another_thread_ends_calls_cleanly(daemon):
 # ---- item 3: a client dropped without close() --------------------------------------------------
 def test_a_dropped_client_ends_its_session(daemon):
     with HiCacheClient(daemon, name="auditor") as auditor:
+        before = {t for t in threading.enumerate() if t.name == "hicache-heartbeat"}
 
         def make_and_drop() -> weakref.ref:
             hc = HiCacheClient(daemon, name="dropped")
@@ -149,8 +150,8 @@ def test_a_dropped_client_ends_its_session(daemon):
         s = auditor.stats()  # the goodbye went out as it was collected
         assert [x["client"] for x in s["session_list"]] == ["auditor"]
         assert s["device_owned_tokens"] == 0
-        beats = [t for t in threading.enumerate() if t.name == "hicache-heartbeat"]
-        assert len(beats) == 1  # the auditor's: the dropped client's heartbeat ended
+        beats = {t for t in threading.enumerate() if t.name == "hicache-heartbeat"}
+        assert beats <= before  # the dropped client's heartbeat ended (others' may linger)
 
 
 EXITS = """
