@@ -276,6 +276,17 @@ MUTATIONS = [
         "rows, rows",
         ("tests/test_sglang.py::test_hostile_input_is_a_miss_or_false_and_changes_nothing",),
     ),
+    Mutation(
+        "sglang-chains-touched-head-first",
+        "client/sglang/backend.py",
+        "            part = list(words[max(0, end - MAX_BATCH) : end][::-1])\n"
+        "            out += c.match_batch(part, [self.namespace] * len(part), lock=lock)\n"
+        "        return out[::-1]",
+        "            part = list(words[max(0, end - MAX_BATCH) : end])\n"
+        "            out = c.match_batch(part, [self.namespace] * len(part), lock=lock) + out\n"
+        "        return out",
+        ("tests/test_sglang.py::test_under_pressure_a_chain_loses_its_tail_first",),
+    ),
 ]
 
 

@@ -559,3 +559,27 @@ def test_key_lists_past_a_batch_are_split_not_dropped(ep):
         assert be.link.failures == 0 and be.pinned() == 0
     finally:
         be.close()
+
+
+def test_under_pressure_a_chain_loses_its_tail_first(tmp_path):
+    """SGLang looks a prompt up from the first page it lacks: the daemon evicts a chain's last
+    pages before its first ones, so what stays is still found."""
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(endpoint, "--device-tier", "engine", "--host-tokens", str(8 * rig.PAGE))
+    _, host = rig.host_pool("page_first")
+    be = rig.backend(host, rig.extra_config(endpoint))
+    try:
+        first, second = rig.chain_hashes(tokens(6, seed=35)), rig.chain_hashes(tokens(4, 36))
+        assert be.batch_set_v1(first, host.alloc(6 * rig.PAGE)) == [True] * 6
+        assert be.batch_exists(first) == 6  # (a lookup touches them all: the head last)
+        assert be.batch_get_v1(first, host.alloc(6 * rig.PAGE)) == [True] * 6
+        assert be.batch_set_v1(second, host.alloc(4 * rig.PAGE)) == [True] * 4  # evicts 2
+        assert be.batch_exists(first) == 4  # the head stayed
+        assert be.batch_exists(first[4:]) == 0  # the tail went
+        # the rank pins 4 pages, and 4 more would pass its share (6): found, not pinned
+        assert be.batch_exists(second) == 4
+        assert be.batch_get_v1(first[:4], host.alloc(4 * rig.PAGE)) == [True] * 4  # releases
+        assert be.batch_get_v1(second, host.alloc(4 * rig.PAGE)) == [True] * 4  # pins now
+    finally:
+        be.close()
+        stop_daemon(proc)

@@ -54,7 +54,7 @@ from hicache.client.sglang.pages import (
     page_format,
 )
 from hicache.client.sglang.settings import StoreSettings
-from hicache.protocol import MAX_BATCH
+from hicache.protocol import MAX_BATCH, ErrorCode
 
 log = logging.getLogger("hicache.sglang")
 MAX_SAMPLES = 4096  # per-call figures kept between two get_stats() calls
@@ -160,8 +160,21 @@ class HiCacheStore(HiCacheStorage):
             return 0
         try:  # (the generation the pins belong to: another thread may renew the session)
             matches, generation = self.link.call_at(lambda c: self._match(c, words, lock=True))
-        except (Unavailable, DaemonError) as exc:
-            self._say_once("exists", exc)
+        except DaemonError as exc:
+            if exc.code is not ErrorCode.QUOTA_EXCEEDED:
+                self._say_once("exists", exc)
+                return 0
+            # this rank pins its whole share already (prefetches SGLang has not read yet):
+            # answer without pins; the get pins what is still there then
+            try:
+                matches = self.link.call(lambda c: self._match(c, words, lock=False))
+            except (Unavailable, DaemonError) as exc2:
+                self._say_once("exists", exc2)
+                return 0
+            hit = _leading(matches, self.format.page_size)
+            self._note(queried=len(keys), hit=hit)
+            return hit
+        except Unavailable:
             return 0
         hit = _leading(matches, self.format.page_size)
         now = time.monotonic()
@@ -268,7 +281,8 @@ class HiCacheStore(HiCacheStorage):
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
         """Store the pages of ``keys`` from SGLang's host pool at ``host_indices``: those the
-        daemon lacks are copied and inserted in the keys' order. All True or all False."""
+        daemon lacks are copied and inserted (last key first: see _match). All True or all
+        False (a set that fails part-way may leave some pages stored: each is complete)."""
         n = _count(keys)
         if not self.writer:  # an MLA rank other than the writer: rank 0 stores the page
             return [True] * n
@@ -336,7 +350,8 @@ class HiCacheStore(HiCacheStorage):
                     (words[i], slots[j * fmt.page_size : (j + 1) * fmt.page_size])
                     for j, i in enumerate(lacking)
                 ]
-                for at in range(0, len(pairs), MAX_BATCH):  # (in the keys' order)
+                pairs.reverse()  # last key first, as _match: the head is evicted last
+                for at in range(0, len(pairs), MAX_BATCH):
                     part = pairs[at : at + MAX_BATCH]
                     c.insert_batch(part, [ns] * len(part))
             except BaseException:
@@ -395,12 +410,15 @@ class HiCacheStore(HiCacheStorage):
 
     # ---- helpers ------------------------------------------------------------------------------
     def _match(self, c: HiCacheClient, words: np.ndarray, lock: bool) -> list[Match]:
-        """One batched MATCH of one-page keys per MAX_BATCH of them (SGLang sends 128)."""
+        """One batched MATCH of one-page keys per MAX_BATCH of them (SGLang sends 128), last
+        key first: the daemon's LRU clock ticks per key, so a chain's first pages become the
+        most recent and are evicted last (SGLang's lookups start at the first page it lacks:
+        a chain that lost its head is lost whole, one that lost its tail keeps its head)."""
         out: list[Match] = []
-        for at in range(0, len(words), MAX_BATCH):
-            part = list(words[at : at + MAX_BATCH])
+        for end in range(len(words), 0, -MAX_BATCH):
+            part = list(words[max(0, end - MAX_BATCH) : end][::-1])
             out += c.match_batch(part, [self.namespace] * len(part), lock=lock)
-        return out
+        return out[::-1]
 
     def _words(self, keys: list[str]) -> np.ndarray | None:
         if self.format is None or not isinstance(keys, (list, tuple)):
