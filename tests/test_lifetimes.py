@@ -64,7 +64,8 @@ def test_a_restarted_daemon_refuses_an_old_clients_requests_before_running_them(
         old = HiCacheClient(ep, name="old")  # heartbeats in the background
         old_tokens = list(range(1000, 1016))
         old_slots = old.alloc(16)
-        old_lock = old.match_prefix(list(range(16)))
+        old.insert(list(range(16)), old.alloc(16))
+        old_lock = old.match_prefix(list(range(16)))  # (a match that found pages: locked)
         old_epoch, old_session = old.conn.epoch, old.session
         stop_daemon(proc)
         proc = start_daemon(ep)

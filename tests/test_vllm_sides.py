@@ -193,7 +193,8 @@ def test_a_store_that_failed_on_one_rank_is_never_published(ep):
     req = a.add("a", tokens)
     a.admit(req)
     a.step({"a": 24})
-    assert daemon_state(ep, a) == {"cached": 0, "locks": 1, "owned": 0}  # freed, not inserted
+    # freed, not inserted (the request's chain found nothing: it holds no lock)
+    assert daemon_state(ep, a) == {"cached": 0, "locks": 0, "owned": 0}
     a.fail_store_rank = None
     a.decode(req, 5)
     a.step({"a": 1})  # the blocks are planned again, and published
@@ -419,7 +420,7 @@ def test_a_report_that_never_comes_does_not_hold_pages_for_ever(ep):
     for w in a.workers:
         w.store(plan)  # copied, but the report is lost (a worker died)
     a.finish(r)
-    assert daemon_state(ep, a)["locks"] == 1
+    assert daemon_state(ep, a)["owned"] > 0  # the store's pages, held until it settles
     for step in a.sched.opened_at:
         a.sched.opened_at[step] -= 60  # ... a minute ago
     a.sched.plan(_out({}, r))  # the next step settles it as failed
