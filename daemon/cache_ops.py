@@ -346,13 +346,15 @@ class CacheOpsMixin:
 
     @staticmethod
     def _held_ids(session: Session, ids: Any) -> list[int]:
-        """Distinct lock ids the session holds (BAD_FIELD, NOT_OWNED: nothing released)."""
+        """Distinct lock ids the session holds (BAD_FIELD, NOT_OWNED: nothing released). Id 0
+        is a match's "no lock" (it found nothing): skipped, as clients may send it back."""
         if (
             not isinstance(ids, list)
             or not all(type(i) is int for i in ids)
             or len(set(ids)) != len(ids)
         ):
             raise ProtocolError(ErrorCode.BAD_FIELD, "release: lock_ids must be distinct ints")
+        ids = [i for i in ids if i != 0]
         missing = [i for i in ids if i not in session.locks]
         if missing:
             raise ProtocolError(ErrorCode.NOT_OWNED, f"locks {missing[:8]} are not held")

@@ -256,6 +256,9 @@ def test_a_lookup_that_finds_nothing_holds_nothing(ep):
             assert m.lock_id == 0 and hc.holdings().lock_ids == []
             assert hc.lock(m) is m  # nothing to lock: the same (empty) match
             hc.release(m)  # (a no-op)
+            from hicache.protocol import Op
+
+            hc._call(Op.RELEASE, {"lock_ids": [0]})  # a raw client sending "no lock" back: fine
     finally:
         be.close()
 
