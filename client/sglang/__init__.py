@@ -8,7 +8,9 @@ SGLang loads it without a change of its own::
       "class_name": "HiCacheStore", "interface_v1": 1, "hicache.endpoint": "ipc://..."}'
 
 Interface: ``HiCacheStore`` (backend.py, imports SGLang), ``StoreSettings`` (settings.py);
-``pages.py`` holds the page format, views and keys (torch only). Names load on first use.
+``pages.py`` holds the page format, views and keys (torch only), ``pins.py`` the pins between
+a lookup and its get, ``figures.py`` what SGLang's storage metrics read. Names load on first
+use.
 """
 
 from __future__ import annotations

@@ -21,18 +21,16 @@ Every daemon failure is a miss (0 pages, False), never an exception in SGLang's 
 again, after a restart). Keys that are not page hashes and host indices outside the pool are
 logged and refused the same way, with nothing changed in the daemon.
 
-Thread safety: the session's state changes under DaemonLink's lock; pins and the figures
-under ``self._lock``; copies and calls run in parallel.
+Thread safety: the session's state changes under DaemonLink's lock, the pins under
+PinBook's (pins.py), the figures under StoreFigures' (figures.py); copies and calls run in
+parallel.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
-from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,6 +41,7 @@ from hicache.client.client import HiCacheClient
 from hicache.client.connection import DaemonError
 from hicache.client.daemon_link import DaemonLink, Unavailable
 from hicache.client.results import Match
+from hicache.client.sglang.figures import StoreFigures
 from hicache.client.sglang.pages import (
     PageFormat,
     copy_pages,
@@ -53,22 +52,15 @@ from hicache.client.sglang.pages import (
     page_bytes,
     page_format,
 )
+from hicache.client.sglang.pins import Pin, PinBook
 from hicache.client.sglang.settings import StoreSettings
 from hicache.protocol import MAX_BATCH, ErrorCode
 
 log = logging.getLogger("hicache.sglang")
-MAX_SAMPLES = 4096  # per-call figures kept between two get_stats() calls
 
 
 class _Link(DaemonLink):
     log = log
-
-
-@dataclass
-class _Pin:
-    match: Match  # a locked one-page match
-    generation: int  # the link's session it belongs to
-    since: float  # monotonic time it was taken
 
 
 class HiCacheStore(HiCacheStorage):
@@ -96,15 +88,10 @@ class HiCacheStore(HiCacheStorage):
         self.namespace = ""
         self._host: torch.Tensor | None = None  # SGLang's host pool as [kv, L, pages, P, W]
         self._layout = ""
-        self._lock = threading.Lock()
-        self._pins: dict[str, list[_Pin]] = defaultdict(list)
-        self._unpinned: list[_Pin] = []  # pins to release with the next call
+        self.pins = PinBook()  # what batch_exists found, for the get that follows
         self._said: set[str] = set()  # problems logged once
         # figures for SGLang's storage metrics (get_stats) and for the daemon (note_engine)
-        self._get_pages: list[int] = []
-        self._set_pages: list[int] = []
-        self._get_gbps: list[float] = []
-        self._set_gbps: list[float] = []
+        self.figures = StoreFigures()  # for SGLang's storage metrics (get_stats)
 
     # ---- registration -----------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -113,6 +100,7 @@ class HiCacheStore(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         fmt = page_format(mem_pool_host, self.model)
         self.format = fmt
+        self.figures.page_bytes = page_bytes(fmt)
         self._layout = mem_pool_host.layout
         self._host = host_view(fmt, self._layout, mem_pool_host.kv_buffer)
         self.link.layout = fmt.engine_layout()
@@ -177,11 +165,7 @@ class HiCacheStore(HiCacheStorage):
         except Unavailable:
             return 0
         hit = _leading(matches, self.format.page_size)
-        now = time.monotonic()
-        with self._lock:
-            for key, m in zip(keys[:hit], matches[:hit], strict=True):
-                self._pins[key].append(_Pin(m, generation, now))
-            self._unpinned += [_Pin(m, generation, now) for m in matches[hit:] if m.lock_id]
+        self.pins.add(keys[:hit], matches, generation, time.monotonic())
         self._note(queried=len(keys), hit=hit)
         return hit
 
@@ -232,19 +216,12 @@ class HiCacheStore(HiCacheStorage):
             return 0
         self._release_stale()
         generation = self.link.generation
-        pins: list[_Pin | None] = []
-        with self._lock:
-            for key in keys:
-                mine = self._pins.get(key)
-                pin = mine.pop(0) if mine else None
-                if mine == []:
-                    del self._pins[key]
-                pins.append(pin if pin is not None and pin.generation == generation else None)
+        pinned = self.pins.take(keys, generation)
         fmt = self.format
         start = time.perf_counter()
 
         def read(c: HiCacheClient) -> int:
-            matches = [p.match if p else None for p in pins]
+            matches = list(pinned)
             missing = [i for i, m in enumerate(matches) if m is None]
             try:
                 if missing:
@@ -272,7 +249,7 @@ class HiCacheStore(HiCacheStorage):
         except (Unavailable, DaemonError, IndexError) as exc:
             self._say_once("get", exc)
             return 0
-        self._sample(self._get_pages, self._get_gbps, done, start)
+        self.figures.sample("get", done, start)
         self._note(loaded=done)
         return done
 
@@ -364,7 +341,7 @@ class HiCacheStore(HiCacheStorage):
         except (Unavailable, DaemonError, IndexError) as exc:
             self._say_once("set", exc)
             return False
-        self._sample(self._set_pages, self._set_gbps, stored, start)
+        self.figures.sample("set", stored, start)
         return True
 
     # ---- housekeeping -------------------------------------------------------------------------
@@ -382,31 +359,16 @@ class HiCacheStore(HiCacheStorage):
         self.link.close()
 
     def _drop_pins(self) -> None:
-        with self._lock:
-            pins = [p for mine in self._pins.values() for p in mine] + self._unpinned
-            self._pins.clear()
-            self._unpinned = []
-        self._release(pins)
+        self._release(self.pins.drain())
 
     def get_stats(self) -> Any:
         """SGLang's StorageMetrics since the last call: pages per get and set, and their
         bandwidth (GB/s, copy included)."""
-        from sglang.srt.observability.metrics_collector import StorageMetrics
-
-        with self._lock:
-            out = StorageMetrics(
-                prefetch_pgs=self._get_pages,
-                backup_pgs=self._set_pages,
-                prefetch_bandwidth=self._get_gbps,
-                backup_bandwidth=self._set_gbps,
-            )
-            self._get_pages, self._set_pages, self._get_gbps, self._set_gbps = [], [], [], []
-        return out
+        return self.figures.take()
 
     def pinned(self) -> int:
         """Pages this backend holds pinned for gets (and pins waiting to be released)."""
-        with self._lock:
-            return sum(len(p) for p in self._pins.values()) + len(self._unpinned)
+        return len(self.pins)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _match(self, c: HiCacheClient, words: np.ndarray, lock: bool) -> list[Match]:
@@ -439,18 +401,9 @@ class HiCacheStore(HiCacheStorage):
 
     def _release_stale(self) -> None:
         """Release pins no get took within ``pin_s`` and those beyond an exists' hit run."""
-        deadline = time.monotonic() - self.settings.pin_s
-        with self._lock:
-            stale, self._unpinned = self._unpinned, []
-            for key in [k for k, pins in self._pins.items() if pins[0].since < deadline]:
-                pins = self._pins[key]
-                stale += [p for p in pins if p.since < deadline]
-                pins[:] = [p for p in pins if p.since >= deadline]
-                if not pins:
-                    del self._pins[key]
-        self._release(stale)
+        self._release(self.pins.stale(time.monotonic() - self.settings.pin_s))
 
-    def _release(self, pins: list[_Pin]) -> None:
+    def _release(self, pins: list[Pin]) -> None:
         """Release pins of the current session (those of an older one died with it)."""
         generation = self.link.generation
         live = [p.match for p in pins if p.generation == generation and p.match.lock_id]
@@ -470,15 +423,6 @@ class HiCacheStore(HiCacheStorage):
             client.note_engine(queried * page, hit * page, loaded * page)
         except Exception:  # noqa: BLE001 (a figure is never worth an exception in SGLang)
             pass
-
-    def _sample(self, pages: list[int], gbps: list[float], count: int, start: float) -> None:
-        if not count:
-            return
-        seconds = max(time.perf_counter() - start, 1e-9)
-        with self._lock:
-            if len(pages) < MAX_SAMPLES:
-                pages.append(count)
-                gbps.append(count * page_bytes(self.format) / seconds / 1e9)
 
     def _say_once(self, what: str, exc: BaseException) -> None:
         text = f"{what}: {type(exc).__name__}: {exc}"
