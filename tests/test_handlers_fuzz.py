@@ -165,7 +165,9 @@ def test_well_formed_requests_of_live_sessions_keep_ownership_exact(data):
             fields = {"lengths": [n], "lock": data.draw(st.booleans())}
             frames = [tokens[:n].tobytes(), slots[:n].tobytes()]
         elif op is Op.MATCH:
-            fields = {"lengths": [len(tokens)], "lock": data.draw(st.booleans())}
+            if seqs and data.draw(st.integers(0, 4)):  # mostly what was inserted: a match that
+                tokens = data.draw(st.sampled_from(seqs))  # finds pages holds a lock (LOCK,
+            fields = {"lengths": [len(tokens)], "lock": data.draw(st.booleans())}  # LOAD_BACK
             frames = [tokens.tobytes()]
         elif op in (Op.LOAD_BACK, Op.LOCK):
             fields = {"lock_id": data.draw(st.sampled_from(locks)) if locks else 1}
