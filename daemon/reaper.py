@@ -45,11 +45,12 @@ def spawn(lock_path: str, instance: str) -> subprocess.Popen:
 
 
 def _remove_leftovers(directory: str, instance: str) -> None:
-    """The instance's files that are ours (a crash's pools, a progress table)."""
+    """The instance's files that are ours (a crash's pools, a progress table, and what it was
+    writing under a temporary name when it died: only the daemon writes its own files)."""
     prefix = own_name(instance, "")
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
-        if name.startswith(prefix) and not name.endswith(".tmp"):
+        if name.startswith(prefix):
             with contextlib.suppress(FileNotFoundError, PermissionError):
                 st = os.lstat(path)
                 if st.st_uid == os.geteuid():

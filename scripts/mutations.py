@@ -287,6 +287,13 @@ MUTATIONS = [
         "        return out",
         ("tests/test_sglang.py::test_under_pressure_a_chain_loses_its_tail_first",),
     ),
+    Mutation(
+        "reaper-leaves-half-written-files",
+        "daemon/reaper.py",
+        "        if name.startswith(prefix):",
+        '        if name.startswith(prefix) and not name.endswith(".tmp"):',
+        ("tests/test_kept.py::test_a_killed_daemon_leaves_nothing_once_its_grace_time_is_over",),
+    ),
 ]
 
 

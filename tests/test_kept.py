@@ -94,6 +94,10 @@ def test_a_killed_daemon_leaves_nothing_once_its_grace_time_is_over(tmp_path):
         proc = start_daemon(ep, "--keep-host", keep, "--keep-host-seconds", "2")
         warm(ep)
         assert shm_of(proc.pid)
+        # the kill lands while a keep marker is half written (under its temporary name)
+        instance = shm_of(proc.pid)[0].rsplit("-", 1)[0]
+        half = os.path.join("/dev/shm", f"{instance}-keep.deadbeef.tmp")
+        os.close(os.open(half, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         wait_until(lambda pid=proc.pid: not shm_of(pid), timeout=30, what=f"keep={keep} freed")
