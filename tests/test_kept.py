@@ -160,3 +160,20 @@ def test_the_reaper_imports_nothing_from_the_daemons_working_folder(tmp_path, mo
     proc = spawn(str(tmp_path / "no-such-lock"), f"{os.getpid()}-deadbeef")
     proc.wait(timeout=60)
     assert not ran.exists()
+
+
+def test_the_reaper_removes_a_dead_instances_half_written_files(tmp_path):
+    """In this process (the reaper's own process imports the installed package): what the
+    daemon was writing under a temporary name when it died goes with its other files, and
+    another instance's files stay."""
+    from hicache.daemon.reaper import reap
+    from hicache.memory import HOST, KEEP, own_name
+
+    dead, other = f"{os.getpid()}-{'a' * 32}", f"{os.getpid()}-{'b' * 32}"
+    names = [own_name(dead, HOST), own_name(dead, KEEP) + ".0badf00d.tmp", own_name(other, HOST)]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    lock = tmp_path / "lock"
+    lock.write_bytes(b"")  # nobody holds it: the daemon is dead
+    assert reap(str(lock), dead, str(tmp_path)) == "nothing kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[2], "lock"])
