@@ -210,6 +210,11 @@ class CacheMachine(RuleBasedStateMachine):
         match of that prefix must not see the garbage."""
         seq, ns = self.draw_seq(data)
         m = self.cache.match_prefix(seq, namespace=ns)
+        if not m.host_hit_length and m.device_hit_length and data.draw(st.booleans()):
+            # a prefix held on both tiers becomes a host hit once the device lets it go (else
+            # this state hangs on the other rules' timing, and some runs never reached it)
+            self.cache.evict(self.config.device_tokens)
+            m = self.cache.match_prefix(seq, namespace=ns)
         node = m.last_host_node
         if not m.host_hit_length or self.cache.load_back(node) is None:
             return
