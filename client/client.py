@@ -44,6 +44,7 @@ from hicache.memory import AttachedSharedMemory, EngineLayout
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
     ENGINE_REPORT_MAX,
+    ErrorCode,
     Op,
     decode_slots,
     slots_frame,
@@ -275,18 +276,36 @@ class HiCacheClient:
     def match_batch(
         self, batch: list, namespaces: list | None = None, lock: bool = True
     ) -> list[Match]:
-        """``match_prefix`` for many prompts in one round trip (up to 1024)."""
+        """``match_prefix`` for many prompts (up to 1024) in one round trip, or a few: a daemon
+        that other requests wait on answers a long batch in parts (its first prompts), and the
+        rest is asked again. A part that fails releases what the parts before it locked."""
         arrays = [as_tokens(t) for t in batch]
-        fields = {
-            "lengths": [len(a) for a in arrays],
-            "lock": lock,
-            "namespaces": namespaces or [None] * len(arrays),
-        }
+        spaces = namespaces or [None] * len(arrays)
+        lengths = [len(a) for a in arrays]
         # a prefix shared with the previous prompt (a system prompt) travels once
-        tokens, shared = pack_shared(arrays)
-        if any(shared):
-            fields["shared"] = shared
-        return self._matches(fields, [tokens])[1]
+        frame, shared = pack_shared(arrays)
+        part, start, pos = frame, 0, 0  # this part's frame, first prompt, offset in ``frame``
+        matches: list[Match] = []
+        try:
+            while True:
+                fields = {"lengths": lengths[start:], "lock": lock, "namespaces": spaces[start:]}
+                if any(shared[start + 1 :]):
+                    fields["shared"] = [0, *shared[start + 1 :]]
+                got = self._matches(fields, [part])[1]
+                if not got:
+                    raise DaemonError(ErrorCode.INTERNAL, "a batched match answered none")
+                matches += got
+                if len(matches) >= len(arrays):
+                    return matches
+                # the rest: its first prompt's shared head put back before its own tokens
+                end = len(matches)
+                pos += 4 * (sum(lengths[start:end]) - sum(shared[start:end]))
+                start = end
+                part = arrays[start][: shared[start]].tobytes() + frame[pos:]
+        except BaseException:
+            with contextlib.suppress(Exception):  # (a daemon gone took its locks with it)
+                self.release(*[m for m in matches if m.lock_id])
+            raise
 
     def _matches(self, fields: dict, frames: list, op: Op = Op.MATCH) -> tuple[dict, list]:
         """A request answered in MATCH's form: (the reply's fields, its Matches)."""

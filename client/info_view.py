@@ -147,7 +147,13 @@ def sections(stats: dict) -> dict[str, dict]:
         # the third tier: the store under the daemon's pool (off unless --l3)
         "l3": _l3_section(stats),
         "sessions": _pick(
-            stats, "sessions", "sessions_quarantined", "quarantined_tokens", "replies_dropped"
+            stats,
+            "sessions",
+            "sessions_quarantined",
+            "quarantined_tokens",
+            "replies_dropped",
+            "match_parts",
+            "views_refused",
         )
         | {
             f"session_{s['id']}": f"client={s['client']},pid={s['pid']},"

@@ -7,6 +7,7 @@ the cache changes.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -22,12 +23,15 @@ from hicache.protocol import (
     decode_tokens,
     slots_frame,
     split,
-    split_tokens,
+    token_batch,
 )
 from hicache.tree import check_token_bytes
 from hicache.types import MatchResult
 
 Frames = list[Any]
+# A batched match answers what it matched in this long once another request waits (the client
+# asks again for the rest): one client's heavy batches delay another's request by one turn.
+TURN_S = 0.0002
 Result = tuple[dict[str, Any], Frames]
 _NO_SLOTS = np.empty(0, np.int64)
 MAX_SEQ = 1 << 40  # longest sequence alloc_extend/alloc_decode take (no int64 overflow)
@@ -108,8 +112,11 @@ class CacheOpsMixin:
 
     # ---- match, load, insert ----
     def match(self, session: Session, fields: dict, frames: Frames) -> Result:
+        """Match (and lock) each sequence of a batch in turn. Past TURN_S, while another
+        request waits, the reply answers only the sequences matched so far (at least one):
+        the client asks again for the rest."""
         _need_frames(frames, 1, "match")
-        batch = split_tokens(frames[0], fields.get("lengths"), fields.get("shared"))
+        batch = token_batch(frames[0], fields.get("lengths"), fields.get("shared"))
         check_token_bytes(frames[0])  # every key is built from this frame: one pass for all
         spaces = self._namespaces(fields, len(batch))
         lock = self._bool(fields, "lock", True)
@@ -120,23 +127,28 @@ class CacheOpsMixin:
         if self.cache.l3 is not None:
             fetches = self._prefetch(batch, spaces, l3_wait)
         match_key, feed = self.cache.match_key, self.capacity
-        results, state = [], ([], {})
+        results, state, queried = [], ([], {}), 0
+        turn_ends = time.perf_counter() + TURN_S
         try:
             for tokens, space in zip(batch, spaces, strict=True):
+                if results and time.perf_counter() > turn_ends and self.others_waiting():
+                    self.match_parts += 1
+                    break  # the rest is asked again: the requests waiting go first
                 m = match_key(tokens, space, True)
                 if m.loading:
                     m = self._landed(tokens, space, m)
                 results.append(self._result(session, m, lock, state))
                 session.hit_tokens += m.device_hit_length + m.host_hit_length
+                queried += len(tokens)
                 if feed is not None:
                     feed.saw(True, tokens, space)
-            session.queried_tokens += sum(map(len, batch)) >> 2  # keys are int32 bytes
+            session.queried_tokens += queried >> 2  # keys are int32 bytes
         except BaseException:
             self._undo_locks(session, results)  # a failed request holds nothing
             raise
         out, frames = self._match_reply(results, state[0])
         if fetches:  # still coming: an engine that did not wait may ask again later
-            pending = [i for i, f in fetches if not f.done]
+            pending = [i for i, f in fetches if not f.done and i < len(results)]
             if pending:
                 out["l3_pending"] = pending
         return out, frames

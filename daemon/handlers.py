@@ -33,6 +33,7 @@ from hicache.daemon.limits import SessionLimits
 from hicache.daemon.request_stats import RequestStats
 from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
 from hicache.daemon.tier_names import TierNames
+from hicache.daemon.view_budget import ViewBudget
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
 from hicache.memory import OWNED
 from hicache.observe import tree_shape
@@ -136,6 +137,11 @@ class Handlers(CacheOpsMixin):
         self.op = "unknown"  # the op of the request being handled
         self.peer = b""  # the connection it came on (set by the server before handle)
         self.server_counters: Callable[[], dict[str, int]] = dict  # the transport's counters
+        # whether another request waits on the transport (set by the server): a long batched
+        # match then answers what it has and lets it go first
+        self.others_waiting: Callable[[], bool] = bool
+        self.views = ViewBudget()  # the loop's time for whole-cache views (check, tree)
+        self.match_parts = 0  # batched matches answered in part (others waited: cache_ops)
         self.table: dict[Op, Callable[[Session | None, dict, Frames], Result]] = {
             Op.HELLO: self.hello,
             Op.HEARTBEAT: self.heartbeat,
@@ -200,6 +206,8 @@ class Handlers(CacheOpsMixin):
                     self.engine_counts.add(counts)
             else:
                 self._check_epoch(req.epoch, required=False)
+                if req.session:  # (an admin's integrity check is not limited)
+                    session = self.sessions.live(req.session, self.clock())
             if self.cache is None and req.op not in NO_CACHE_OPS:
                 raise no_layout()
             fields, out = self.table[req.op](session, req.fields, frames)
@@ -416,7 +424,7 @@ class Handlers(CacheOpsMixin):
             self.cache.events.flushed()
         return self.tiers.fields({"device_freed": freed, "host_freed": freed_host}), []
 
-    def stats(self, _: Session | None, fields: dict, frames: Frames) -> Result:
+    def stats(self, session: Session | None, fields: dict, frames: Frames) -> Result:
         check = self._bool(fields, "check", False)
         cache = self.cache
         out: dict[str, Any] = {} if cache is None else self.tiers.fields(cache.stats().as_dict())
@@ -468,13 +476,27 @@ class Handlers(CacheOpsMixin):
             **self.server_counters(),
             session_list=listed,
         )
+        out["views_refused"] = self.views.refused
+        out["match_parts"] = self.match_parts
         if check:
             try:
-                self.check_integrity()
+                self._whole_cache_view(session, "an integrity check", self.check_integrity)
                 out["integrity"] = "ok"
             except AssertionError as exc:
                 out["integrity"] = f"BROKEN: {exc}"
         return out, []
+
+    def _whole_cache_view(self, session: Session | None, view: str, run: Callable[[], Any]) -> Any:
+        """``run()``, a walk of the whole cache, within the view budget unless ``session`` is
+        admin (QUOTA_EXCEEDED while views that delayed others took their share)."""
+        if session is not None and session.admin:
+            return run()
+        self.views.check(view)
+        started = time.perf_counter()
+        try:
+            return run()
+        finally:
+            self.views.charge(time.perf_counter() - started, self.others_waiting())
 
     def check_integrity(self) -> None:
         """The cache's invariants, plus the sessions' against it: every OWNED page is owned by
@@ -515,7 +537,10 @@ class Handlers(CacheOpsMixin):
 
     def tree(self, session: Session, fields: dict, frames: Frames) -> Result:
         """The tree's shape (``shape``: per namespace, the ``top`` heaviest shared prefixes),
-        or its first ``max_nodes`` nodes."""
+        or its first ``max_nodes`` nodes (within the view budget: ``_whole_cache_view``)."""
+        return self._whole_cache_view(session, "a tree view", lambda: self._tree(fields))
+
+    def _tree(self, fields: dict) -> Result:
         if self._bool(fields, "shape", False):
             top = self._int(fields, "top", 1, 1000) if "top" in fields else 10
             shape = tree_shape(self.cache, top)

@@ -47,6 +47,16 @@ COUNTERS = [
     ("transfer_errors", "copies between the tiers that failed", "transfer_errors"),
     ("replies_dropped", "replies dropped because a peer did not read", "replies_dropped"),
     ("leases_expired", "engine sessions whose lease ran out", "leases_expired"),
+    (
+        "match_parts",
+        "batched matches answered in part because other requests waited",
+        "match_parts",
+    ),
+    (
+        "views_refused",
+        "integrity checks and tree views refused: past their share of the control loop",
+        "views_refused",
+    ),
     ("event_batches_published", "KV event batches published", "event_batches_published"),
     (
         "event_batches_dropped",

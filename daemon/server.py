@@ -28,7 +28,7 @@ from hicache.cache import HiRadixCache
 from hicache.client.curve import load_secret
 from hicache.config import HiCacheConfig
 from hicache.daemon import reaper
-from hicache.daemon.busy_poll import BusyPoll
+from hicache.daemon.busy_poll import BusyPoll, queued
 from hicache.daemon.capacity_feed import IDLE_BUDGET_S
 from hicache.daemon.endpoint import (
     AdminToken,
@@ -193,6 +193,7 @@ class Daemon:
             engine_tier=tier,
         )
         self.handlers.server_counters = self._counters
+        self.handlers.others_waiting = lambda: queued(self.sock)
         if settings.metrics_port:
             if not is_loopback(f"tcp://{settings.metrics_host}:0"):
                 log.warning(

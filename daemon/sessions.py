@@ -204,6 +204,11 @@ class SessionTable:
                 del self._per_peer[session.peer]
         return session
 
+    def live(self, key: int, now: float) -> Session | None:
+        """The live session named by ``key`` (its lease left as it is), or None."""
+        session = self._sessions.get(key)
+        return session if session is not None and session.expires >= now else None
+
     def touch(self, key: int, now: float) -> Session:
         """The live session named by ``key``, its lease renewed. LEASE_EXPIRED for a session
         whose lease ran out (it must not act any more), UNKNOWN_SESSION otherwise."""

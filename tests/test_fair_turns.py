@@ -1,0 +1,205 @@
+"""One client's heavy requests cannot hold the control loop: a long batched match answers in
+turns while other requests wait (the client asks again for the rest), and whole-cache views
+(integrity checks, tree dumps) that delay others are refused past their share of the loop."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache import HiCacheConfig, HiRadixCache
+from hicache.client import HiCacheClient
+from hicache.daemon import cache_ops
+from hicache.daemon.handlers import Handlers
+from hicache.daemon.server import Daemon
+from hicache.daemon.sessions import SessionTable
+from hicache.daemon.settings import build_parser, resolve
+from hicache.daemon.view_budget import ViewBudget
+from hicache.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Op,
+    ProtocolError,
+    TokenBatch,
+    decode_reply,
+    token_batch,
+)
+from hicache.tree import pack_shared, unpack_shared
+
+PS = 4
+SYSTEM = np.arange(500, 508, dtype=np.int32)
+# four cached prompts over one system prompt, a copy of one (all of it shared), and a miss
+PROMPTS = [np.concatenate([SYSTEM, np.arange(i * 1000, i * 1000 + 4 + 4 * i, dtype=np.int32)])
+           for i in range(4)]  # fmt: skip
+PROMPTS += [PROMPTS[3].copy(), np.arange(9000, 9012, dtype=np.int32)]
+
+
+def _world(admin_token: str | None = None) -> tuple[HiRadixCache, Handlers, int]:
+    cache = HiRadixCache(
+        HiCacheConfig(num_layers=1, num_kv_heads=1, head_dim=2, page_size=PS, device_tokens=512)
+    )
+    handlers = Handlers(cache, SessionTable(lease_s=1e9), 3, {}, admin_token=admin_token)
+    session = handlers.sessions.open("t", 1, time.monotonic()).key
+    for p in PROMPTS[:4]:  # four of six cached
+        _, out = _call(handlers, session, Op.ALLOC, {"num_tokens": len(p)})
+        _call(handlers, session, Op.INSERT, {"lengths": [len(p)]}, [p.tobytes(), out[0]])
+    return cache, handlers, session
+
+
+def _call(handlers: Handlers, session: int, op: Op, fields: dict, frames=()):  # noqa: ANN001
+    reply, out = handlers.handle(
+        msgpack.packb([PROTOCOL_VERSION, int(op), 1, session, 3, fields]), list(frames)
+    )
+    decoded = decode_reply(reply)
+    return decoded, out
+
+
+def _matches_served(daemon: Daemon) -> int:
+    return sum(daemon.handlers.requests.as_dict()["op_latency"]["match"]["buckets"])
+
+
+def _batch_fields(prompts: list[np.ndarray], lock: bool) -> tuple[dict, list]:
+    frame, shared = pack_shared(prompts)
+    return {"lengths": [len(p) for p in prompts], "shared": shared, "lock": lock}, [frame]
+
+
+def test_a_batch_answers_in_turns_while_others_wait_and_alone_in_one(monkeypatch):
+    cache, handlers, session = _world()
+    fields, frames = _batch_fields(PROMPTS, lock=True)
+    assert fields["shared"] == [0, 8, 8, 8, 24, 0]  # (what the parts must rebuild)
+    whole, _ = _call(handlers, session, Op.MATCH, fields, frames)  # nobody waits: one reply
+    assert whole.ok and len(whole.fields["results"]) == len(PROMPTS)
+    _call(handlers, session, Op.RELEASE, {"all": True})
+
+    monkeypatch.setattr(cache_ops, "TURN_S", 0.0)
+    handlers.others_waiting = lambda: True  # someone always waits: one prompt per turn
+    turns, results = 0, []
+    while len(results) < len(PROMPTS):
+        fields, frames = _batch_fields(PROMPTS[len(results) :], lock=True)
+        reply, _ = _call(handlers, session, Op.MATCH, fields, frames)
+        assert reply.ok, reply.fields
+        assert len(reply.fields["results"]) == 1  # at least one, and no more past the turn
+        results += reply.fields["results"]
+        turns += 1
+        handlers.check_integrity()
+    assert turns == len(PROMPTS)
+    # the same hits as the whole batch, each found prompt locked once (misses hold none)
+    assert [r[:2] for r in results] == [r[:2] for r in whole.fields["results"]]
+    locked = [r[2] for r in results if r[2]]
+    assert len(locked) == 5 and sorted(
+        handlers.sessions.touch(session, time.monotonic()).locks
+    ) == sorted(locked)
+    cache.close()
+
+
+def test_the_client_asks_again_for_the_rest_and_releases_all_when_a_part_fails(tmp_path):
+    args = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--page-size", "4",
+            "--device-tokens", "512", "--endpoint", f"ipc://{tmp_path}/d.sock",
+            "--keep-host", "false"]  # fmt: skip
+    daemon = Daemon(resolve(build_parser().parse_args(args), environ={}))
+    serving = threading.Thread(target=daemon.serve, daemon=True)
+    serving.start()
+    try:
+        with HiCacheClient(daemon.settings.endpoint, name="t") as hc:
+            for p in PROMPTS[:4]:
+                hc.insert(p, hc.alloc(len(p)))
+            whole = hc.match_batch(PROMPTS, lock=False)
+            asked = _matches_served(daemon)
+            old_turn = cache_ops.TURN_S
+            cache_ops.TURN_S = 0.0
+            daemon.handlers.others_waiting = lambda: True
+            try:
+                parts = hc.match_batch(PROMPTS, lock=True)
+                again = _matches_served(daemon)
+                assert again - asked == len(PROMPTS)  # one round trip per prompt
+                assert [m.device_hit_length for m in parts] == [m.device_hit_length for m in whole]
+                assert [m.device_indices.tolist() for m in parts] == [
+                    m.device_indices.tolist() for m in whole
+                ]
+                assert len(hc.holdings().lock_ids) == 5
+                hc.release(*parts)
+
+                real = daemon.handlers.cache.match_key
+                calls = []
+
+                def fail_third(*a, **k):  # noqa: ANN002, ANN003, ANN202
+                    calls.append(1)
+                    if len(calls) == 3:
+                        raise ValueError("a part of the batch fails")
+                    return real(*a, **k)
+
+                daemon.handlers.cache.match_key = fail_third
+                with pytest.raises(Exception, match="a part of the batch fails"):
+                    hc.match_batch(PROMPTS, lock=True)
+                daemon.handlers.cache.match_key = real
+                assert hc.holdings().lock_ids == []  # the first two parts' locks went back
+            finally:
+                cache_ops.TURN_S = old_turn
+                daemon.handlers.others_waiting = bool
+            assert hc.stats(check=True)["integrity"] == "ok"
+    finally:
+        daemon.stop()
+        serving.join(30)
+        daemon.close()
+
+
+def test_views_that_delay_others_are_refused_past_their_share():
+    now = [0.0]
+    budget = ViewBudget(share=0.01, burst_s=0.05, clock=lambda: now[0])
+    for _ in range(100):  # nobody waited: free, however many
+        budget.check("a view")
+        budget.charge(0.01, delayed_others=False)
+    for _ in range(6):  # 60 ms of views others waited for: past the 50 ms burst
+        budget.check("a view")
+        budget.charge(0.01, delayed_others=True)
+    with pytest.raises(ProtocolError, match="retry in 1.0 s") as refused:
+        budget.check("a view")
+    assert refused.value.code is ErrorCode.QUOTA_EXCEEDED and budget.refused == 1
+    now[0] = 0.99  # drains at 1% of real time: 9.9 ms gone, still 0.1 ms over
+    with pytest.raises(ProtocolError, match="walks the whole cache"):
+        budget.check("a view")
+    now[0] = 1.01
+    budget.check("a view")
+
+
+def test_integrity_checks_and_tree_views_of_non_admins_are_limited_admins_are_not():
+    cache, handlers, session = _world(admin_token="tok")
+    hello = {"client": "op", "pid": 2, "admin": True, "admin_token": "tok"}
+    admin = _call(handlers, 0, Op.HELLO, hello)[0].fields["session"]
+    handlers.views = ViewBudget(share=1e-9, burst_s=0.0)  # any view others waited for: over
+    handlers.others_waiting = lambda: True
+    first, _ = _call(handlers, session, Op.TREE, {})
+    assert first.ok
+    for op, fields, who in ((Op.TREE, {}, session), (Op.STATS, {"check": True}, 0),
+                            (Op.TREE, {"shape": True}, session)):  # fmt: skip
+        refused, _ = _call(handlers, who, op, fields)
+        assert refused.status is ErrorCode.QUOTA_EXCEEDED, refused.fields
+        assert "walks the whole cache" in refused.fields["message"]
+    plain, _ = _call(handlers, 0, Op.STATS, {})  # stats without the check: not a view
+    assert plain.ok and plain.fields["views_refused"] == 3
+    ok, _ = _call(handlers, admin, Op.STATS, {"check": True})
+    assert ok.ok and ok.fields["integrity"] == "ok"
+    assert _call(handlers, admin, Op.TREE, {})[0].ok
+    cache.close()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 3), max_size=40), min_size=1, max_size=12),
+    block=st.integers(4, 200),
+)
+def test_a_token_batch_expands_block_by_block_to_the_same_keys(seqs, block):
+    arrays = [np.array(s, np.int32) for s in seqs]
+    frame, shared = pack_shared(arrays)
+    lengths = [len(a) for a in arrays]
+    batch = token_batch(frame, lengths, shared)
+    if isinstance(batch, TokenBatch):
+        batch.BLOCK_BYTES = block  # (an instance's own: blocks of a few sequences)
+    assert len(batch) == len(arrays)
+    assert list(batch) == [a.tobytes() for a in arrays] == unpack_shared(frame, lengths, shared)
