@@ -294,6 +294,48 @@ MUTATIONS = [
         '        if name.startswith(prefix) and not name.endswith(".tmp"):',
         ("tests/test_kept.py::test_the_reaper_removes_a_dead_instances_half_written_files",),
     ),
+    Mutation(
+        "batched-match-never-yields",
+        "daemon/cache_ops.py",
+        "if results and time.perf_counter() > turn_ends and self.others_waiting():",
+        "if False:",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "match-part-shared-head-dropped",
+        "client/client.py",
+        "part = arrays[start][: shared[start]].tobytes() + frame[pos:]",
+        "part = frame[pos:]",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "match-batch-keeps-locks-of-a-failed-batch",
+        "client/client.py",
+        "                self.release(*[m for m in matches if m.lock_id])",
+        "                pass",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "views-never-refused",
+        "daemon/view_budget.py",
+        "        if over > 0:",
+        "        if False:",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "views-of-admins-refused-too",
+        "daemon/handlers.py",
+        "        if session is not None and session.admin:\n            return run()",
+        "        if False:\n            return run()",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "token-batch-block-head-dropped",
+        "hicache/protocol.py",
+        "            head = prev[: 4 * shared[i]]",
+        '            head = b""',
+        ("tests/test_fair_turns.py",),
+    ),
 ]
 
 
