@@ -136,6 +136,8 @@ class Handlers(CacheOpsMixin):
         self.engine_counts = EngineCounts()  # engines' own figures, all sessions (ended too)
         self.op = "unknown"  # the op of the request being handled
         self.peer = b""  # the connection it came on (set by the server before handle)
+        # the CurveZMQ client key it came with, "" without Curve (set by the server)
+        self.user: Callable[[], str] = str
         self.server_counters: Callable[[], dict[str, int]] = dict  # the transport's counters
         # whether another request waits on the transport (set by the server): a long batched
         # match then answers what it has and lets it go first
@@ -309,7 +311,7 @@ class Handlers(CacheOpsMixin):
                 "the daemon is shutting down (draining): no new sessions; connect to the one "
                 "that replaces it",
             )
-        session = self.sessions.open(client, pid, self.clock(), admin, self.peer)
+        session = self.sessions.open(client, pid, self.clock(), admin, self.peer, self.user())
         return {
             "session": session.key,  # what requests name the session by (secret)
             "session_id": session.id,  # public

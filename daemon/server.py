@@ -114,6 +114,7 @@ class Daemon:
         self._claim = EndpointClaim(settings.endpoint)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self._first_frame: zmq.Frame | None = None  # the last request's first part
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
@@ -194,6 +195,8 @@ class Daemon:
         )
         self.handlers.server_counters = self._counters
         self.handlers.others_waiting = lambda: queued(self.sock)
+        if settings.curve:  # (read only by a hello: a property costs a call per message)
+            self.handlers.user = lambda: self._peer_user()
         if settings.metrics_port:
             if not is_loopback(f"tcp://{settings.metrics_host}:0"):
                 log.warning(
@@ -411,10 +414,15 @@ class Daemon:
             return
         self._send_reply([identity, reply, *out])
 
+    def _peer_user(self) -> str:
+        """The CurveZMQ client key (z85) the request being handled came with."""
+        frame = self._first_frame
+        return "" if frame is None else frame.get("User-Id") or ""
+
     def _recv_frames(self) -> list[bytes | memoryview]:
         """One multipart message; raises zmq.Again after RCVTIMEO."""
         sock = self.sock  # Frame.more, not getsockopt(RCVMORE): that costs 2 us per frame
-        frame = _recv(sock, 0, False)
+        frame = self._first_frame = _recv(sock, 0, False)
         parts = [frame.bytes]
         while frame.more:
             frame = _recv(sock, 0, False)

@@ -36,6 +36,7 @@ from hicache.protocol import DEFAULT_LEASE_S, ErrorCode, ProtocolError
 FORGET_AFTER = 65536  # lapsed session keys remembered (to answer LEASE_EXPIRED, not UNKNOWN)
 DEFAULT_MAX_SESSIONS = 4096  # live and quarantined sessions at once
 MAX_SESSIONS_PER_PEER = 16  # sessions one connection may have open (an engine opens one)
+USER_SHARE = 4  # one CurveZMQ client key holds at most this share (1/4) of max_sessions
 
 
 class ServiceClock:
@@ -73,6 +74,7 @@ class Session:
     locks: dict[int, Any] = field(default_factory=dict)  # lock id -> what the handlers locked
     pinned_pages: int = 0  # device pages its locks made unevictable (its records' ``pinned``)
     peer: bytes = b""  # the connection (ROUTER routing id) that opened it
+    user: str = ""  # the CurveZMQ client key it came with ("": ipc or plain tcp)
     tally: list[int] = field(default_factory=lambda: [0])  # locks of all its table's sessions
     loads: set[int] = field(default_factory=set)  # tickets of loads this session started
     release_at: float = 0.0  # in quarantine: when its pages and locks are given back
@@ -146,6 +148,9 @@ class SessionTable:
         self._ids = itertools.count(1)
         self.leases_expired = 0  # live sessions whose lease ran out (not goodbyes)
         self._per_peer: Counter[bytes] = Counter()  # live and quarantined sessions by peer
+        self._per_user: Counter[str] = Counter()  # the same by CurveZMQ client key
+        # sessions one client key may hold (ipc and plain tcp have none: one user's own)
+        self.max_per_user = max(MAX_SESSIONS_PER_PEER, max_sessions // USER_SHARE)
         self.locks = [0]  # locks every session holds (each session's ``tally``)
 
     def __len__(self) -> int:
@@ -163,11 +168,18 @@ class SessionTable:
         yield from list(self._quarantine.values())
 
     def open(
-        self, client: str, pid: int, now: float, admin: bool = False, peer: bytes = b""
+        self,
+        client: str,
+        pid: int,
+        now: float,
+        admin: bool = False,
+        peer: bytes = b"",
+        user: str = "",
     ) -> Session:
-        """A new live session; QUOTA_EXCEEDED when max_sessions already hold memory, or when
-        ``peer`` (the connection asking) has MAX_SESSIONS_PER_PEER open already: an engine
-        opens one per connection, and one socket must not take every session there is."""
+        """A new live session; QUOTA_EXCEEDED when max_sessions already hold memory, when
+        ``peer`` (the connection asking) has MAX_SESSIONS_PER_PEER open already (an engine
+        opens one per connection, and one socket must not take every session there is), or
+        when ``user`` (its CurveZMQ key) holds its share of max_sessions over connections."""
         if len(self._sessions) + len(self._quarantine) >= self.max_sessions:
             raise ProtocolError(
                 ErrorCode.QUOTA_EXCEEDED,
@@ -179,6 +191,12 @@ class SessionTable:
                 f"this connection opened {MAX_SESSIONS_PER_PEER} sessions already (one per "
                 "HiCacheClient): close some first",
             )
+        if user and self._per_user[user] >= self.max_per_user:
+            raise ProtocolError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"this client key holds {self.max_per_user} sessions already (a 1/{USER_SHARE} "
+                "share of --max-sessions): close some first",
+            )
         key = secrets.randbits(62) | 1
         session = Session(
             next(self._ids),
@@ -189,19 +207,23 @@ class SessionTable:
             now + self.lease_s,
             admin,
             peer=peer,
+            user=user,
             tally=self.locks,
         )
         self._sessions[key] = session
         if peer:
             self._per_peer[peer] += 1
+        if user:
+            self._per_user[user] += 1
         return session
 
     def _gone(self, session: Session) -> Session:
-        """Forget ``session``'s place in the per-peer count (it ended)."""
-        if session.peer:
-            self._per_peer[session.peer] -= 1
-            if not self._per_peer[session.peer]:
-                del self._per_peer[session.peer]
+        """Forget ``session``'s place in the per-peer and per-user counts (it ended)."""
+        for count, who in ((self._per_peer, session.peer), (self._per_user, session.user)):
+            if who:
+                count[who] -= 1
+                if not count[who]:
+                    del count[who]
         return session
 
     def live(self, key: int, now: float) -> Session | None:

@@ -330,6 +330,16 @@ MUTATIONS = [
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
+        "sessions-per-client-key-unbounded",
+        "daemon/sessions.py",
+        "        if user and self._per_user[user] >= self.max_per_user:",
+        "        if False:",
+        (
+            "tests/test_sessions.py::"
+            "test_one_client_key_cannot_take_every_session_over_many_connections",
+        ),
+    ),
+    Mutation(
         "token-batch-block-head-dropped",
         "hicache/protocol.py",
         "            head = prev[: 4 * shared[i]]",

@@ -110,3 +110,43 @@ def test_ipc_sockets_and_shared_memory_are_private(tmp_path):
             assert len(token) == 32  # 128 random bits in every name
     finally:
         stop_daemon(proc)
+
+
+def test_one_client_key_holds_at_most_its_share_of_sessions_over_connections(keys, tmp_path):
+    """s10 (sessions): the 16 sessions per connection spread over more connections; a CurveZMQ
+    client key holds at most a quarter of --max-sessions, however many connections it opens,
+    and another key still gets in."""
+    import msgpack
+    import zmq
+
+    from hicache.client.curve import apply_client, client_keys
+    from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply
+
+    other_pub, other_sec = keygen(keys["clients"], "other")
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    proc = start_daemon(ep, "--curve-secret-key", keys["server_sec"], "--max-sessions", "128",
+                        "--curve-clients", keys["clients"], "--keep-host", "false")  # fmt: skip
+    socks = []
+
+    def hello(secret: str):  # noqa: ANN202
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 20000)
+        env = {"HICACHE_CURVE_SERVER_KEY": keys["server_pub"], "HICACHE_CURVE_CLIENT_KEY": secret}
+        apply_client(sock, client_keys(env))
+        sock.connect(ep)
+        socks.append(sock)
+        fields = {"client": "many", "pid": 1}
+        sock.send(msgpack.packb([PROTOCOL_VERSION, int(Op.HELLO), 1, 0, 0, fields]))
+        return decode_reply(sock.recv())
+
+    try:
+        replies = [hello(keys["engine_sec"]) for _ in range(33)]  # a connection each
+        assert all(r.ok for r in replies[:32])  # 128 / 4
+        refused = replies[32]
+        assert refused.status is ErrorCode.QUOTA_EXCEEDED and "client key" in str(refused.fields)
+        assert hello(other_sec).ok  # another key is not held back by this one's
+    finally:
+        for sock in socks:
+            sock.close()
+        stop_daemon(proc)

@@ -191,3 +191,17 @@ def test_locks_of_all_sessions_together_are_bounded():
     assert a.drop_locks() == ["node"] * 100 and table.locks == [50]
     limits.check_locks(b, 50)
     assert "150 in all" in limits.describe(4096)
+
+
+def test_one_client_key_cannot_take_every_session_over_many_connections():
+    """s10 (sessions), spread over connections: a CurveZMQ key holds at most its share."""
+    table = SessionTable(max_sessions=256)
+    assert table.max_per_user == 64
+    held = [table.open("x", 1, 0.0, peer=b"c%d" % (i // 16), user="k1") for i in range(64)]
+    with pytest.raises(ProtocolError) as err:
+        table.open("x", 1, 0.0, peer=b"fresh", user="k1")
+    assert err.value.code is ErrorCode.QUOTA_EXCEEDED and "client key" in str(err.value)
+    table.open("engine", 2, 0.0, peer=b"engine", user="k2")  # another key gets in
+    table.open("local", 3, 0.0, peer=b"ipc")  # no key (ipc): only the per-connection bound
+    table.end(held[0].key)
+    table.open("x", 1, 0.0, peer=b"fresh", user="k1")  # an ended one frees its place
