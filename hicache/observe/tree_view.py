@@ -9,16 +9,21 @@ cached below them. Linear in the tree; only the top ``top`` per namespace are ke
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from hicache.cache import HiRadixCache
-    from hicache.tree import TreeNode
+    from hicache.tree import RadixTree, TreeNode
 
 HEAD_TOKENS = 8  # first tokens shown per prefix
 
 
-def tree_shape(cache: HiRadixCache, top: int = 10) -> dict[str, Any]:
+class HasTree(Protocol):
+    """What the view reads: a cache's tree (HiRadixCache; the view never needs the rest)."""
+
+    tree: RadixTree
+
+
+def tree_shape(cache: HasTree, top: int = 10) -> dict[str, Any]:
     """Per namespace: nodes, tokens by tier, hits, and the ``top`` prefixes by tokens below."""
     namespaces = []
     truncated = False
