@@ -1,23 +1,34 @@
-"""Handlers of the cache operations (a mixin of Handlers), with per-session ownership.
+"""CacheOps: the cache operations of sessions (alloc, free, match, insert, locks, load-back),
+with per-session ownership.
 
 A session may pass, free or insert only pages it owns (or, for insert, the tree's own pages
 at their place, which the cache itself checks). Every check, limits included, happens before
-the cache changes.
+the cache changes. What it may touch is what its constructor takes: the cache, the sessions'
+owned pages and locks (through the sessions it is handed, and the table for what an
+OUT_OF_MEMORY reply names), the limits, the capacity feed, and the request's context.
+Control thread only.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from hicache.cache import HiRadixCache
+from hicache.daemon.capacity_feed import CapacityFeed
 from hicache.daemon.l3_waits import Deferred
-from hicache.daemon.limits import out_of_memory
-from hicache.daemon.sessions import Session
+from hicache.daemon.limits import SessionLimits, out_of_memory
+from hicache.daemon.request_context import RequestContext
+from hicache.daemon.request_fields import bool_field, int_field, namespaces_field
+from hicache.daemon.sessions import Session, SessionTable
 from hicache.memory import OWNED, TREE
 from hicache.protocol import (
     ErrorCode,
+    Op,
     ProtocolError,
     decode_slots,
     decode_tokens,
@@ -25,7 +36,7 @@ from hicache.protocol import (
     split,
     token_batch,
 )
-from hicache.tree import check_token_bytes
+from hicache.tree import TreeNode, check_token_bytes
 from hicache.types import MatchResult
 
 Frames = list[Any]
@@ -44,7 +55,43 @@ def _need_frames(frames: Frames, count: int, op: str) -> None:
         )
 
 
-class CacheOpsMixin:
+@dataclass
+class LockRecord:
+    node: TreeNode  # the device node locked for the session
+    host_node: TreeNode  # where a load-back of this match would end
+    pinned: int = 0  # device pages this lock made unevictable (no lock held them before)
+
+
+class CacheOps:
+    def __init__(
+        self,
+        cache: HiRadixCache,
+        limits: SessionLimits,
+        capacity: CapacityFeed | None,
+        sessions: SessionTable,
+        context: RequestContext,
+    ):
+        self.cache = cache
+        self.limits = limits  # what one session may hold
+        self.capacity = capacity  # the hit-ratio estimate, fed by matches and inserts
+        self.sessions = sessions  # (read only: who holds the pool, for OUT_OF_MEMORY)
+        self.context = context  # the request being handled: may it wait, do others wait
+
+    def table(self) -> dict[Op, Callable[[Session, dict, Frames], Result]]:
+        """The ops this answers, for the handlers' table."""
+        return {
+            Op.MATCH: self.match,
+            Op.LOAD_BACK: self.load_back,
+            Op.ALLOC: self.alloc,
+            Op.ALLOC_EXTEND: self.alloc_extend,
+            Op.ALLOC_DECODE: self.alloc_decode,
+            Op.FREE: self.free,
+            Op.INSERT: self.insert,
+            Op.LOCK: self.lock,
+            Op.RELEASE: self.release,
+            Op.HOLDINGS: self.holdings,
+        }
+
     # ---- helpers ----
     def _pages(self, slots: np.ndarray) -> list[int]:
         self.cache.device_alloc.check_slot_range(slots)
@@ -68,7 +115,7 @@ class CacheOpsMixin:
 
     # ---- allocation ----
     def alloc(self, session: Session, fields: dict, frames: Frames) -> Result:
-        n = self._int(fields, "num_tokens", 0, self.cache.config.device_tokens)
+        n = int_field(fields, "num_tokens", 0, self.cache.config.device_tokens)
         pages = -(-n // self.cache.page_size)
         self.limits.check_owned(session, pages)
         return self._grant(session, self.cache.alloc(n), pages)
@@ -118,11 +165,11 @@ class CacheOpsMixin:
         _need_frames(frames, 1, "match")
         batch = token_batch(frames[0], fields.get("lengths"), fields.get("shared"))
         check_token_bytes(frames[0])  # every key is built from this frame: one pass for all
-        spaces = self._namespaces(fields, len(batch))
-        lock = self._bool(fields, "lock", True)
+        spaces = namespaces_field(fields, len(batch))
+        lock = bool_field(fields, "lock", True)
         if lock:
             self.limits.check_locks(session, len(batch))
-        l3_wait = self._bool(fields, "l3_wait", True)
+        l3_wait = bool_field(fields, "l3_wait", True)
         fetches = None
         if self.cache.l3 is not None:
             fetches = self._prefetch(batch, spaces, l3_wait)
@@ -131,8 +178,8 @@ class CacheOpsMixin:
         turn_ends = time.perf_counter() + TURN_S
         try:
             for tokens, space in zip(batch, spaces, strict=True):
-                if results and time.perf_counter() > turn_ends and self.others_waiting():
-                    self.match_parts += 1
+                if results and time.perf_counter() > turn_ends and self.context.others_waiting():
+                    self.context.match_parts += 1
                     break  # the rest is asked again: the requests waiting go first
                 m = match_key(tokens, space, True)
                 if m.loading:
@@ -164,7 +211,7 @@ class CacheOpsMixin:
             fetch = l3.prefetch(tokens, space, m.device_hit_length + m.host_hit_length)
             if fetch is not None and not fetch.done:
                 waiting.append((i, fetch))
-        if waiting and wait and self.may_wait and l3.config.wait_bound(1) > 0:
+        if waiting and wait and self.context.may_wait and l3.config.wait_bound(1) > 0:
             raise Deferred([f for _, f in waiting], max(f.deadline for _, f in waiting))
         return waiting
 
@@ -212,7 +259,7 @@ class CacheOpsMixin:
             self.cache.dec_lock_ref(m.last_device_node)
             raise
         session.pinned_pages += pinned
-        return session.add_lock(self.LockRecord(m.last_device_node, m.last_host_node, pinned))
+        return session.add_lock(LockRecord(m.last_device_node, m.last_host_node, pinned))
 
     def _match_reply(self, results: list, chunks: list[bytes]) -> Result:
         """Pages, not slots, travel (the nodes' own page ids): page_size times fewer bytes than
@@ -221,8 +268,8 @@ class CacheOpsMixin:
         return {"results": results, "chunk_pages": [len(c) >> 3 for c in chunks]}, [frame]
 
     def load_back(self, session: Session, fields: dict, frames: Frames) -> Result:
-        lock_id = self._int(fields, "lock_id", 1)
-        wait = self._bool(fields, "wait", True)  # False: answer at once with a ticket
+        lock_id = int_field(fields, "lock_id", 1)
+        wait = bool_field(fields, "wait", True)  # False: answer at once with a ticket
         record = session.locks.get(lock_id)
         if record is None:
             raise ProtocolError(
@@ -283,11 +330,11 @@ class CacheOpsMixin:
         succeeded (the match this one replaces: one round trip, and nothing released when the
         insert fails)."""
         _need_frames(frames, 2, "insert")
-        lock = self._bool(fields, "lock", False)
+        lock = bool_field(fields, "lock", False)
         releases = self._held_ids(session, fields["release"]) if "release" in fields else []
         tokens = split(decode_tokens(frames[0]), fields.get("lengths"), "token ids")
         slots = split(decode_slots(frames[1]), fields.get("lengths"), "slot indices")
-        spaces = self._namespaces(fields, len(tokens))
+        spaces = namespaces_field(fields, len(tokens))
         if lock:
             self.limits.check_locks(session, len(tokens))
         prefix_lens, results, state = [], [], ([], {})
@@ -337,13 +384,13 @@ class CacheOpsMixin:
 
     # ---- locks ----
     def lock(self, session: Session, fields: dict, frames: Frames) -> Result:
-        lock_id = self._int(fields, "lock_id", 1)
+        lock_id = int_field(fields, "lock_id", 1)
         record = session.locks.get(lock_id)
         if record is None:
             raise ProtocolError(ErrorCode.NOT_OWNED, f"lock {lock_id} is not held")
         self.limits.check_locks(session, 1)
         self.cache.inc_lock_ref(record.node)
-        return {"lock_id": session.add_lock(self.LockRecord(record.node, record.host_node))}, []
+        return {"lock_id": session.add_lock(LockRecord(record.node, record.host_node))}, []
 
     def holdings(self, session: Session, fields: dict, frames: Frames) -> Result:
         """What the session holds: its lock ids, and its owned pages as a frame."""

@@ -17,19 +17,20 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from hicache import __version__
 from hicache.cache import HiRadixCache
-from hicache.daemon.cache_ops import CacheOpsMixin
+from hicache.daemon.cache_ops import CacheOps
 from hicache.daemon.capacity_feed import CapacityFeed
 from hicache.daemon.engine_counts import SATURATED, EngineCounts, reported
 from hicache.daemon.engine_tier import EngineTier, no_layout
 from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import SessionLimits
+from hicache.daemon.request_context import RequestContext
+from hicache.daemon.request_fields import bool_field, int_field
 from hicache.daemon.request_stats import RequestStats
 from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
 from hicache.daemon.tier_names import TierNames
@@ -59,13 +60,6 @@ NO_CACHE_OPS = NO_SESSION_OPS | {Op.HEARTBEAT, Op.GOODBYE, Op.REGISTER, Op.HOLDI
 MAX_SESSION_LIST = 1000  # sessions listed by stats (the count is always exact)
 
 
-@dataclass
-class LockRecord:
-    node: TreeNode  # the device node locked for the session
-    host_node: TreeNode  # where a load-back of this match would end
-    pinned: int = 0  # device pages this lock made unevictable (no lock held them before)
-
-
 def printable(name: str) -> str:
     """``name`` with every character that is not printable (terminal escapes, newlines that
     would fake a log line) written as its Python escape."""
@@ -74,35 +68,7 @@ def printable(name: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in name)
 
 
-def _int(fields: dict, name: str, lo: int = 0, hi: int = 2**62) -> int:
-    value = fields.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{name}: expected an int in [{lo}, {hi}]")
-    return value
-
-
-def _bool(fields: dict, name: str, default: bool) -> bool:
-    value = fields.get(name, default)
-    if type(value) is not bool:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{name}: expected true or false")
-    return value
-
-
-def _namespaces(fields: dict, count: int) -> list:
-    spaces = fields.get("namespaces")
-    if spaces is None:
-        return [None] * count
-    if not isinstance(spaces, list) or len(spaces) != count:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"namespaces: expected a list of {count}")
-    return spaces
-
-
-class Handlers(CacheOpsMixin):
-    LockRecord = LockRecord
-    _int = staticmethod(_int)
-    _bool = staticmethod(_bool)
-    _namespaces = staticmethod(_namespaces)
-
+class Handlers:
     def __init__(
         self,
         cache: HiRadixCache,
@@ -131,7 +97,7 @@ class Handlers(CacheOpsMixin):
         self.started = self.clock()
         self.housekeep_errors = 0  # exceptions caught in housekeeping (each one is a bug)
         self.draining = False  # shutting down: hello is refused, heartbeats say so
-        self.may_wait = False  # the request being handled may wait for the third tier
+        self.context = RequestContext()  # the request being handled (the server sets a part)
         self.requests = RequestStats()  # latency per op, errors by code (metrics)
         self.engine_counts = EngineCounts()  # engines' own figures, all sessions (ended too)
         self.op = "unknown"  # the op of the request being handled
@@ -139,32 +105,27 @@ class Handlers(CacheOpsMixin):
         # the CurveZMQ client key it came with, "" without Curve (set by the server)
         self.user: Callable[[], str] = str
         self.server_counters: Callable[[], dict[str, int]] = dict  # the transport's counters
-        # whether another request waits on the transport (set by the server): a long batched
-        # match then answers what it has and lets it go first
-        self.others_waiting: Callable[[], bool] = bool
         self.views = ViewBudget()  # the loop's time for whole-cache views (check, tree)
-        self.match_parts = 0  # batched matches answered in part (others waited: cache_ops)
         self.table: dict[Op, Callable[[Session | None, dict, Frames], Result]] = {
             Op.HELLO: self.hello,
             Op.HEARTBEAT: self.heartbeat,
-            Op.MATCH: self.match,
             Op.CAPACITY: self.capacity_report,
-            Op.LOAD_BACK: self.load_back,
-            Op.ALLOC: self.alloc,
-            Op.ALLOC_EXTEND: self.alloc_extend,
-            Op.ALLOC_DECODE: self.alloc_decode,
-            Op.FREE: self.free,
-            Op.INSERT: self.insert,
-            Op.LOCK: self.lock,
-            Op.RELEASE: self.release,
             Op.EVICT: self.evict,
             Op.FLUSH: self.flush,
             Op.STATS: self.stats,
             Op.TREE: self.tree,
             Op.PING: self.ping,
-            Op.HOLDINGS: self.holdings,
             Op.REGISTER: self.register,
         }
+        self.ops: CacheOps | None = None  # the sessions' cache operations (once there is one)
+        if cache is not None:
+            self._compose_ops()
+
+    def _compose_ops(self) -> None:
+        """The cache operations over the cache there is now (at start, or once an engine
+        registered its layout), their ops added to the table."""
+        self.ops = CacheOps(self.cache, self.limits, self.capacity, self.sessions, self.context)
+        self.table.update(self.ops.table())
 
     # ---- transport-facing -------------------------------------------------------------------
     def handle(
@@ -176,7 +137,7 @@ class Handlers(CacheOpsMixin):
     ) -> tuple[bytes | None, Frames | Deferred]:
         """The reply to one request, or ``(None, Deferred)`` for a match that should wait for
         the third tier (only when ``may_wait``; ``resumed``: it waited, and is answered now)."""
-        self.may_wait = may_wait and not resumed
+        self.context.may_wait = may_wait and not resumed
         started, self.op = time.perf_counter(), "unknown"
         try:
             return self._handle(header, frames)
@@ -292,7 +253,7 @@ class Handlers(CacheOpsMixin):
         client = printable(client)  # shown in logs, `hicache info` and top: no escapes
         if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 2**62:
             raise ProtocolError(ErrorCode.BAD_FIELD, "hello: pid is an int >= 0")
-        admin = self._bool(fields, "admin", False)
+        admin = bool_field(fields, "admin", False)
         if admin:
             token = fields.get("admin_token")
             if (
@@ -332,7 +293,7 @@ class Handlers(CacheOpsMixin):
             counts = reported(req.fields)  # an engine's last figures
         except ProtocolError as exc:  # refused, but the session still ends: its pages come back
             counts, refused = None, exc
-        if self._bool(req.fields, "stopping", False):
+        if bool_field(req.fields, "stopping", False):
             self._stopping(req, counts)
         else:
             ended = self.sessions.end(req.session)
@@ -379,6 +340,7 @@ class Handlers(CacheOpsMixin):
             self.cache, self.limits = made.cache, made.limits
             self.capacity = CapacityFeed.for_cache(made.cache, engine_tier=True)
             self.info.update(made.info)
+            self._compose_ops()
         info = self.info
         return {"layout": layout.as_dict(), "config": info["config"], "pools": info["pools"]}, []
 
@@ -398,8 +360,8 @@ class Handlers(CacheOpsMixin):
                 "from its pool",
             )
         fields = self.tiers.request(fields, ("device_tokens", "host_tokens"))
-        device = self._int(fields, "device_tokens") if "device_tokens" in fields else 0
-        host = self._int(fields, "host_tokens") if "host_tokens" in fields else 0
+        device = int_field(fields, "device_tokens") if "device_tokens" in fields else 0
+        host = int_field(fields, "host_tokens") if "host_tokens" in fields else 0
         freed = self._evict_device(device) if device else 0
         freed_host = self.cache.evict_host(host) if host else 0
         return self.tiers.fields({"device_freed": freed, "host_freed": freed_host}), []
@@ -427,7 +389,7 @@ class Handlers(CacheOpsMixin):
         return self.tiers.fields({"device_freed": freed, "host_freed": freed_host}), []
 
     def stats(self, session: Session | None, fields: dict, frames: Frames) -> Result:
-        check = self._bool(fields, "check", False)
+        check = bool_field(fields, "check", False)
         cache = self.cache
         out: dict[str, Any] = {} if cache is None else self.tiers.fields(cache.stats().as_dict())
         out.update(self.engine_counts.as_dict())
@@ -479,7 +441,7 @@ class Handlers(CacheOpsMixin):
             session_list=listed,
         )
         out["views_refused"] = self.views.refused
-        out["match_parts"] = self.match_parts
+        out["match_parts"] = self.context.match_parts
         if check:
             try:
                 self._whole_cache_view(session, "an integrity check", self.check_integrity)
@@ -498,7 +460,7 @@ class Handlers(CacheOpsMixin):
         try:
             return run()
         finally:
-            self.views.charge(time.perf_counter() - started, self.others_waiting())
+            self.views.charge(time.perf_counter() - started, self.context.others_waiting())
 
     def check_integrity(self) -> None:
         """The cache's invariants, plus the sessions' against it: every OWNED page is owned by
@@ -543,15 +505,15 @@ class Handlers(CacheOpsMixin):
         return self._whole_cache_view(session, "a tree view", lambda: self._tree(fields))
 
     def _tree(self, fields: dict) -> Result:
-        if self._bool(fields, "shape", False):
-            top = self._int(fields, "top", 1, 1000) if "top" in fields else 10
+        if bool_field(fields, "shape", False):
+            top = int_field(fields, "top", 1, 1000) if "top" in fields else 10
             shape = tree_shape(self.cache, top)
             shape["namespaces"] = self.tiers.rows(shape["namespaces"])
             for ns in shape["namespaces"]:
                 for prefix in ns["prefixes"]:
                     prefix["tiers"] = self.tiers.letters(prefix["tiers"])
             return shape, []
-        limit = self._int(fields, "max_nodes", 1, 100_000) if "max_nodes" in fields else 1000
+        limit = int_field(fields, "max_nodes", 1, 100_000) if "max_nodes" in fields else 1000
         nodes, tiers = [], self.tiers
         for node in self.cache.tree.iter_nodes():
             if len(nodes) == limit:

@@ -194,7 +194,7 @@ class Daemon:
             engine_tier=tier,
         )
         self.handlers.server_counters = self._counters
-        self.handlers.others_waiting = lambda: queued(self.sock)
+        self.handlers.context.others_waiting = lambda: queued(self.sock)
         if settings.curve:  # (read only by a hello: a property costs a call per message)
             self.handlers.user = lambda: self._peer_user()
         if settings.metrics_port:

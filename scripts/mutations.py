@@ -297,7 +297,7 @@ MUTATIONS = [
     Mutation(
         "batched-match-never-yields",
         "daemon/cache_ops.py",
-        "if results and time.perf_counter() > turn_ends and self.others_waiting():",
+        "if results and time.perf_counter() > turn_ends and self.context.others_waiting():",
         "if False:",
         ("tests/test_fair_turns.py",),
     ),

@@ -78,7 +78,7 @@ def test_a_batch_answers_in_turns_while_others_wait_and_alone_in_one(monkeypatch
     _call(handlers, session, Op.RELEASE, {"all": True})
 
     monkeypatch.setattr(cache_ops, "TURN_S", 0.0)
-    handlers.others_waiting = lambda: True  # someone always waits: one prompt per turn
+    handlers.context.others_waiting = lambda: True  # someone always waits: one prompt per turn
     turns, results = 0, []
     while len(results) < len(PROMPTS):
         fields, frames = _batch_fields(PROMPTS[len(results) :], lock=True)
@@ -113,7 +113,7 @@ def test_the_client_asks_again_for_the_rest_and_releases_all_when_a_part_fails(t
             asked = _matches_served(daemon)
             old_turn = cache_ops.TURN_S
             cache_ops.TURN_S = 0.0
-            daemon.handlers.others_waiting = lambda: True
+            daemon.handlers.context.others_waiting = lambda: True
             try:
                 parts = hc.match_batch(PROMPTS, lock=True)
                 again = _matches_served(daemon)
@@ -141,7 +141,7 @@ def test_the_client_asks_again_for_the_rest_and_releases_all_when_a_part_fails(t
                 assert hc.holdings().lock_ids == []  # the first two parts' locks went back
             finally:
                 cache_ops.TURN_S = old_turn
-                daemon.handlers.others_waiting = bool
+                daemon.handlers.context.others_waiting = bool
             assert hc.stats(check=True)["integrity"] == "ok"
     finally:
         daemon.stop()
@@ -173,7 +173,7 @@ def test_integrity_checks_and_tree_views_of_non_admins_are_limited_admins_are_no
     hello = {"client": "op", "pid": 2, "admin": True, "admin_token": "tok"}
     admin = _call(handlers, 0, Op.HELLO, hello)[0].fields["session"]
     handlers.views = ViewBudget(share=1e-9, burst_s=0.0)  # any view others waited for: over
-    handlers.others_waiting = lambda: True
+    handlers.context.others_waiting = lambda: True
     first, _ = _call(handlers, session, Op.TREE, {})
     assert first.ok
     for op, fields, who in ((Op.TREE, {}, session), (Op.STATS, {"check": True}, 0),
