@@ -1,8 +1,12 @@
 """HiRadixCache: the two-tier radix cache (device pool + host pool) that everything builds on.
 
 Not thread-safe: one thread (the daemon's control loop, or an engine) calls every method;
-only the transfer engine copies on threads of its own. Eviction lives in ``tiering.py``,
-backups, loads and acks in ``transfer_book.py``, the invariant checks in ``integrity.py``.
+only the transfer engine copies on threads of its own. It composes its parts, each handed
+the state it touches: ``Tiering`` (eviction, allocation that makes room: ``tiering.py``),
+``TransferBook`` (backups, loads and their acks: ``transfers/book.py``) and ``Inserter`` (the
+insert path: ``tree/insert.py``); matches, locks and allocation are its own. The invariant
+checks (``integrity.py``) and the third tier see it through ``cache_view.py``'s interfaces,
+which the thin delegates at the end of the class keep whole.
 
 Who owns a device page: the free list, exactly one caller (after alloc, until insert or free),
 or the tree (after insert). Pages the tree hands to a copy stay the tree's until the copy's ack.
@@ -21,17 +25,17 @@ from hicache.config import HiCacheConfig
 from hicache.integrity import check_cache_integrity
 from hicache.memory import Backing, DevicePool, HostPool, PagedAllocator, PageState, PageSums
 from hicache.observe import CacheStats, Counters
-from hicache.tiering import TieringMixin
+from hicache.tiering import Tiering
 from hicache.transfers import (
     Copier,
     ThreadTransferEngine,
-    TransferBookMixin,
+    TransferBook,
     TransferEngine,
     make_copier,
 )
 from hicache.tree import (
     IO_LOAD,
-    InsertMixin,
+    Inserter,
     LeafHeap,
     MovedLocks,
     Namespace,
@@ -44,7 +48,8 @@ from hicache.tree import (
     make_priority,
     tally,
 )
-from hicache.types import MatchResult
+from hicache.types import EvictResult, MatchResult, Ticket
+from hicache.write_policy import make_write_policy
 
 if TYPE_CHECKING:
     from hicache.l3.tier import L3Tier
@@ -62,7 +67,7 @@ def default_engine(config: HiCacheConfig) -> EngineFactory:
     return CudaTransferEngine
 
 
-class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
+class HiRadixCache:
     """Prefix cache over token ids with a device pool, an optional host pool and policies."""
 
     def __init__(
@@ -97,9 +102,38 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         self.host_heap = LeafHeap(priority)  # host eviction candidates
         self.user_locks: Counter[TreeNode] = Counter()  # inc_lock_ref calls not yet undone
         self.moved_locks = MovedLocks()  # user locks moved off nodes a failed load dropped
-        self.l3: L3Tier | None = None  # the store under the host tier (attach_l3)
+        self.write_policy = make_write_policy(config)
         self.events: TierEvents | None = None  # KV events of tier changes (attach_events)
-        self._init_transfers()
+        self.tiering = Tiering(
+            self.tree,
+            self.device_alloc,
+            self.host_alloc,
+            self.device_heap,
+            self.host_heap,
+            self.write_policy,
+            self.counters,
+        )
+        self.book = TransferBook(
+            config,
+            self.tree,
+            self.device_alloc,
+            self.host_alloc,
+            self.engine,
+            self.write_policy,
+            self.counters,
+            self.tiering,
+            self.user_locks,
+            self.moved_locks,
+        )
+        self.tiering.book = self.book  # (each calls the other)
+        self.inserter = Inserter(
+            self.tree,
+            self.device_alloc,
+            self.book.wait_load,
+            self.tiering.push_device,
+            self._after_insert,
+        )
+        self._l3: L3Tier | None = None  # the store under the host tier (attach_l3)
 
     # ---- allocation (device pool) ---------------------------------------------------------
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
@@ -109,7 +143,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         """
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
             raise ValueError(f"alloc: num_tokens must be a non-negative int, got {num_tokens!r}")
-        pages = self._alloc_device(-(-num_tokens // self.page_size), PageState.OWNED)
+        pages = self.tiering.alloc_device(-(-num_tokens // self.page_size), PageState.OWNED)
         if pages is None:
             return None
         return torch.from_numpy(self.device_alloc.slots_of_pages(pages, num_tokens))
@@ -129,7 +163,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         self._check_partial_pages(p, last)
         need = self.device_alloc.extend_pages_needed(p, s)
         if self.device_alloc.free_pages < need:
-            self._make_device_room(need)
+            self.tiering.make_device_room(need)
         out = self.device_alloc.alloc_extend(p, s, last)
         return None if out is None else torch.from_numpy(out)
 
@@ -141,7 +175,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         self._check_partial_pages(s - 1, last)
         need = int(((s - 1) % self.page_size == 0).sum())
         if self.device_alloc.free_pages < need:
-            self._make_device_room(need)
+            self.tiering.make_device_room(need)
         out = self.device_alloc.alloc_decode(s, last)
         return None if out is None else torch.from_numpy(out)
 
@@ -232,7 +266,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         host = path[n_dev:]
         for node in host:  # keep the host part alive while a backup may evict host leaves
             node.host_ref += 1
-        self._backup_hot(path[:n_dev])
+        self.book.backup_hot(path[:n_dev])
         for node in host:
             node.host_ref -= 1
 
@@ -270,7 +304,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         if not self.user_locks[node]:
             del self.user_locks[node]
         delta = self.tree.dec_lock(node)
-        self._push_device(node)
+        self.tiering.push_device(node)
         return delta
 
     def lock_count(self, node: TreeNode) -> int:
@@ -294,7 +328,15 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         if len(slots) != len(tokens):
             raise ValueError(f"insert: {len(tokens)} token ids but {len(slots)} device indices")
         self.counters.insert_calls += 1
-        return self._insert(tokens, slots, namespace)
+        return self.inserter.insert(tokens, slots, namespace)
+
+    def _after_insert(self, path: list[TreeNode], leaf: TreeNode | None) -> None:
+        """What follows an insert: a backup of the nodes whose hits call for one, or, with no
+        host tier, the third tier under the only pool takes the new leaf."""
+        if self.host_alloc is not None:
+            self.book.backup_hot(path + [leaf] if leaf else path)
+        elif self._l3 is not None and leaf is not None:
+            self._l3.after_backup([leaf])
 
     # ---- maintenance -------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -310,7 +352,7 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             host_capacity_tokens=host.capacity_pages * ps if host else 0,
             host_free_tokens=host.free_pages * ps if host else 0,
             host_cached_tokens=host.count(PageState.TREE) * ps if host else 0,
-            inflight_transfers=len(self.records),
+            inflight_transfers=len(self.book.records),
             tree_nodes=self.tree.num_nodes,
             **vars(self.counters),
         )
@@ -320,6 +362,15 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
         if tier.cache is not self:
             raise ValueError("attach_l3: the tier was made for another cache")
         self.l3 = tier
+
+    @property
+    def l3(self) -> L3Tier | None:
+        """The store under the host tier (attach_l3), or None."""
+        return self._l3
+
+    @l3.setter
+    def l3(self, tier: L3Tier | None) -> None:
+        self._l3 = self.tiering.l3 = self.book.l3 = tier
 
     def attach_events(self, events: TierEvents) -> None:
         """Report tier changes from now on (take them with ``events.take()``). Pages already
@@ -341,11 +392,69 @@ class HiRadixCache(InsertMixin, TieringMixin, TransferBookMixin):
             self.l3.close()
             self.l3 = None
         if self.engine is not None:
-            self.engine.wait(list(self.records))
-            self.poll()
+            self.book.settle()
             self.engine.close()
             self.host_pool.close()  # type: ignore[union-attr]
         self.device_pool.close()
+
+    # ---- delegates: the parts' interface as the cache's (cache_view.py, the daemon) -------
+    @property
+    def records(self) -> dict[Ticket, object]:
+        """Copies submitted and not acknowledged, by ticket (TransferRecord)."""
+        return self.book.records
+
+    @property
+    def transfer_seconds(self) -> dict:
+        return self.book.transfer_seconds
+
+    @property
+    def transfer_bytes(self) -> dict:
+        return self.book.transfer_bytes
+
+    def evict(self, num_tokens: int, to_l3: bool = True) -> EvictResult:
+        """Evict at least ``num_tokens`` device tokens (Tiering.evict)."""
+        return self.tiering.evict(num_tokens, to_l3)
+
+    def evict_host(self, num_tokens: int, to_l3: bool = True) -> int:
+        """Remove host-only leaves for ``num_tokens`` host tokens (Tiering.evict_host)."""
+        return self.tiering.evict_host(num_tokens, to_l3)
+
+    def load_back(self, node: TreeNode, mem_quota: int | None = None) -> torch.Tensor | None:
+        """Start loading the host-only chain that ends at ``node`` (TransferBook.load_back)."""
+        return self.book.load_back(node, mem_quota)
+
+    def load_ticket(self, node: TreeNode) -> Ticket | None:
+        return self.book.load_ticket(node)
+
+    def wait_load(self, node: TreeNode, timeout: float | None = None) -> bool:
+        return self.book.wait_load(node, timeout)
+
+    def poll(self) -> int:
+        """Process every ack the transfer engine has; returns how many."""
+        return self.book.poll()
+
+    @staticmethod
+    def _device_candidate(node: TreeNode) -> bool:
+        return Tiering.device_candidate(node)
+
+    @staticmethod
+    def _host_candidate(node: TreeNode) -> bool:
+        return Tiering.host_candidate(node)
+
+    def _push_device(self, node: TreeNode | None) -> None:
+        self.tiering.push_device(node)
+
+    def _push_host(self, node: TreeNode | None) -> None:
+        self.tiering.push_host(node)
+
+    def _alloc_device(self, num_pages: int, state: PageState) -> np.ndarray | None:
+        return self.tiering.alloc_device(num_pages, state)
+
+    def _alloc_host_pages(self, num_pages: int, state: PageState) -> np.ndarray | None:
+        return self.tiering.alloc_host_pages(num_pages, state)
+
+    def _drop_empty_root(self, root: TreeNode) -> None:
+        self.tree.drop_if_empty(root)
 
     def __enter__(self) -> HiRadixCache:
         return self

@@ -1,4 +1,4 @@
-"""Eviction on both tiers and allocation that makes room (a mixin of HiRadixCache).
+"""Tiering: eviction on both tiers, and allocation that makes room (composed by HiRadixCache).
 
 Device eviction takes unlocked device leaves (nodes with no device child and no transfer in
 flight), lowest priority first:
@@ -10,24 +10,59 @@ flight), lowest priority first:
 
 Host eviction removes host-only leaves (no children at all; host-only nodes never take part in
 a transfer). Both re-queue a parent that becomes a candidate.
+
+What it touches is what its constructor takes: the tree, both page allocators and both
+eviction heaps, the write policy and the counters. It asks the transfer book (``book``, set
+once both exist: each calls the other) to back up what eviction must keep and to settle the
+copies in flight when it needs their pages, and the third tier (``l3``, once attached)
+whether it takes pages that leave. Control thread only.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from hicache.memory import PageState
-from hicache.tree import IO_NONE, TreeNode
+from hicache.memory import PagedAllocator, PageState
+from hicache.observe import Counters
+from hicache.tree import IO_NONE, LeafHeap, RadixTree, TreeNode
 from hicache.types import EvictResult
+from hicache.write_policy import WritePolicy
+
+if TYPE_CHECKING:
+    from hicache.l3.tier import L3Tier
+    from hicache.transfers import TransferBook
 
 # Rebuild a heap when it holds this many times more entries than the tree has nodes.
 HEAP_GARBAGE_FACTOR = 4
 
 
-class TieringMixin:
+class Tiering:
+    def __init__(
+        self,
+        tree: RadixTree,
+        device_alloc: PagedAllocator,
+        host_alloc: PagedAllocator | None,
+        device_heap: LeafHeap,
+        host_heap: LeafHeap,
+        write_policy: WritePolicy,
+        counters: Counters,
+    ):
+        self.tree = tree
+        self.page_size = tree.page_size
+        self.device_alloc = device_alloc
+        self.host_alloc = host_alloc  # None: no host tier
+        self.device_heap = device_heap  # device eviction candidates
+        self.host_heap = host_heap  # host eviction candidates
+        self.write_policy = write_policy  # whether eviction backs up first
+        self.counters = counters  # evicted tokens
+        self.book: TransferBook | None = None  # backups and the copies in flight (set after)
+        self.l3: L3Tier | None = None  # the store under the lowest pool (attach_l3)
+
     # ---- candidates ----------------------------------------------------------------------
     @staticmethod
-    def _device_candidate(node: TreeNode) -> bool:
+    def device_candidate(node: TreeNode) -> bool:
         return (
             node.parent is not None
             and node.device_pages is not None
@@ -37,7 +72,7 @@ class TieringMixin:
         )
 
     @staticmethod
-    def _host_candidate(node: TreeNode) -> bool:
+    def host_candidate(node: TreeNode) -> bool:
         return (
             node.parent is not None
             and node.device_pages is None
@@ -46,17 +81,17 @@ class TieringMixin:
             and node.host_ref == 0
         )
 
-    def _push_device(self, node: TreeNode | None) -> None:
-        if node is not None and self._device_candidate(node):
+    def push_device(self, node: TreeNode | None) -> None:
+        if node is not None and self.device_candidate(node):
             if self.device_heap.push(node) > HEAP_GARBAGE_FACTOR * self.tree.num_nodes + 64:
                 nodes = self.tree.iter_nodes()
-                self.device_heap.rebuild(n for n in nodes if self._device_candidate(n))
+                self.device_heap.rebuild(n for n in nodes if self.device_candidate(n))
 
-    def _push_host(self, node: TreeNode | None) -> None:
-        if node is not None and self.host_alloc is not None and self._host_candidate(node):
+    def push_host(self, node: TreeNode | None) -> None:
+        if node is not None and self.host_alloc is not None and self.host_candidate(node):
             if self.host_heap.push(node) > HEAP_GARBAGE_FACTOR * self.tree.num_nodes + 64:
                 nodes = self.tree.iter_nodes()
-                self.host_heap.rebuild(n for n in nodes if self._host_candidate(n))
+                self.host_heap.rebuild(n for n in nodes if self.host_candidate(n))
 
     # ---- device ---------------------------------------------------------------------------
     def evict(self, num_tokens: int, to_l3: bool = True) -> EvictResult:
@@ -66,40 +101,40 @@ class TieringMixin:
         freed = pending = 0
         backups: dict[TreeNode, None] = {}  # ordered set: stays a candidate until issued
         while freed + pending < num_tokens:
-            node = self.device_heap.pop(self._device_candidate)
+            node = self.device_heap.pop(self.device_candidate)
             if node is None:
                 break
             if node in backups:
                 continue
             if node.host_pages is not None:
-                freed += self._drop_device(node)
+                freed += self.drop_device(node)
             elif self.host_alloc is not None and (
                 self.write_policy.backup_on_evict or node.children
             ):
                 backups[node] = None
                 pending += node.num_tokens
-            elif self._delete_device_leaf(node, to_l3):
+            elif self.delete_device_leaf(node, to_l3):
                 freed += node.num_tokens
             else:  # a write to the third tier still reads its pages: freed when it ends
                 pending += node.num_tokens
-        if backups and not self._backup(list(backups), evict_on_ack=True):
+        if backups and not self.book.backup(list(backups), evict_on_ack=True):
             pending = 0
             for node in backups:  # the host is full: fall back to dropping them
-                self._drop_host_subtrees(node)
-                self._delete_device_leaf(node, to_l3)  # (free now: there is a host tier)
+                self.drop_host_subtrees(node)
+                self.delete_device_leaf(node, to_l3)  # (free now: there is a host tier)
                 freed += node.num_tokens
         self.counters.evicted_device_tokens += freed
         return EvictResult(freed, pending)
 
-    def _drop_device(self, node: TreeNode) -> int:
+    def drop_device(self, node: TreeNode) -> int:
         """Free a synced node's device pages; it stays in the tree as host-only."""
         self.device_alloc.release(node.device_page_ids())
         self.tree.set_device(node, None)
-        self._push_host(node)
-        self._push_device(node.parent)
+        self.push_host(node)
+        self.push_device(node.parent)
         return node.num_tokens
 
-    def _delete_device_leaf(self, node: TreeNode, to_l3: bool = True) -> bool:
+    def delete_device_leaf(self, node: TreeNode, to_l3: bool = True) -> bool:
         """Remove a device-only childless node from the tree; returns whether its pages are
         free now. Without a host tier, a write to a third tier under the device pool that
         still reads them takes them instead, and frees them when it ends (False)."""
@@ -110,11 +145,11 @@ class TieringMixin:
             self.device_alloc.release(node.device_page_ids())
         self.tree.set_device(node, None)
         self.tree.remove_leaf(node)
-        self._push_device(parent)
-        self._push_host(parent)
+        self.push_device(parent)
+        self.push_host(parent)
         return free
 
-    def _drop_host_subtrees(self, node: TreeNode) -> None:
+    def drop_host_subtrees(self, node: TreeNode) -> None:
         """Remove every (host-only) descendant of ``node``, freeing their host pages."""
         stack = list(node.children.values())
         order: list[TreeNode] = []
@@ -123,20 +158,20 @@ class TieringMixin:
             order.append(child)
             stack.extend(child.children.values())
         for child in reversed(order):  # children before parents
-            self._release_host(child)
+            self.release_host(child)
             child.host_pages = None
             self.tree.remove_leaf(child)
             self.counters.evicted_host_tokens += child.num_tokens
 
-    def _alloc_device(self, num_pages: int, state: PageState) -> np.ndarray | None:
+    def alloc_device(self, num_pages: int, state: PageState) -> np.ndarray | None:
         """Allocate device pages, evicting (and waiting for write-back acks) when short."""
         pages = self.device_alloc.alloc_pages(num_pages, state)
         if pages is None:
-            self._make_device_room(num_pages)
+            self.make_device_room(num_pages)
             pages = self.device_alloc.alloc_pages(num_pages, state)
         return pages
 
-    def _make_device_room(self, num_pages: int) -> None:
+    def make_device_room(self, num_pages: int) -> None:
         """Evict until ``num_pages`` are free, or nothing more can be evicted. A request larger
         than the whole pool evicts nothing: it could never succeed."""
         alloc = self.device_alloc
@@ -146,12 +181,11 @@ class TieringMixin:
             result = self.evict((num_pages - alloc.free_pages) * self.page_size)
             if alloc.free_pages >= num_pages:
                 return
-            if self.records:  # acks free write-back pages and release backup locks
-                self.engine.wait(list(self.records))
-                self.poll()
-            elif self.l3 is not None and self.l3.collect_writes():  # (never waits for one)
+            if self.book.settle():  # acks free write-back pages and release backup locks
                 continue
-            elif result.freed == 0:
+            if self.l3 is not None and self.l3.collect_writes():  # (never waits for one)
+                continue
+            if result.freed == 0:
                 return
 
     # ---- host -----------------------------------------------------------------------------
@@ -163,20 +197,20 @@ class TieringMixin:
             return 0
         freed = 0
         while freed < num_tokens:
-            node = self.host_heap.pop(self._host_candidate)
+            node = self.host_heap.pop(self.host_candidate)
             if node is None:
                 break
             parent = node.parent
-            self._release_host(node, to_l3)
+            self.release_host(node, to_l3)
             node.host_pages = None
             self.tree.remove_leaf(node)
             freed += node.num_tokens
-            self._push_host(parent)
-            self._push_device(parent)
+            self.push_host(parent)
+            self.push_device(parent)
         self.counters.evicted_host_tokens += freed
         return freed
 
-    def _release_host(self, node: TreeNode, to_l3: bool = True) -> None:
+    def release_host(self, node: TreeNode, to_l3: bool = True) -> None:
         """Give back a node's host pages, unless the third tier takes them (a write-back, or a
         write still reading them): then they are freed when that write ends."""
         l3 = self.l3
@@ -184,11 +218,7 @@ class TieringMixin:
             return
         self.host_alloc.release(node.host_pages)
 
-    def _alloc_host(self, num_pages: int) -> np.ndarray | None:
-        """Allocate host pages for the tree, evicting host-only leaves when short."""
-        return self._alloc_host_pages(num_pages, PageState.TREE)
-
-    def _alloc_host_pages(self, num_pages: int, state: PageState) -> np.ndarray | None:
+    def alloc_host_pages(self, num_pages: int, state: PageState) -> np.ndarray | None:
         """Allocate host pages (marked ``state``), evicting host-only leaves when short."""
         pages = self.host_alloc.alloc_pages(num_pages, state)
         if pages is None:

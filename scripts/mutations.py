@@ -49,7 +49,7 @@ MUTATIONS = [
     ),
     Mutation(
         "daemon-ignores-namespaces",
-        "daemon/handlers.py",
+        "daemon/request_fields.py",
         'spaces = fields.get("namespaces")',
         "spaces = None",
         ("tests/test_daemon.py", "-k", "namespaces"),
@@ -65,7 +65,7 @@ MUTATIONS = [
         "failed-load-keeps-device-pages",
         "hicache/transfers/book.py",
         '            assert node.lock_ref == 0, f"{node}: locked below a failed load"\n'
-        "            self._drop_device(node)",
+        "            self.tiering.drop_device(node)",
         '            assert node.lock_ref == 0, f"{node}: locked below a failed load"',
         ("tests/test_failed_copies.py", "tests/test_stateful.py"),
     ),
@@ -150,7 +150,7 @@ MUTATIONS = [
     Mutation(
         "stopping-goodbye-frees-at-once",
         "daemon/handlers.py",
-        '        if self._bool(req.fields, "stopping", False):',
+        '        if bool_field(req.fields, "stopping", False):',
         "        if False:",
         ("tests/test_vllm_sides.py",),
     ),

@@ -27,7 +27,7 @@ _EXPORTS = {
     "ThreadTransferEngine": "hicache.transfers.cpu",
     "CudaTransferEngine": "hicache.transfers.cuda",
     "ManualTransferEngine": "hicache.transfers.manual",
-    "TransferBookMixin": "hicache.transfers.book",
+    "TransferBook": "hicache.transfers.book",
     "Copier": "hicache.transfers.copiers",
     "CpuCopier": "hicache.transfers.copiers",
     "DirectCopier": "hicache.transfers.copiers",
@@ -56,7 +56,7 @@ __all__ = [
     "LoadFailed",
     "ManualTransferEngine",
     "ThreadTransferEngine",
-    "TransferBookMixin",
+    "TransferBook",
     "TransferEngine",
     "copy_pages_c",
     "make_copier",
@@ -65,7 +65,7 @@ __all__ = [
 __getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:
-    from hicache.transfers.book import TransferBookMixin
+    from hicache.transfers.book import TransferBook
     from hicache.transfers.copiers import (
         Copier,
         CpuCopier,

@@ -1,4 +1,4 @@
-"""Backups, load-backs and their acknowledgements (a mixin of HiRadixCache).
+"""TransferBook: backups, load-backs and their acknowledgements (composed by HiRadixCache).
 
 Every copy in flight has a TransferRecord keyed by its ticket. While it exists:
 
@@ -9,23 +9,36 @@ Every copy in flight has a TransferRecord keyed by its ticket. While it exists:
   pages being written; the chain's last node holds one lock (``locked``).
 
 Nothing is freed or unlocked until ``poll`` has seen the ack.
+
+What it touches is what its constructor takes: the tree (io states, locks), both page
+allocators, the transfer engine, the write policy, the counters and the callers' locks (a
+failed load moves them); it asks tiering for pages (evicting for room) and to re-queue or drop
+nodes as copies end, and tells the third tier (``l3``, once attached) what a backup made
+durable. Control thread only.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from hicache.memory import PageState
-from hicache.observe import BYTES, SECONDS, Histogram
-from hicache.transfers.engine import Ack, Direction
-from hicache.tree import IOState, TreeNode
+from hicache.config import HiCacheConfig
+from hicache.memory import PagedAllocator, PageState
+from hicache.observe import BYTES, SECONDS, Counters, Histogram
+from hicache.transfers.engine import Ack, Direction, TransferEngine
+from hicache.tree import IOState, MovedLocks, RadixTree, TreeNode
 from hicache.types import Ticket
-from hicache.write_policy import make_write_policy
+from hicache.write_policy import WritePolicy
+
+if TYPE_CHECKING:
+    from hicache.l3.tier import L3Tier
+    from hicache.tiering import Tiering
 
 log = logging.getLogger("hicache.cache")
 
@@ -48,16 +61,39 @@ def _split_pages(pages: np.ndarray, nodes: list[TreeNode], page_size: int) -> li
     return np.split(pages, bounds)
 
 
-class TransferBookMixin:
-    def _init_transfers(self) -> None:
-        self.write_policy = make_write_policy(self.config)
-        self.records: dict[Ticket, TransferRecord] = {}
+class TransferBook:
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        tree: RadixTree,
+        device_alloc: PagedAllocator,
+        host_alloc: PagedAllocator | None,
+        engine: TransferEngine | None,
+        write_policy: WritePolicy,
+        counters: Counters,
+        tiering: Tiering,
+        user_locks: Counter[TreeNode],
+        moved_locks: MovedLocks,
+    ):
+        self.config = config
+        self.page_size = config.page_size
+        self.tree = tree
+        self.device_alloc = device_alloc
+        self.host_alloc = host_alloc  # None: no host tier (and no engine)
+        self.engine = engine  # the copies; None without a host tier
+        self.write_policy = write_policy  # which hits back up
+        self.counters = counters
+        self.tiering = tiering  # pages (evicting for room), candidates, drops
+        self.user_locks = user_locks  # inc_lock_ref calls not yet undone, per node
+        self.moved_locks = moved_locks  # locks a failed load moved to its anchor
+        self.l3: L3Tier | None = None  # the store under the host pool (attach_l3)
+        self.records: dict[Ticket, TransferRecord] = {}  # copies submitted, not acknowledged
         # per direction ("backup", "load"): seconds from submit to ack, and bytes per copy
         self.transfer_seconds = {d: Histogram(SECONDS) for d in ("backup", "load")}
         self.transfer_bytes = {d: Histogram(BYTES) for d in ("backup", "load")}
 
     # ---- backup ---------------------------------------------------------------------------
-    def _backup_hot(self, nodes: list[TreeNode]) -> None:
+    def backup_hot(self, nodes: list[TreeNode]) -> None:
         """Back up the device nodes whose hits reached the policy's threshold."""
         if self.host_alloc is None:
             return
@@ -68,14 +104,14 @@ class TransferBookMixin:
             if n.host_pages is None and n.device_pages is not None and wants(n.hit_count)
         ]
         if hot:
-            self._backup(hot, evict_on_ack=False)
+            self.backup(hot, evict_on_ack=False)
 
-    def _backup(self, nodes: list[TreeNode], evict_on_ack: bool) -> bool:
+    def backup(self, nodes: list[TreeNode], evict_on_ack: bool) -> bool:
         """Start one copy of ``nodes`` to fresh host pages; False (nothing changed) when the
         host pool is full even after host eviction."""
         ps = self.page_size
         tokens = sum(n.num_tokens for n in nodes)
-        host = self._alloc_host(tokens // ps)
+        host = self.tiering.alloc_host_pages(tokens // ps, PageState.TREE)
         if host is None:
             self.counters.backup_failed_tokens += tokens
             return False
@@ -130,12 +166,12 @@ class TransferBookMixin:
         for n in chain:  # protect the host pages first: making room may evict on both tiers
             n.host_ref += 1
         self.tree.inc_lock(anchor)
-        device = self._alloc_device(tokens // self.page_size, PageState.TREE)
+        device = self.tiering.alloc_device(tokens // self.page_size, PageState.TREE)
         self.tree.dec_lock(anchor)
         if device is None:
             for n in chain:
                 n.host_ref -= 1
-            self._push_device(anchor)
+            self.tiering.push_device(anchor)
             return None
         host = np.concatenate([n.host_pages for n in chain])
         ticket = self.engine.submit(Direction.LOAD, device, host)
@@ -170,6 +206,14 @@ class TransferBookMixin:
         return done
 
     # ---- acknowledgements ---------------------------------------------------------------------
+    def settle(self) -> bool:
+        """Wait for every copy in flight and process the acks; False when none was."""
+        if not self.records:
+            return False
+        self.engine.wait(list(self.records))  # type: ignore[union-attr]
+        self.poll()
+        return True
+
     def poll(self) -> int:
         """Process every ack the transfer engine has; returns how many."""
         if self.engine is None:
@@ -210,10 +254,10 @@ class TransferBookMixin:
             self.counters.backup_tokens += record.tokens
             self.counters.backup_bytes += record.tokens * self.config.token_bytes
         for node in sorted(record.nodes, key=lambda n: -self._depth(n)):
-            if ok and record.evict_on_ack and self._device_candidate(node):
-                self.counters.evicted_device_tokens += self._drop_device(node)
+            if ok and record.evict_on_ack and self.tiering.device_candidate(node):
+                self.counters.evicted_device_tokens += self.tiering.drop_device(node)
             else:
-                self._push_device(node)
+                self.tiering.push_device(node)
         if ok and self.l3 is not None:  # their host copies exist: the store may take them
             self.l3.after_backup(sorted(record.nodes, key=self._depth))
 
@@ -228,7 +272,7 @@ class TransferBookMixin:
         else:
             self._drop_failed_load(record)
         for node in record.nodes:
-            self._push_device(node)
+            self.tiering.push_device(node)
 
     def _drop_failed_load(self, record: TransferRecord) -> None:
         """A failed load's device pages hold garbage: every node of the chain loses its device
@@ -249,7 +293,7 @@ class TransferBookMixin:
                     for _ in range(held):
                         self.tree.inc_lock(anchor)
             assert node.lock_ref == 0, f"{node}: locked below a failed load"
-            self._drop_device(node)
+            self.tiering.drop_device(node)
 
     def _drop_corrupt_chain(self, record: TransferRecord, error: str) -> None:
         """A load found host pages that changed since they were written (verify_pages): after
@@ -260,13 +304,13 @@ class TransferBookMixin:
         for node in sorted(record.nodes, key=lambda n: -self._depth(n)):  # deepest first
             if not self.tree.in_tree(node) or node.device_pages is not None:
                 continue
-            self._drop_host_subtrees(node)
+            self.tiering.drop_host_subtrees(node)
             parent = node.parent
-            self._release_host(node, to_l3=False)
+            self.tiering.release_host(node, to_l3=False)
             node.host_pages = None
             self.tree.remove_leaf(node)
-            self._push_device(parent)
-            self._push_host(parent)
+            self.tiering.push_device(parent)
+            self.tiering.push_host(parent)
             dropped += node.num_tokens
         self.counters.corrupt_host_tokens += dropped
         self.counters.evicted_host_tokens += dropped

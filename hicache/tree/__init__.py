@@ -28,7 +28,7 @@ _EXPORTS = {
     "store_release": "hicache.tree.fastpath",
     "tally": "hicache.tree.fastpath",
     "unpack_shared": "hicache.tree.fastpath",
-    "InsertMixin": "hicache.tree.insert",
+    "Inserter": "hicache.tree.insert",
     "MovedLocks": "hicache.tree.locks",
     "IOState": "hicache.tree.node",
     "IO_BACKUP": "hicache.tree.node",
@@ -47,7 +47,7 @@ __all__ = [
     "IO_BACKUP",
     "IO_LOAD",
     "IO_NONE",
-    "InsertMixin",
+    "Inserter",
     "LeafHeap",
     "MovedLocks",
     "Namespace",
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
         tally,
         unpack_shared,
     )
-    from hicache.tree.insert import InsertMixin
+    from hicache.tree.insert import Inserter
     from hicache.tree.locks import MovedLocks
     from hicache.tree.node import IO_BACKUP, IO_LOAD, IO_NONE, IOState, TreeNode
     from hicache.tree.radix_tree import Namespace, RadixTree

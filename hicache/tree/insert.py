@@ -1,4 +1,4 @@
-"""Insert: hand a finished prefix to the tree (a mixin of HiRadixCache).
+"""Inserter: hand a finished prefix to the tree (composed by HiRadixCache).
 
 Index regions of one insert call (page_size 4, 14 tokens; ``|`` marks page boundaries). Nodes
 hold page ids; the caller's slots are validated and turned into page ids once::
@@ -10,20 +10,45 @@ hold page ids; the caller's slots are validated and turned into page ids once::
 
 If B were host-only, the caller's pages for it would be adopted as its device copy instead
 of freed; tokens past the covered part become one new leaf with the caller's pages.
+
+What it touches is what its constructor takes: the tree and the device page allocator (the
+caller's pages become the tree's). Three calls go back to the cache: wait for a load still
+writing the prefix, offer the last node to device eviction, and what follows an insert (a
+backup of hot nodes, or the third tier under the only pool). Control thread only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
-from hicache.memory import OWNED, TREE
+from hicache.memory import OWNED, TREE, PagedAllocator
 from hicache.tree.fastpath import own_nodes, slot_pages
 from hicache.tree.node import IO_LOAD, TreeNode
-from hicache.tree.radix_tree import Namespace
+from hicache.tree.radix_tree import Namespace, RadixTree
 
 
-class InsertMixin:
-    def _insert(self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace) -> int:
+class Inserter:
+    def __init__(
+        self,
+        tree: RadixTree,
+        device_alloc: PagedAllocator,
+        wait_load: Callable[[TreeNode], object],
+        push_device: Callable[[TreeNode | None], None],
+        after_insert: Callable[[list[TreeNode], TreeNode | None], None],
+    ):
+        self.tree = tree
+        self.page_size = tree.page_size
+        self.device_alloc = device_alloc  # the caller's pages move from OWNED to TREE here
+        self.wait_load = wait_load  # block until no load writes a node or its ancestors
+        self.push_device = push_device  # ``node`` may now be a device eviction candidate
+        # (the path walked, the new leaf or None): backups of hot nodes, the third tier
+        self.after_insert = after_insert
+
+    def insert(self, tokens: np.ndarray, slots: np.ndarray, namespace: Namespace) -> int:
+        """Insert checked ``tokens`` with the caller's ``slots``; returns the tokens the tree
+        held already (HiRadixCache.insert says what happens to each slot)."""
         ps, alloc = self.page_size, self.device_alloc
         aligned = len(tokens) // ps * ps
         raw = slots.astype("<i8", copy=False).tobytes()  # 8 bytes per slot
@@ -57,13 +82,10 @@ class InsertMixin:
             alloc.release(np.frombuffer(pages, dtype=np.int64, count=dup_bytes // 8))
         last = leaf or (path[-1] if path else None)
         if last is None:
-            self._drop_empty_root(root)
+            self.tree.drop_if_empty(root)
             return 0
-        self._push_device(last)
-        if self.host_alloc is not None:
-            self._backup_hot(path + [leaf] if leaf else path)
-        elif self.l3 is not None and leaf is not None:  # the store sits under this pool
-            self.l3.after_backup([leaf])
+        self.push_device(last)
+        self.after_insert(path, leaf)
         return n_covered
 
     def _claim(self, root: TreeNode, theirs: bytes, tail: bool) -> bytes:
@@ -78,7 +100,7 @@ class InsertMixin:
         try:
             return self.device_alloc.claim(theirs, OWNED, TREE, tail)
         except Exception:
-            self._drop_empty_root(root)
+            self.tree.drop_if_empty(root)
             raise
 
     def _classify(self, path: list[TreeNode], raw: bytes) -> tuple[list[bytes], list]:
@@ -107,7 +129,3 @@ class InsertMixin:
                 dup.append(np.frombuffer(mine, dtype=np.int64).reshape(-1, ps)[differ].tobytes())
             i, pos = own_nodes(path, i + 1, pos + n, raw, ps)
         return dup, adopt
-
-    def _drop_empty_root(self, root: TreeNode) -> None:
-        if not root.children and root.namespace is not None:
-            self.tree._roots.pop(root.namespace, None)

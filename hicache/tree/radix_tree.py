@@ -63,6 +63,11 @@ class RadixTree:
     def roots(self) -> list[TreeNode]:
         return list(self._roots.values())
 
+    def drop_if_empty(self, root: TreeNode) -> None:
+        """Forget a namespace's root that has no children left (the default root stays)."""
+        if not root.children and root.namespace is not None:
+            self._roots.pop(root.namespace, None)
+
     def namespace_roots(self) -> list[tuple[Namespace, TreeNode]]:
         """(namespace, root) of every namespace that holds nodes (and the default one)."""
         return list(self._roots.items())
