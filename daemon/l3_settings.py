@@ -8,8 +8,7 @@ import inspect
 import re
 from typing import Any
 
-from hicache.l3.config import L3Config, L3WritePolicy, PrefetchPolicy
-from hicache.l3.registry import check_url
+from hicache.l3 import L3Config, L3WritePolicy, PrefetchPolicy, check_url
 
 _SKIP = {"url", "options"}
 STORE_OPTIONS = ("segment_bytes", "local_host", "redis_pipeline", "store_timeout_s")

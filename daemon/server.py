@@ -49,8 +49,7 @@ from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
 from hicache.daemon.snapshot import HostKeeper
 from hicache.endpoints import admin_token_path, is_loopback
-from hicache.l3.registry import LazyStore
-from hicache.l3.tier import L3Tier
+from hicache.l3 import L3Tier, LazyStore
 from hicache.memory import CudaBacking, EngineLayout, PageState, SharedMemoryBacking
 from hicache.observe import TierEvents
 from hicache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION

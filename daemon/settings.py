@@ -22,7 +22,7 @@ from hicache.client.curve import load_secret
 from hicache.config import DTYPES, HiCacheConfig
 from hicache.daemon.l3_settings import L3_FIELDS, l3_config
 from hicache.endpoints import env_endpoint, is_loopback
-from hicache.l3.config import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy
+from hicache.l3 import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy
 from hicache.protocol import DEFAULT_LEASE_S
 from hicache.transfers import resolve_backend
 

@@ -52,7 +52,7 @@ from hicache.types import EvictResult, MatchResult, Ticket
 from hicache.write_policy import make_write_policy
 
 if TYPE_CHECKING:
-    from hicache.l3.tier import L3Tier
+    from hicache.l3 import L3Tier
     from hicache.observe import TierEvents
 
 EngineFactory = Callable[[DevicePool, HostPool, Copier], TransferEngine]

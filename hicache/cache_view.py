@@ -7,7 +7,10 @@ may touch. Nothing here is run; HiRadixCache satisfies both.
 
 - ``CacheView``: read only (the checks change nothing);
 - ``L3Host``: what the third tier reads, and the calls it makes to allocate pages, put fetched
-  pages into the tree and evict for room (each named below, each on the cache's one thread).
+  pages into the tree and evict for room (each named below, each on the cache's one thread);
+- ``Backups`` and ``Room``: what the cache's two parts that call each other see of each other
+  (``Tiering`` backs up through the ``TransferBook``, the book gets pages and drops nodes
+  through tiering), so that neither module imports the other.
 """
 
 from __future__ import annotations
@@ -78,4 +81,51 @@ class L3Host(Protocol):
 
     def _drop_empty_root(self, root: TreeNode) -> None:
         """Mutates the tree: forget a namespace's root with no children left."""
+        ...
+
+
+class Backups(Protocol):
+    """The transfer book as tiering uses it (``transfers/book.py``)."""
+
+    def backup(self, nodes: list[TreeNode], evict_on_ack: bool) -> bool:
+        """Mutates: starts one copy of ``nodes`` to fresh host pages; False (nothing changed)
+        when the host pool is full even after host eviction."""
+        ...
+
+    def settle(self) -> bool:
+        """Mutates: waits for every copy in flight and processes the acks; False when none."""
+        ...
+
+
+class Room(Protocol):
+    """Tiering as the transfer book uses it (``tiering.py``)."""
+
+    def alloc_device(self, num_pages: int, state: PageState) -> np.ndarray | None:
+        """Mutates the device allocator (evicting if needed); None when no room."""
+        ...
+
+    def alloc_host_pages(self, num_pages: int, state: PageState) -> np.ndarray | None:
+        """Mutates the host allocator (evicting host leaves if needed); None when no room."""
+        ...
+
+    def push_device(self, node: TreeNode | None) -> None:
+        """Mutates the device eviction heap: ``node`` may now be a candidate."""
+        ...
+
+    def push_host(self, node: TreeNode | None) -> None:
+        """Mutates the host eviction heap: ``node`` may now be a candidate."""
+        ...
+
+    def device_candidate(self, node: TreeNode) -> bool: ...
+
+    def drop_device(self, node: TreeNode) -> int:
+        """Mutates: frees a synced node's device pages (it stays host-only); its tokens."""
+        ...
+
+    def drop_host_subtrees(self, node: TreeNode) -> None:
+        """Mutates: removes every host-only descendant of ``node``, freeing their pages."""
+        ...
+
+    def release_host(self, node: TreeNode, to_l3: bool = True) -> None:
+        """Mutates: gives back a node's host pages (unless the third tier takes them)."""
         ...

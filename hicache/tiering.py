@@ -31,8 +31,8 @@ from hicache.types import EvictResult
 from hicache.write_policy import WritePolicy
 
 if TYPE_CHECKING:
-    from hicache.l3.tier import L3Tier
-    from hicache.transfers import TransferBook
+    from hicache.cache_view import Backups
+    from hicache.l3 import L3Tier
 
 # Rebuild a heap when it holds this many times more entries than the tree has nodes.
 HEAP_GARBAGE_FACTOR = 4
@@ -57,7 +57,7 @@ class Tiering:
         self.host_heap = host_heap  # host eviction candidates
         self.write_policy = write_policy  # whether eviction backs up first
         self.counters = counters  # evicted tokens
-        self.book: TransferBook | None = None  # backups and the copies in flight (set after)
+        self.book: Backups | None = None  # backups and the copies in flight (set after)
         self.l3: L3Tier | None = None  # the store under the lowest pool (attach_l3)
 
     # ---- candidates ----------------------------------------------------------------------

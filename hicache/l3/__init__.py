@@ -7,12 +7,49 @@
   (Mooncake Store) behind it, chosen by ``open_store(url)`` (``registry.py``);
 - ``breaker.py``: stop asking a store that fails, probe it again later.
 
-Heavy clients (redis, mooncake) are imported only by the store that needs them.
+- ``config.py``: its settings (``L3Config``) and policies; ``tier.py``: ``L3Tier``, the tier
+  composed into the cache (``cache.l3``), with ``sides.py``, ``jobs.py`` and ``worker.py`` (the
+  IO thread) under it.
+
+Heavy clients (redis, mooncake) are imported only by the store that needs them; names are
+imported on first use. Nothing outside this package (but its tests) imports its modules: use
+the names below.
 """
 
 from __future__ import annotations
 
-from hicache.l3.registry import open_store
-from hicache.l3.store import L3Store, StoreDown
+from typing import TYPE_CHECKING
 
-__all__ = ["L3Store", "StoreDown", "open_store"]
+from hicache.lazy import lazy_exports
+
+_EXPORTS = {
+    "L3Config": "hicache.l3.config",
+    "L3WritePolicy": "hicache.l3.config",
+    "PrefetchPolicy": "hicache.l3.config",
+    "WRITE_BACK_NEEDS_HOST": "hicache.l3.config",
+    "LazyStore": "hicache.l3.registry",
+    "check_url": "hicache.l3.registry",
+    "open_store": "hicache.l3.registry",
+    "L3Store": "hicache.l3.store",
+    "StoreDown": "hicache.l3.store",
+    "L3Tier": "hicache.l3.tier",
+}
+__all__ = [
+    "L3Config",
+    "L3Store",
+    "L3Tier",
+    "L3WritePolicy",
+    "LazyStore",
+    "PrefetchPolicy",
+    "StoreDown",
+    "WRITE_BACK_NEEDS_HOST",
+    "check_url",
+    "open_store",
+]
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
+
+if TYPE_CHECKING:
+    from hicache.l3.config import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy, PrefetchPolicy
+    from hicache.l3.registry import LazyStore, check_url, open_store
+    from hicache.l3.store import L3Store, StoreDown
+    from hicache.l3.tier import L3Tier

@@ -37,8 +37,8 @@ from hicache.types import Ticket
 from hicache.write_policy import WritePolicy
 
 if TYPE_CHECKING:
-    from hicache.l3.tier import L3Tier
-    from hicache.tiering import Tiering
+    from hicache.cache_view import Room
+    from hicache.l3 import L3Tier
 
 log = logging.getLogger("hicache.cache")
 
@@ -71,7 +71,7 @@ class TransferBook:
         engine: TransferEngine | None,
         write_policy: WritePolicy,
         counters: Counters,
-        tiering: Tiering,
+        tiering: Room,
         user_locks: Counter[TreeNode],
         moved_locks: MovedLocks,
     ):
