@@ -34,6 +34,7 @@ from hicache.client.connection import (
     Connection,
     DaemonError,
     DaemonTimeout,
+    LeaseLost,
 )
 from hicache.client.pools import AttachedPools, attach_pools, attach_progress
 from hicache.client.results import LoadTicket, Match, PageFrame
@@ -278,7 +279,9 @@ class HiCacheClient:
     ) -> list[Match]:
         """``match_prefix`` for many prompts (up to 1024) in one round trip, or a few: a daemon
         that other requests wait on answers a long batch in parts (its first prompts), and the
-        rest is asked again. A part that fails releases what the parts before it locked."""
+        rest is asked again. A part that fails releases what the parts before it locked; parts
+        answered in two sessions (another thread reconnected between them) raise LeaseLost, the
+        new session's locks released, as one request's answer is never split that way."""
         arrays = [as_tokens(t) for t in batch]
         spaces = namespaces or [None] * len(arrays)
         lengths = [len(a) for a in arrays]
@@ -292,11 +295,17 @@ class HiCacheClient:
                 if any(shared[start + 1 :]):
                     fields["shared"] = [0, *shared[start + 1 :]]
                 got = self._matches(fields, [part])[1]
-                if not got:
-                    raise DaemonError(ErrorCode.INTERNAL, "a batched match answered none")
                 matches += got
+                if matches and got and got[0].generation != matches[0].generation:
+                    raise LeaseLost(
+                        ErrorCode.LEASE_EXPIRED,
+                        "the session changed while a batched match was answered in parts "
+                        "(another thread reconnected): its first matches are void",
+                    )
                 if len(matches) >= len(arrays):
                     return matches
+                if not got:
+                    raise DaemonError(ErrorCode.INTERNAL, "a batched match answered none")
                 # the rest: its first prompt's shared head put back before its own tokens
                 end = len(matches)
                 pos += 4 * (sum(lengths[start:end]) - sum(shared[start:end]))

@@ -43,6 +43,7 @@ Frames = list[Any]
 # A batched match answers what it matched in this long once another request waits (the client
 # asks again for the rest): one client's heavy batches delay another's request by one turn.
 TURN_S = 0.0002
+TURN_PER_CHECK = 2  # ... and at least this many times what checking the request took
 Result = tuple[dict[str, Any], Frames]
 _NO_SLOTS = np.empty(0, np.int64)
 MAX_SEQ = 1 << 40  # longest sequence alloc_extend/alloc_decode take (no int64 overflow)
@@ -89,7 +90,6 @@ class CacheOps:
             Op.INSERT: self.insert,
             Op.LOCK: self.lock,
             Op.RELEASE: self.release,
-            Op.HOLDINGS: self.holdings,
         }
 
     # ---- helpers ----
@@ -159,9 +159,10 @@ class CacheOps:
 
     # ---- match, load, insert ----
     def match(self, session: Session, fields: dict, frames: Frames) -> Result:
-        """Match (and lock) each sequence of a batch in turn. Past TURN_S, while another
-        request waits, the reply answers only the sequences matched so far (at least one):
-        the client asks again for the rest."""
+        """Match (and lock) each sequence of a batch in turn. Past its turn (TURN_S, or twice
+        what checking the request took), while another request waits, the reply answers only
+        the sequences matched so far (at least one): the client asks again for the rest."""
+        started = time.perf_counter()
         _need_frames(frames, 1, "match")
         batch = token_batch(frames[0], fields.get("lengths"), fields.get("shared"))
         check_token_bytes(frames[0])  # every key is built from this frame: one pass for all
@@ -175,7 +176,10 @@ class CacheOps:
             fetches = self._prefetch(batch, spaces, l3_wait)
         match_key, feed = self.cache.match_key, self.capacity
         results, state, queried = [], ([], {}), 0
-        turn_ends = time.perf_counter() + TURN_S
+        # a turn at least twice what checking the request took: a client asking again for the
+        # rest pays for its checks and its bytes once per part, so parts stay few
+        now = time.perf_counter()
+        turn_ends = now + max(TURN_S, TURN_PER_CHECK * (now - started))
         try:
             for tokens, space in zip(batch, spaces, strict=True):
                 if results and time.perf_counter() > turn_ends and self.context.others_waiting():
@@ -391,11 +395,6 @@ class CacheOps:
         self.limits.check_locks(session, 1)
         self.cache.inc_lock_ref(record.node)
         return {"lock_id": session.add_lock(LockRecord(record.node, record.host_node))}, []
-
-    def holdings(self, session: Session, fields: dict, frames: Frames) -> Result:
-        """What the session holds: its lock ids, and its owned pages as a frame."""
-        pages = np.fromiter(sorted(session.owned), dtype=np.int64, count=len(session.owned))
-        return {"lock_ids": sorted(session.locks), "owned_pages": len(pages)}, [pages.tobytes()]
 
     def release(self, session: Session, fields: dict, frames: Frames) -> Result:
         if fields.get("all") is True:  # every lock of the session (asyncio cancellations)

@@ -115,6 +115,7 @@ class Handlers:
             Op.STATS: self.stats,
             Op.TREE: self.tree,
             Op.PING: self.ping,
+            Op.HOLDINGS: self.holdings,
             Op.REGISTER: self.register,
         }
         self.ops: CacheOps | None = None  # the sessions' cache operations (once there is one)
@@ -281,6 +282,12 @@ class Handlers:
             "limits": {**vars(self.limits), "max_match_tokens": MAX_MATCH_TOKENS},
             **self.info,
         }, []
+
+    def holdings(self, session: Session, fields: dict, frames: Frames) -> Result:
+        """What the session holds: its lock ids, and its owned pages as a frame (answered
+        before there is a pool too: nothing)."""
+        pages = np.fromiter(sorted(session.owned), dtype=np.int64, count=len(session.owned))
+        return {"lock_ids": sorted(session.locks), "owned_pages": len(pages)}, [pages.tobytes()]
 
     def heartbeat(self, session: Session, fields: dict, frames: Frames) -> Result:
         return ({"draining": True} if self.draining else {}), []

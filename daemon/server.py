@@ -114,6 +114,8 @@ class Daemon:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self._first_frame: zmq.Frame | None = None  # the last request's first part
+        self._waiting: list[list] = []  # a request read by _others_waiting, served next
+        self._woken = False  # a wake of the third tier read by _others_waiting, not acted on
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
@@ -193,7 +195,7 @@ class Daemon:
             engine_tier=tier,
         )
         self.handlers.server_counters = self._counters
-        self.handlers.context.others_waiting = lambda: queued(self.sock)
+        self.handlers.context.others_waiting = self._others_waiting
         if settings.curve:  # (read only by a hello: a property costs a call per message)
             self.handlers.user = lambda: self._peer_user()
         if settings.metrics_port:
@@ -342,14 +344,20 @@ class Daemon:
         next_housekeep = next_metrics = time.monotonic()
         busy = self.busy = BusyPoll(self.sock, self.settings.busy_poll_us)
         while not self.stopping:
-            busy.before_recv()  # right after a reply: the same engine may be about to ask again
-            try:  # blocks up to POLL_MS (RCVTIMEO): one call per message, no separate poll
-                frames = self._recv_frames()
-            except zmq.Again:
-                frames = None
-                if self.handlers.capacity is not None:  # quiet: nobody waits for the loop
-                    self.handlers.capacity.run(IDLE_BUDGET_S)
-                self._trim.maybe()
+            if self._waiting:  # read while a turn asked whether others wait: it goes first
+                frames = self._waiting.pop()
+            else:
+                busy.before_recv()  # after a reply: the same engine may be about to ask again
+                try:  # blocks up to POLL_MS (RCVTIMEO): one call per message, no separate poll
+                    frames = self._recv_frames()
+                except zmq.Again:
+                    frames = None
+                    if self.handlers.capacity is not None:  # quiet: nobody waits for the loop
+                        self.handlers.capacity.run(IDLE_BUDGET_S)
+                    self._trim.maybe()
+            if self._woken:  # a wake of the third tier read on the way
+                self._woken = False
+                self._resume()
             if frames:
                 if frames[0] == WAKE_ID:  # the third tier finished something
                     self._resume()
@@ -417,6 +425,21 @@ class Daemon:
         """The CurveZMQ client key (z85) the request being handled came with."""
         frame = self._first_frame
         return "" if frame is None else frame.get("User-Id") or ""
+
+    def _others_waiting(self) -> bool:
+        """Whether a client's request waits (asked by a long batched match between prompts,
+        and after a whole-cache view). Reads what is queued: a wake of the third tier is noted
+        (answered after) and never counts, the first request is kept to be served next."""
+        if self._waiting:
+            return True
+        while queued(self.sock):
+            frames = self._recv_frames()
+            if frames[0] == WAKE_ID:
+                self._woken = True
+                continue
+            self._waiting.append(frames)
+            return True
+        return False
 
     def _recv_frames(self) -> list[bytes | memoryview]:
         """One multipart message; raises zmq.Again after RCVTIMEO."""

@@ -340,6 +340,22 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "third-tier-wake-counts-as-a-request",
+        "daemon/server.py",
+        "            if frames[0] == WAKE_ID:\n"
+        "                self._woken = True\n"
+        "                continue\n",
+        "",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "match-batch-mixes-two-sessions",
+        "client/client.py",
+        "if matches and got and got[0].generation != matches[0].generation:",
+        "if False:",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
         "token-batch-block-head-dropped",
         "hicache/protocol.py",
         "            head = prev[: 4 * shared[i]]",

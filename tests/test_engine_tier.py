@@ -106,6 +106,8 @@ def test_the_first_layout_makes_the_pool_and_others_are_refused(ep):
             hc.match_prefix(list(range(64)))
         assert err.value.code is ErrorCode.NO_LAYOUT
         assert hc.layout is None and hc.stats()["layout"] is None
+        held = hc.holdings()  # nothing can be held yet, and asking is no error
+        assert held.lock_ids == [] and len(held.owned_slots) == 0
         served = hc.register_layout(layout(num_kv_heads=1, block_shape=(1, 32, 64), tp_size=2))
         assert hc.config.page_size == 32 and hc.config.device_tokens == 128 * 32  # 4 MiB
         pools = hc.attach()

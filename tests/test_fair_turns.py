@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 from hicache import HiCacheConfig, HiRadixCache
 from hicache.client import HiCacheClient
+from hicache.client.connection import LeaseLost
 from hicache.daemon import cache_ops
+from hicache.daemon.busy_poll import watch
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.server import Daemon
 from hicache.daemon.sessions import SessionTable
@@ -78,6 +80,7 @@ def test_a_batch_answers_in_turns_while_others_wait_and_alone_in_one(monkeypatch
     _call(handlers, session, Op.RELEASE, {"all": True})
 
     monkeypatch.setattr(cache_ops, "TURN_S", 0.0)
+    monkeypatch.setattr(cache_ops, "TURN_PER_CHECK", 0)
     handlers.context.others_waiting = lambda: True  # someone always waits: one prompt per turn
     turns, results = 0, []
     while len(results) < len(PROMPTS):
@@ -111,8 +114,8 @@ def test_the_client_asks_again_for_the_rest_and_releases_all_when_a_part_fails(t
                 hc.insert(p, hc.alloc(len(p)))
             whole = hc.match_batch(PROMPTS, lock=False)
             asked = _matches_served(daemon)
-            old_turn = cache_ops.TURN_S
-            cache_ops.TURN_S = 0.0
+            old_turn = cache_ops.TURN_S, cache_ops.TURN_PER_CHECK
+            cache_ops.TURN_S = cache_ops.TURN_PER_CHECK = 0
             daemon.handlers.context.others_waiting = lambda: True
             try:
                 parts = hc.match_batch(PROMPTS, lock=True)
@@ -139,8 +142,26 @@ def test_the_client_asks_again_for_the_rest_and_releases_all_when_a_part_fails(t
                     hc.match_batch(PROMPTS, lock=True)
                 daemon.handlers.cache.match_key = real
                 assert hc.holdings().lock_ids == []  # the first two parts' locks went back
+                assert hc.match_batch([]) == []  # nothing to answer is no error
+
+                # another thread reconnects between two parts: the answer would mix two
+                # sessions (the first part's locks void), so the batch is refused
+                parts_of, reconnected = hc._matches, []
+
+                def reconnect_after_first(*a, **k):  # noqa: ANN002, ANN003, ANN202
+                    out = parts_of(*a, **k)
+                    if not reconnected:
+                        hc._link._open()  # (as a reconnect after a lost lease does)
+                        reconnected.append(True)
+                    return out
+
+                hc._matches = reconnect_after_first
+                with pytest.raises(LeaseLost, match="answered in parts"):
+                    hc.match_batch(PROMPTS, lock=True)
+                hc._matches = parts_of
+                assert reconnected == [True] and hc.holdings().lock_ids == []
             finally:
-                cache_ops.TURN_S = old_turn
+                cache_ops.TURN_S, cache_ops.TURN_PER_CHECK = old_turn
                 daemon.handlers.context.others_waiting = bool
             assert hc.stats(check=True)["integrity"] == "ok"
     finally:
@@ -203,3 +224,29 @@ def test_a_token_batch_expands_block_by_block_to_the_same_keys(seqs, block):
         batch.BLOCK_BYTES = block  # (an instance's own: blocks of a few sequences)
     assert len(batch) == len(arrays)
     assert list(batch) == [a.tobytes() for a in arrays] == unpack_shared(frame, lengths, shared)
+
+
+def test_a_wake_of_the_third_tier_is_not_a_request_waiting_and_a_request_read_goes_first(
+    tmp_path,
+):
+    """The turn asks the socket whether others wait: the third tier's wakes arrive on it too
+    and must not split a lone client's batch; a request read on the way is served next."""
+    import zmq
+
+    args = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--device-tokens",
+            "512", "--host-tokens", "1024", "--l3", "memory://fair-turns", "--l3-model", "m",
+            "--endpoint", f"ipc://{tmp_path}/d.sock", "--keep-host", "false"]  # fmt: skip
+    daemon = Daemon(resolve(build_parser().parse_args(args), environ={}))
+    peer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        others = daemon.handlers.context.others_waiting
+        daemon.waits.wake()  # what the tier's IO thread sends when a fetch lands
+        assert not others() and daemon._woken  # noted, not counted
+        peer.connect(daemon.settings.endpoint)
+        peer.send(b"a request")
+        assert watch(daemon.sock, time.perf_counter() + 30)  # (arrived; nothing read)
+        assert others() and others()  # read once, kept: asking again reads nothing more
+        assert daemon._waiting[0][-1] == b"a request"
+    finally:
+        peer.close(linger=0)
+        daemon.close()
