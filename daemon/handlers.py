@@ -396,7 +396,14 @@ class Handlers:
         return self.tiers.fields({"device_freed": freed, "host_freed": freed_host}), []
 
     def stats(self, session: Session | None, fields: dict, frames: Frames) -> Result:
+        """The daemon's figures, every session listed (up to MAX_SESSION_LIST), and with
+        ``check`` its integrity check: within the view budget (``_whole_cache_view``)."""
         check = bool_field(fields, "check", False)
+        view = "an integrity check" if check else "a stats report"
+        return self._whole_cache_view(session, view, lambda: self.report(check)), []
+
+    def report(self, check: bool = False) -> dict[str, Any]:
+        """What STATS answers (the metrics' snapshot too, which no budget holds back)."""
         cache = self.cache
         out: dict[str, Any] = {} if cache is None else self.tiers.fields(cache.stats().as_dict())
         out.update(self.engine_counts.as_dict())
@@ -451,15 +458,16 @@ class Handlers:
         out["match_parts"] = self.context.match_parts
         if check:
             try:
-                self._whole_cache_view(session, "an integrity check", self.check_integrity)
+                self.check_integrity()
                 out["integrity"] = "ok"
             except AssertionError as exc:
                 out["integrity"] = f"BROKEN: {exc}"
-        return out, []
+        return out
 
     def _whole_cache_view(self, session: Session | None, view: str, run: Callable[[], Any]) -> Any:
-        """``run()``, a walk of the whole cache, within the view budget unless ``session`` is
-        admin (QUOTA_EXCEEDED while views that delayed others took their share)."""
+        """``run()``, a walk of the whole cache or of every session, within the view budget
+        unless ``session`` is admin (QUOTA_EXCEEDED while views that delayed others took their
+        share)."""
         if session is not None and session.admin:
             return run()
         self.views.check(view)
@@ -503,8 +511,9 @@ class Handlers:
                 raise IntegrityError(f"{node}: sessions hold {count} locks the cache does not")
 
     def capacity_report(self, session: Session, fields: dict, frames: Frames) -> Result:
-        """Estimated hit ratios at other tier sizes, and what to buy (`hicache capacity`)."""
-        return self.capacity.report(), []
+        """Estimated hit ratios at other tier sizes, and what to buy (`hicache capacity`;
+        within the view budget: it first feeds the estimate for up to a second)."""
+        return self._whole_cache_view(session, "a capacity report", self.capacity.report), []
 
     def tree(self, session: Session, fields: dict, frames: Frames) -> Result:
         """The tree's shape (``shape``: per namespace, the ``top`` heaviest shared prefixes),

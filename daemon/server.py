@@ -336,7 +336,7 @@ class Daemon:
 
     def _snapshot(self) -> dict:
         """The stats a scrape shows (made on the control thread: the cache is not shared)."""
-        return self.handlers.stats(None, {}, [])[0]
+        return self.handlers.report()
 
     def serve(self) -> None:
         """Serve until stop() (or a signal) sets ``stopping``."""

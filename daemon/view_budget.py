@@ -1,7 +1,8 @@
 """ViewBudget: the control loop's time for whole-cache views when others wait for it.
 
 An integrity check (``STATS`` with ``check``) or a tree view (``TREE``) walks the whole cache on
-the control loop, and every other client's request waits meanwhile. A view that made another
+the control loop, a stats report lists every session and a capacity report feeds the estimate
+first, and every other client's request waits meanwhile. A view that made another
 request wait is charged its time to a bucket that drains at ``share`` of real time; while the
 bucket holds more than ``burst_s``, views of sessions that are not admin are refused
 (``QUOTA_EXCEEDED``, saying when to retry). A view nobody waited for costs nothing, so one
@@ -47,7 +48,7 @@ class ViewBudget:
             self.refused += 1
             raise ProtocolError(
                 ErrorCode.QUOTA_EXCEEDED,
-                f"{view} walks the whole cache while other clients wait: such views get "
+                f"{view} holds the daemon's loop while other clients wait: such views get "
                 f"{self.share:.1%} of the daemon's time, retry in {over / self.share:.1f} s "
                 "(an admin session, as the hicache CLI opens, is not limited)",
             )

@@ -183,13 +183,15 @@ def test_views_that_delay_others_are_refused_past_their_share():
         budget.check("a view")
     assert refused.value.code is ErrorCode.QUOTA_EXCEEDED and budget.refused == 1
     now[0] = 0.99  # drains at 1% of real time: 9.9 ms gone, still 0.1 ms over
-    with pytest.raises(ProtocolError, match="walks the whole cache"):
+    with pytest.raises(ProtocolError, match="holds the daemon's loop"):
         budget.check("a view")
     now[0] = 1.01
     budget.check("a view")
 
 
-def test_integrity_checks_and_tree_views_of_non_admins_are_limited_admins_are_not():
+def test_views_of_non_admins_are_limited_admins_are_not():
+    """Integrity checks, tree views, stats reports (every session listed) and capacity reports
+    (the estimate fed first) all hold the loop: past their share, non-admins are refused."""
     cache, handlers, session = _world(admin_token="tok")
     hello = {"client": "op", "pid": 2, "admin": True, "admin_token": "tok"}
     admin = _call(handlers, 0, Op.HELLO, hello)[0].fields["session"]
@@ -197,16 +199,19 @@ def test_integrity_checks_and_tree_views_of_non_admins_are_limited_admins_are_no
     handlers.context.others_waiting = lambda: True
     first, _ = _call(handlers, session, Op.TREE, {})
     assert first.ok
-    for op, fields, who in ((Op.TREE, {}, session), (Op.STATS, {"check": True}, 0),
-                            (Op.TREE, {"shape": True}, session)):  # fmt: skip
+    asks = [(Op.TREE, {}, session), (Op.STATS, {"check": True}, 0), (Op.STATS, {}, 0),
+            (Op.STATS, {}, session), (Op.TREE, {"shape": True}, session),
+            (Op.CAPACITY, {}, session)]  # fmt: skip
+    for op, fields, who in asks:
         refused, _ = _call(handlers, who, op, fields)
-        assert refused.status is ErrorCode.QUOTA_EXCEEDED, refused.fields
-        assert "walks the whole cache" in refused.fields["message"]
-    plain, _ = _call(handlers, 0, Op.STATS, {})  # stats without the check: not a view
-    assert plain.ok and plain.fields["views_refused"] == 3
+        assert refused.status is ErrorCode.QUOTA_EXCEEDED, (op, refused.fields)
+        assert "holds the daemon's loop" in refused.fields["message"]
     ok, _ = _call(handlers, admin, Op.STATS, {"check": True})
     assert ok.ok and ok.fields["integrity"] == "ok"
+    assert ok.fields["views_refused"] == len(asks)
     assert _call(handlers, admin, Op.TREE, {})[0].ok
+    assert _call(handlers, admin, Op.CAPACITY, {})[0].ok
+    assert handlers.report()["views_refused"] == len(asks)  # the metrics' own: never held back
     cache.close()
 
 
