@@ -17,6 +17,7 @@ from hicache import HiCacheConfig, HiRadixCache
 from hicache.client import HiCacheClient
 from hicache.client.connection import LeaseLost
 from hicache.daemon import cache_ops
+from hicache.daemon import handlers as handlers_module
 from hicache.daemon.busy_poll import watch
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.server import Daemon
@@ -199,6 +200,9 @@ def test_views_of_non_admins_are_limited_admins_are_not():
     handlers.context.others_waiting = lambda: True
     first, _ = _call(handlers, session, Op.TREE, {})
     assert first.ok
+    assert _call(handlers, 0, Op.STATS, {})[0].ok  # few sessions: a cheap report, no view
+    for i in range(handlers_module.CHEAP_SESSION_LIST):  # more: every one is listed
+        handlers.sessions.open(f"engine-{i}", i, time.monotonic())
     asks = [(Op.TREE, {}, session), (Op.STATS, {"check": True}, 0), (Op.STATS, {}, 0),
             (Op.STATS, {}, session), (Op.TREE, {"shape": True}, session),
             (Op.CAPACITY, {}, session)]  # fmt: skip
