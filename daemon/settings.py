@@ -63,7 +63,12 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
         0.75,
         "the share of the device pool one session may own (allocated, not yet inserted) at once",
     ),
-    "session_max_locks": (int, 65536, "locks one session may hold at once"),
+    "session_max_locks": (
+        int,
+        65536,
+        "locks one session may hold at once (at most a quarter of the daemon-wide bound, which "
+        "the start log states)",
+    ),
     "session_max_loads": (int, 256, "load-backs one session may have in flight at once"),
     "max_sessions": (int, 4096, "sessions (live and quarantined) at once"),
     "device_tier": (
