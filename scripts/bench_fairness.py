@@ -70,10 +70,10 @@ def attacker(endpoint: str, kind: str, seed: int, heavy: int, nodes: int, go, st
     if kind == "busy":  # no request: a core kept busy (what two busy processes cost alone)
         counts[kind] = (0, 0)
         while not stop.is_set():
-            if go.wait(0.05):
-                spin_until = time.monotonic() + 0.05
+            if go.wait(0.05):  # keep a core busy for 50 ms (counted, never used)
+                spin_until, spins = time.monotonic() + 0.05, 0
                 while time.monotonic() < spin_until:
-                    pass
+                    spins += 1
         return
     with HiCacheClient(endpoint, name=f"noisy-{kind}") as hc:
         base = rng.integers(1, 32000, heavy * 3 // 4, dtype=np.int32)
