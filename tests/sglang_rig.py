@@ -209,17 +209,19 @@ def fill(host, seed: int) -> None:
 
 def write_through(
     endpoint: str, layout: str, mla: bool, v1: bool, tokens: list[int],
-    seed: int = 0, **more,
+    seed: int = 0, chain: bool = False, **more,
 ) -> tuple[int, list[torch.Tensor]]:  # fmt: skip
     """A controller writes ``tokens``' pages to the daemon (its backup thread, SGLang's own
-    write path); returns the tokens it acknowledged and the pages it wrote."""
+    write path); returns the tokens it acknowledged and the pages it wrote. ``chain``: the
+    calls carry prefix keys (SGLang's ``hicache_storage_pass_prefix_keys``)."""
     dev, host = host_pool(layout, mla)
     c = controller(dev, host, extra_config(endpoint, v1, **more))
     try:
         fill(host, seed)
         src = host.alloc(len(tokens))
         pages = [canonical_page(host, int(src[i])) for i in range(0, len(tokens), PAGE)]
-        c.write_storage(src, tokens, hash_value=chain_hashes(tokens))
+        prefix = [] if chain else None
+        c.write_storage(src, tokens, hash_value=chain_hashes(tokens), prefix_keys=prefix)
         ack = c.ack_backup_queue.get(timeout=60)
         return ack.completed_tokens, pages
     finally:
@@ -227,22 +229,28 @@ def write_through(
 
 
 def read_through(
-    endpoint: str, layout: str, mla: bool, v1: bool, tokens: list[int], **more
-) -> tuple[int, list[torch.Tensor]]:
-    """A controller prefetches ``tokens`` from the daemon (SGLang's prefetch threads):
-    returns the tokens found and the pages it read."""
+    endpoint: str, layout: str, mla: bool, v1: bool, tokens: list[int],
+    chain: bool = False, skip: int = 0, **more,
+) -> tuple[int, list[torch.Tensor]]:  # fmt: skip
+    """A controller prefetches ``tokens`` from the daemon (SGLang's prefetch threads), from
+    page ``skip`` on (its host holds the pages before: it asks mid-chain): returns the tokens
+    found and the pages it read. ``chain``: the calls carry prefix keys."""
     dev, host = host_pool(layout, mla)
     c = controller(dev, host, extra_config(endpoint, v1, **more))
     try:
-        return prefetch(c, host, tokens)
+        keys = chain_hashes(tokens)[:skip]
+        last = keys[-1] if keys else None
+        return prefetch(c, host, tokens[skip * PAGE :], last, keys if chain else None)
     finally:
         c.detach_storage_backend()
 
 
-def prefetch(c, host, tokens: list[int]) -> tuple[int, list[torch.Tensor]]:
+def prefetch(
+    c, host, tokens: list[int], last_hash: str | None = None, prefix: list[str] | None = None
+) -> tuple[int, list[torch.Tensor]]:
     """What SGLang's scheduler does around a prefetch: ask, give host room for the hit, wait
     for the acks. Returns the tokens read and their pages."""
-    c.prefetch("rid", tokens)
+    c.prefetch("rid", tokens, last_hash, prefix)
     op = c.prefetch_hit_queue.get(timeout=60)
     hit = op.storage_hit_count
     if not hit:

@@ -41,6 +41,7 @@ from hicache.client.client import HiCacheClient
 from hicache.client.connection import DaemonError
 from hicache.client.daemon_link import DaemonLink, Unavailable
 from hicache.client.results import Match
+from hicache.client.sglang.chains import Chains, free_quietly, prefix_keys
 from hicache.client.sglang.figures import StoreFigures
 from hicache.client.sglang.pages import (
     PageFormat,
@@ -92,6 +93,10 @@ class HiCacheStore(HiCacheStorage):
         self._said: set[str] = set()  # problems logged once
         # figures for SGLang's storage metrics (get_stats) and for the daemon (note_engine)
         self.figures = StoreFigures()  # for SGLang's storage metrics (get_stats)
+        extra = getattr(storage_config, "extra_config", None) or {}
+        self.v1 = bool(extra.get("interface_v1", 0))  # SGLang calls the zero-copy path
+        # zero-copy calls that pass prefix_keys: one path per chain (chains.py)
+        self.chains = Chains(self.link, self.pins, self.figures, self._say_once, self._note)
 
     # ---- registration -----------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -114,10 +119,10 @@ class HiCacheStore(HiCacheStorage):
             rank, size = getattr(cfg, f"{name}_rank", 0), getattr(cfg, f"{name}_size", 1)
             if size and size > 1:
                 shard += f"|{name}{rank}/{size}"
-        digest = hashlib.blake2b(
-            f"{self.model}\0{shard}\0{self.settings.namespace}".encode(), digest_size=16
+        self.namespace = _namespace(self.model, shard, self.settings.namespace, "")
+        self.chains.bind(
+            fmt, self._layout, _namespace(self.model, shard, self.settings.namespace, "chain")
         )
-        self.namespace = "sglang:" + digest.hexdigest()
         log.info(
             "hicache: SGLang %s pages of %d tokens (%d bytes per rank page, host layout %s) "
             "stored in hicache-daemon at %s",
@@ -143,6 +148,9 @@ class HiCacheStore(HiCacheStorage):
         """How many leading pages of ``keys`` the daemon holds; they stay pinned for the get
         that follows (up to ``pin_s``). 0 for anything that goes wrong."""
         self._release_stale()
+        chain = self._chain(extra_info)
+        if chain is not None:
+            return self.chains.exists(keys, chain) if _is_list(keys) else 0
         words = self._words(keys)
         if words is None or not len(keys):
             return 0
@@ -186,7 +194,11 @@ class HiCacheStore(HiCacheStorage):
         except (ValueError, TypeError, RuntimeError) as exc:
             self._say_once("get", exc)
             return [False] * n
-        done = self._get(keys, self._host, dst)
+        chain = self._chain(extra_info)
+        if chain is not None:
+            done = self.chains.get(keys, chain, self._host, dst)
+        else:
+            done = self._get(keys, self._host, dst)
         return [i < done for i in range(n)]
 
     def batch_get(
@@ -270,6 +282,9 @@ class HiCacheStore(HiCacheStorage):
         except (ValueError, TypeError, RuntimeError) as exc:
             self._say_once("set", exc)
             return [False] * n
+        chain = self._chain(extra_info)
+        if chain is not None:
+            return [self.chains.set(keys, chain, self._host, src)] * n
         return [self._set(keys, self._host, src)] * n
 
     def batch_set(
@@ -332,7 +347,7 @@ class HiCacheStore(HiCacheStorage):
                     part = pairs[at : at + MAX_BATCH]
                     c.insert_batch(part, [ns] * len(part))
             except BaseException:
-                _free_quietly(c, slots)
+                free_quietly(c, slots)
                 raise
             return len(lacking)
 
@@ -381,6 +396,18 @@ class HiCacheStore(HiCacheStorage):
             part = list(words[max(0, end - MAX_BATCH) : end][::-1])
             out += c.match_batch(part, [self.namespace] * len(part), lock=lock)
         return out[::-1]
+
+    def _chain(self, extra_info: Any) -> list[str] | None:
+        """The keys before the call's (chains.py), or None: one-page keys (SGLang passes no
+        prefix, or calls the generic path, whose gets and sets never carry one). A prefix
+        that is not a list is logged, and the call is a miss on an empty chain's keys."""
+        if not self.v1:
+            return None
+        try:
+            return prefix_keys(extra_info)
+        except ValueError as exc:
+            self._say_once("keys", exc)
+            return ["not a page hash"]  # (fails key_words: the call is a miss)
 
     def _words(self, keys: list[str]) -> np.ndarray | None:
         if self.format is None or not isinstance(keys, (list, tuple)):
@@ -433,6 +460,17 @@ class HiCacheStore(HiCacheStorage):
             log.warning("hicache: SGLang storage %s (a miss)", text)
 
 
+def _namespace(model: str, shard: str, tenant: str, kind: str) -> str:
+    """The daemon namespace of a rank's pages: model, shard, ``hicache.namespace`` and the kind
+    of keys (one-page keys "", chains "chain")."""
+    text = f"{model}\0{shard}\0{tenant}" + (f"\0{kind}" if kind else "")
+    return "sglang:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def _is_list(keys: Any) -> bool:
+    return isinstance(keys, (list, tuple))
+
+
 def _count(keys: Any) -> int:
     """How many keys SGLang passed: a list of them (anything else is taken as one bad key,
     so that a get or set answers one False and changes nothing)."""
@@ -447,10 +485,3 @@ def _leading(matches: list[Match | None], page_size: int) -> int:
             break
         count += 1
     return count
-
-
-def _free_quietly(c: HiCacheClient, slots: torch.Tensor) -> None:
-    try:
-        c.free(slots)
-    except Exception:  # noqa: BLE001 (the session's pages go back with it anyway)
-        pass

@@ -192,15 +192,18 @@ def host_pages(host_indices: Any, count: int, page_size: int, pool_pages: int) -
 def key_words(keys: list[str], page_size: int) -> np.ndarray:
     """``[len(keys), page_size]`` int32 tree tokens, one row per SGLang page hash.
     ValueError naming the first key that is not 64 hex digits."""
-    raw = bytearray()
-    for i, key in enumerate(keys):
-        if not isinstance(key, str) or len(key) != 64:
-            raise ValueError(f"key {i} is not a 64-hex-digit page hash: {key!r:.80}")
+    raw = b""
+    if all(type(key) is str and len(key) == 64 for key in keys):  # one C call for a chain
         try:
-            raw += bytes.fromhex(key)
+            raw = bytes.fromhex("".join(keys))
         except ValueError:
-            raise ValueError(f"key {i} is not a 64-hex-digit page hash: {key!r:.80}") from None
-    words = np.frombuffer(bytes(raw), dtype=">u4").reshape(len(keys), 8).astype(np.int64)
+            pass  # (found below, by key)
+    if len(raw) != 32 * len(keys):  # (fromhex skips whitespace: a short result is bad too)
+        for i, key in enumerate(keys):
+            ok = isinstance(key, str) and len(key) == 64
+            if not ok or len(_hex(key)) != 32:
+                raise ValueError(f"key {i} is not a 64-hex-digit page hash: {key!r:.80}")
+    words = np.frombuffer(raw, dtype=">u4").reshape(len(keys), 8).astype(np.int64)
     out = np.zeros((len(keys), page_size), dtype=np.int32)
     low = words & 0x7FFFFFFF  # 31 bits of each word
     n = min(8, page_size)
@@ -209,6 +212,14 @@ def key_words(keys: list[str], page_size: int) -> np.ndarray:
         top = (words >> 31) & 1
         out[:, 8] = (top << np.arange(8)).sum(axis=1)
     return out
+
+
+def _hex(key: str) -> bytes:
+    """``key``'s bytes, or b"" when it is not hex digits only."""
+    try:
+        return bytes.fromhex(key) if key.isascii() and key.isalnum() else b""
+    except ValueError:
+        return b""
 
 
 def page_bytes(fmt: PageFormat) -> int:

@@ -1,0 +1,226 @@
+"""Chains: SGLang's zero-copy calls that name the whole chain (``prefix_keys``).
+
+With ``"hicache_storage_pass_prefix_keys": true`` in its extra config, SGLang passes every
+``batch_exists`` / ``batch_get_v1`` / ``batch_set_v1`` the page hashes before the call's keys,
+from the prompt's first page (``extra_info.prefix_keys``). A call then names one path from the
+root: the daemon keeps a prompt's pages as one sequence in its radix tree (the key words of
+``prefix_keys + keys``, a page's words after its parent's), so
+
+- the index is **prefix-closed by structure**: a page is held only below its whole prefix, and
+  eviction takes leaves (a chain's last pages) first, as for token prompts;
+- a call is **one tree operation**: one match for a lookup or a get, and for a set a match,
+  an allocation and one insert of the pages the daemon lacks (one-page keys take an insert per
+  page).
+
+Since SGLang's page hash is chained, the path to a page is a function of the page's own key:
+two calls that end at the same key name the same path, whatever prefix split they use.
+A set whose prefix the daemon no longer holds (evicted, or never stored) stores nothing and
+answers True, like a page stored and evicted at once: a page is never held without its prefix.
+
+Only the zero-copy path: SGLang's generic calls (``batch_get`` / ``batch_set``) carry no
+prefix, so a backend on the generic path keys pages one by one (backend.py). Chains live in a
+namespace of their own: instances that pass prefix keys share pages with each other, not with
+those that do not.
+
+Thread safety: as the backend's (the link, the pins and the figures lock themselves).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.client.client import HiCacheClient
+from hicache.client.connection import DaemonError
+from hicache.client.daemon_link import DaemonLink, Unavailable
+from hicache.client.results import Match
+from hicache.client.sglang.figures import StoreFigures
+from hicache.client.sglang.pages import PageFormat, copy_pages, daemon_view, key_words
+from hicache.client.sglang.pins import PinBook
+from hicache.protocol import ErrorCode
+
+PIN_TAG = "chain:"  # a chain's pin is keyed by its last page's key, tagged (one-page pins differ)
+
+
+def prefix_keys(extra_info: Any) -> list[str] | None:
+    """SGLang's ``extra_info.prefix_keys`` (None when it passes none); ValueError for a value
+    that is not a list of strings."""
+    keys = getattr(extra_info, "prefix_keys", None)
+    if keys is None:
+        return None
+    if not isinstance(keys, (list, tuple)):
+        raise ValueError(f"prefix_keys must be a list of page hashes, got {type(keys).__name__}")
+    return list(keys)
+
+
+class Chains:
+    """The backend's chain calls. ``bind`` (at host pool registration) gives the page format,
+    SGLang's host layout and the chains' namespace; before it every call is a miss."""
+
+    def __init__(
+        self,
+        link: DaemonLink,
+        pins: PinBook,
+        figures: StoreFigures,
+        say: Callable[[str, BaseException], None],
+        note: Callable[..., None],
+    ):
+        self.link = link  # the backend's session (one for both kinds of keys)
+        self.pins = pins  # shared with one-page keys; chain pins are tagged with PIN_TAG
+        self.figures = figures
+        self.say = say  # log a problem once (a miss follows)
+        self.note = note  # the engine counts (queried, hit, loaded pages)
+        self.format: PageFormat | None = None
+        self.layout = ""  # SGLang's host layout
+        self.namespace = ""  # chains are apart from one-page keys
+        self.orphans = 0  # pages a set did not store: the daemon no longer held their prefix
+
+    def bind(self, fmt: PageFormat, layout: str, namespace: str) -> None:
+        self.format, self.layout, self.namespace = fmt, layout, namespace
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def exists(self, keys: list[str], prefix: list[str]) -> int:
+        """How many leading pages of ``keys`` (after ``prefix``) the daemon holds: one match of
+        the chain, pinned for the get that follows."""
+        tokens = self._tokens(prefix, keys)
+        if tokens is None:
+            return 0
+        ns, skip = self.namespace, len(prefix)
+        try:
+            m, generation = self.link.call_at(lambda c: c.match_prefix(tokens, ns, lock=True))
+        except DaemonError as exc:
+            if exc.code is not ErrorCode.QUOTA_EXCEEDED:
+                self.say("exists", exc)
+                return 0
+            try:  # this rank pins its whole share: answer without a pin (as one-page keys)
+                m = self.link.call(lambda c: c.match_prefix(tokens, ns, lock=False))
+            except (Unavailable, DaemonError) as exc2:
+                self.say("exists", exc2)
+                return 0
+            hit = self._hit(m, skip, len(keys))
+            self.note(queried=len(keys), hit=hit)
+            return hit
+        except Unavailable:
+            return 0
+        hit = self._hit(m, skip, len(keys))
+        # the pin ends at the last page found: a get of that run names the same path
+        self.pins.add([PIN_TAG + keys[hit - 1]] if hit else [], [m], generation, time.monotonic())
+        self.note(queried=len(keys), hit=hit)
+        return hit
+
+    # ---- gets ---------------------------------------------------------------------------------
+    def get(
+        self, keys: list[str], prefix: list[str], dst: torch.Tensor, dst_pages: np.ndarray
+    ) -> int:
+        """Pages of ``keys`` copied into ``dst`` at ``dst_pages``, from the first; releases the
+        pin (or the match) it used."""
+        tokens = self._tokens(prefix, keys)
+        if tokens is None:
+            return 0
+        fmt, ns, skip = self.format, self.namespace, len(prefix)
+        generation = self.link.generation
+        pinned = self.pins.take([PIN_TAG + keys[-1]], generation)[0]
+        start = time.perf_counter()
+
+        def read(c: HiCacheClient) -> int:
+            m = pinned
+            try:
+                if m is None:
+                    m = c.match_prefix(tokens, ns, lock=True)
+                count = self._hit(m, skip, len(keys))
+                src = m.device_pages.numpy()[skip : skip + count]
+                pool = daemon_view(fmt, self.layout, c.attach().layers)
+                copy_pages(pool, dst, src, dst_pages[:count])
+                return count
+            finally:
+                if m is not None and m.lock_id:
+                    c.release(m)
+
+        try:
+            done = self.link.call(read, generation)
+        except (Unavailable, DaemonError, IndexError) as exc:
+            self.say("get", exc)
+            return 0
+        self.figures.sample("get", done, start)
+        self.note(loaded=done)
+        return done
+
+    # ---- sets ---------------------------------------------------------------------------------
+    def set(
+        self, keys: list[str], prefix: list[str], src: torch.Tensor, src_pages: np.ndarray
+    ) -> bool:
+        """Store the pages of ``keys`` the daemon lacks from ``src`` at ``src_pages``: the
+        chain is matched (locked, so its pages stay what they are), the pages after it are
+        copied into pages of this session and inserted with the chain in one insert (which
+        also releases the match)."""
+        tokens = self._tokens(prefix, keys)
+        if tokens is None:
+            return False
+        fmt, ns, skip = self.format, self.namespace, len(prefix)
+        ps, start = fmt.page_size, time.perf_counter()
+
+        def write(c: HiCacheClient) -> int:
+            m = c.match_prefix(tokens, ns, lock=True)
+            try:
+                held = m.device_hit_length // ps
+                if held < skip:  # the prefix is gone: nothing may hang below it
+                    self.orphans += len(keys)
+                    self.say("set", _Orphan("the daemon no longer holds a chain's first pages"))
+                    return 0
+                first = held - skip  # the first page the daemon lacks
+                if first >= len(keys):
+                    return 0
+                slots = c.alloc((len(keys) - first) * ps)
+                try:
+                    pages = (slots[::ps] // ps).numpy()
+                    pool = daemon_view(fmt, self.layout, c.attach().layers)
+                    copy_pages(src, pool, src_pages[first:], pages)
+                    held_slots = m.device_indices[: held * ps]
+                    c.insert(tokens, torch.cat([held_slots, slots]), ns, replaces=m)
+                except BaseException:
+                    free_quietly(c, slots)
+                    raise
+                return len(keys) - first
+            finally:
+                if m.lock_id and not m.released:
+                    c.release(m)
+
+        try:
+            stored = self.link.call(write)
+        except (Unavailable, DaemonError, IndexError) as exc:
+            self.say("set", exc)
+            return False
+        self.figures.sample("set", stored, start)
+        return True
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _tokens(self, prefix: list[str], keys: list[str]) -> np.ndarray | None:
+        """The chain's tree tokens (``page_size`` words per page), or None (logged) for a key
+        that is not a page hash."""
+        if self.format is None or not keys:
+            return None
+        try:
+            return key_words([*prefix, *keys], self.format.page_size).reshape(-1)
+        except (ValueError, TypeError) as exc:
+            self.say("keys", exc)
+            return None
+
+    def _hit(self, m: Match, skip: int, count: int) -> int:
+        """Pages of the call's keys the match holds (those of the prefix not counted)."""
+        return min(max(m.device_hit_length // self.format.page_size - skip, 0), count)
+
+
+class _Orphan(Exception):
+    """A set below a prefix the daemon does not hold (logged once, not an error)."""
+
+
+def free_quietly(c: HiCacheClient, slots: torch.Tensor) -> None:
+    """Give back slots a failed set allocated (if that fails too, they go with the session)."""
+    try:
+        c.free(slots)
+    except Exception as exc:  # noqa: BLE001
+        del exc  # the session's pages go back with it anyway
