@@ -95,9 +95,9 @@ def test_chains_written_by_one_controller_are_prefetched_mid_chain_by_another_pr
                 for a, b in zip(read, written[2:], strict=True):
                     assert torch.equal(a, b), (layout, reader)
                 # the same prompt without prefix keys is another namespace: not found
-                got, _ = other.submit(
-                    rig.read_through, endpoint, reader, mla, True, prompt
-                ).result(timeout=120)
+                got, _ = other.submit(rig.read_through, endpoint, reader, mla, True, prompt).result(
+                    timeout=120
+                )
                 assert got == 0
         assert stats(endpoint)["host_cached_tokens"] == 3 * 6 * P
     finally:
