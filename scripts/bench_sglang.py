@@ -6,6 +6,9 @@
    daemon's shared pool) against a plain copy of the same pages in one process (the ceiling)
    and against SGLang's HiCacheFile on /dev/shm (a node-local shared tier without a daemon),
    for 1, 8 and 64 pages per call. Best of ``--rounds``; which side runs first alternates.
+   hicache runs twice: with one-page keys (SGLang's default) and with chains (its
+   ``hicache_storage_pass_prefix_keys``: every call names the keys before its own, and a
+   prompt's pages are one path in the daemon's tree).
 2. The cost of a miss: ``batch_exists`` on an empty daemon, per call (median of 2,000).
 3. Two SGLang instances on the doc-QA trace (requests alternating), each with a cache of a
    quarter of the working set (an LRU of pages: SGLang's device and host tiers together):
@@ -59,8 +62,9 @@ def make_backend(name: str, host, extra: dict):
     return be
 
 
-def page_paths(backend, host, page: int, zero_copy: bool):
-    """SGLang's controller's own page get and set functions over ``backend``."""
+def page_paths(backend, host, page: int, zero_copy: bool, chain: bool = False):
+    """SGLang's controller's own page get and set functions over ``backend``; ``chain``: the
+    calls carry prefix keys (the keys are a chain from its start)."""
     from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation
 
     c = HiCacheController.__new__(HiCacheController)
@@ -69,7 +73,15 @@ def page_paths(backend, host, page: int, zero_copy: bool):
     get = c._page_get_zero_copy if zero_copy else c._generic_page_get
     put = c._page_set_zero_copy if zero_copy else c._generic_page_set
     op = PrefetchOperation("bench", [], None, None)
-    return (lambda keys, idx: get(op, keys, idx)), put
+    info = after([]) if chain else None
+    return (lambda keys, idx: get(op, keys, idx, info)), (lambda keys, idx: put(keys, idx, info))
+
+
+def after(keys: list[str]):
+    """SGLang's extra_info for a call whose keys follow ``keys`` (its prefix keys)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    return HiCacheStorageExtraInfo(prefix_keys=list(keys))
 
 
 def fresh_keys(n: int) -> list[str]:
@@ -89,6 +101,10 @@ def throughput(args, endpoint: str, shm: str) -> dict:
     f_src, f_dst = make_backend("file", src, file_cfg), make_backend("file", dst, file_cfg)
     sides = {
         "hicache": (page_paths(hc_src, src, page, True), page_paths(hc_dst, dst, page, True)),
+        "chain": (
+            page_paths(hc_src, src, page, True, chain=True),
+            page_paths(hc_dst, dst, page, True, chain=True),
+        ),
         "file": (page_paths(f_src, src, page, False), page_paths(f_dst, dst, page, False)),
     }
     out: dict = {"page_bytes": page_bytes}
@@ -101,7 +117,7 @@ def throughput(args, endpoint: str, shm: str) -> dict:
                 best[name] = min(best.get(name, float("inf")), seconds)
 
             for r in range(args.rounds):
-                order = ["ceiling", "hicache", "file"]
+                order = ["ceiling", "hicache", "chain", "file"]
                 for name in order if r % 2 == 0 else order[::-1]:
                     si, di = s_idx[: n * page], d_idx[: n * page]
                     if name == "ceiling":  # the same pages, one plain copy each (K and V runs)
@@ -121,6 +137,8 @@ def throughput(args, endpoint: str, shm: str) -> dict:
                     t = time.perf_counter()
                     if name == "hicache":
                         assert hc_dst.batch_exists(keys) == n
+                    elif name == "chain":
+                        assert hc_dst.batch_exists(keys, after([])) == n
                     else:
                         assert f_dst.batch_exists(keys) == n
                     assert get(keys, di) == n, f"{name}: get failed"
@@ -136,6 +154,8 @@ def throughput(args, endpoint: str, shm: str) -> dict:
             for op in ("get", "set"):
                 row[f"{op}_vs_ceiling"] = round(row[f"hicache_{op}"] / row[f"ceiling_{op}"], 3)
                 row[f"{op}_vs_file"] = round(row[f"hicache_{op}"] / row[f"file_{op}"], 3)
+                row[f"chain_{op}_vs_ceiling"] = round(row[f"chain_{op}"] / row[f"ceiling_{op}"], 3)
+                row[f"chain_{op}_vs_file"] = round(row[f"chain_{op}"] / row[f"file_{op}"], 3)
             out[f"pages_{n}"] = row
             print(f"pages per call {n:3d}: " + " ".join(f"{k} {v}" for k, v in row.items()))
     finally:
@@ -152,12 +172,13 @@ def miss_cost(args, endpoint: str) -> dict:
     try:
         for n in (1, 64):
             keys = fresh_keys(n)
-            times = []
-            for _ in range(2000):
-                t = time.perf_counter()
-                assert be.batch_exists(keys) == 0 and be.link.client is not None
-                times.append(time.perf_counter() - t)
-            out[f"miss_ms_{n}_keys"] = round(statistics.median(times) * 1e3, 4)
+            for name, info in (("miss", None), ("chain_miss", after([]))):
+                times = []
+                for _ in range(2000):
+                    t = time.perf_counter()
+                    assert be.batch_exists(keys, info) == 0 and be.link.client is not None
+                    times.append(time.perf_counter() - t)
+                out[f"{name}_ms_{n}_keys"] = round(statistics.median(times) * 1e3, 4)
         print(f"a miss (batch_exists, empty daemon): {out}")
     finally:
         be.close()
@@ -177,10 +198,11 @@ class Instance:
     """An SGLang instance as a cache of pages (LRU, prefix-closed by chain: a hit is the
     leading run of a prompt's keys), with or without hicache under it."""
 
-    def __init__(self, capacity_pages: int, backend=None, host=None):
+    def __init__(self, capacity_pages: int, backend=None, host=None, chain: bool = False):
         self.capacity = capacity_pages
         self.pages: OrderedDict[str, None] = OrderedDict()
         self.backend, self.host = backend, host
+        self.chain = chain  # calls carry prefix keys
 
     def serve(self, keys: list[str], kv) -> tuple[int, int]:
         """(pages found in its own cache, pages found in hicache after them)."""
@@ -190,11 +212,11 @@ class Instance:
         stored = 0
         if self.backend is not None and own < len(keys):
             rest = keys[own:]
-            stored = self.backend.batch_exists(rest)
+            stored = self.backend.batch_exists(rest, self.info(keys[:own]))
             if stored:
                 page = self.host.page_size
                 idx = self.host.alloc(stored * page)
-                got = self.backend.batch_get_v1(rest[:stored], idx)
+                got = self.backend.batch_get_v1(rest[:stored], idx, self.info(keys[:own]))
                 stored = got.index(False) if False in got else stored
                 for i, key in enumerate(rest[:stored]):  # every page read is its key's
                     assert torch.equal(self.host.kv_buffer[:, int(idx[i * page])], kv(key))
@@ -207,7 +229,8 @@ class Instance:
                 self.host.kv_buffer[:, int(idx[i * page]) : int(idx[i * page]) + page] = kv(key)[
                     :, None
                 ]
-            assert all(self.backend.batch_set_v1(computed, idx))
+            prefix = self.info(keys[: own + stored])
+            assert all(self.backend.batch_set_v1(computed, idx, prefix))
             self.host.free(idx)
         for key in keys:
             self.pages[key] = None
@@ -215,6 +238,9 @@ class Instance:
         while len(self.pages) > self.capacity:
             self.pages.popitem(last=False)
         return own, stored
+
+    def info(self, prefix: list[str]):
+        return after(prefix) if self.chain else None
 
 
 def doc_qa(args, endpoint: str) -> dict:
@@ -232,7 +258,7 @@ def doc_qa(args, endpoint: str) -> dict:
         return torch.randn((2, 1, 1, 64), generator=gen).to(torch.bfloat16)
 
     results = {}
-    for mode in ("alone", "hicache"):
+    for mode in ("alone", "hicache", "chain"):
         instances = []
         for _ in range(2):
             if mode == "alone":
@@ -240,7 +266,8 @@ def doc_qa(args, endpoint: str) -> dict:
                 continue
             host = host_pool(1, 1, 64, page, 64, "page_first")
             extra = rig.extra_config(endpoint, **{"hicache.namespace": f"docqa-{args.seed}"})
-            instances.append(Instance(quarter, make_backend("dynamic", host, extra), host))
+            backend = make_backend("dynamic", host, extra)
+            instances.append(Instance(quarter, backend, host, chain=mode == "chain"))
         recomputed = 0
         for n, (prompt, done) in enumerate(zip(prompts, finished, strict=True)):
             inst = instances[n % 2]
@@ -267,8 +294,10 @@ def doc_qa(args, endpoint: str) -> dict:
         "docqa_cache_pages_each": quarter,
         "recomputed_alone": results["alone"],
         "recomputed_hicache": results["hicache"],
+        "recomputed_chain": results["chain"],
         "recomputed_ceiling": ceiling,
         "hicache_vs_ceiling": round(results["hicache"] / max(1, ceiling), 3),
+        "chain_vs_ceiling": round(results["chain"] / max(1, ceiling), 3),
         "alone_vs_ceiling": round(results["alone"] / max(1, ceiling), 3),
     }
     print(f"doc-QA, two instances: {out}")
@@ -286,7 +315,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=2)
     args = p.parse_args()
     page_bytes = 2 * args.layers * args.page * args.heads * args.head_dim * 2
-    pool = max(args.batches) * page_bytes * 2 + (64 << 20)
+    pool = max(args.batches) * page_bytes * 3 + (64 << 20)
     out: dict = {"bench": "sglang"}
     with tempfile.TemporaryDirectory(prefix="hicache-bench-", dir="/tmp") as tmp:
         endpoint = f"ipc://{tmp}/h.sock"

@@ -1,7 +1,9 @@
 """A property test: two SGLang instances (different host layouts) and a vLLM-style engine (token
-keys) share one daemon whose pool holds far less than they write. Whatever the order of their
-writes, lookups, pins and reads, every page read is the page written for its key, the engines
-never see each other's pages, and the daemon's invariants hold after every step."""
+keys) share one daemon whose pool holds far less than they write. SGLang's calls carry prefix
+keys (chains) in every other example and not (one-page keys) in the rest. Whatever the order of
+their writes, lookups, pins and reads, every page read is the page written for its key, the
+engines never see each other's pages, a chain is held from its first page, and the daemon's
+invariants hold after every step."""
 
 from __future__ import annotations
 
@@ -21,13 +23,20 @@ optional.require_module(
 )
 
 from hicache.client import HiCacheClient  # noqa: E402
-from hicache.client.sglang.pages import daemon_view, page_format  # noqa: E402
+from hicache.client.sglang.pages import daemon_view, key_words, page_format  # noqa: E402
 from tests import sglang_rig as rig  # noqa: E402
 from tests.daemon_helpers import start_daemon, stop_daemon  # noqa: E402
 
 POOL_PAGES = 12
 PROMPTS = 6  # prompt families; each one's pages are a chain, and families share first pages
 PAGES = 6  # pages per prompt
+
+
+def after(keys: list[str]):
+    """SGLang's extra_info for a call whose keys follow ``keys`` (its prefix keys)."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    return HiCacheStorageExtraInfo(prefix_keys=list(keys))
 
 
 def kv_for(name: str, fmt) -> torch.Tensor:
@@ -41,7 +50,7 @@ def kv_for(name: str, fmt) -> torch.Tensor:
 class Shared(RuleBasedStateMachine):
     endpoint = ""
     examples = itertools.count()
-    seen = {"evicted": 0, "read": 0, "vllm_read": 0}
+    seen = {"evicted": 0, "read": 0, "chain_read": 0, "vllm_read": 0}
 
     def __init__(self) -> None:
         super().__init__()
@@ -57,6 +66,7 @@ class Shared(RuleBasedStateMachine):
         self.vllm.register_layout(self.fmt.engine_layout())
         self.vllm_ns = f"vllm-{n}"
         rng = np.random.default_rng(n)
+        self.chain = n % 2 == 1  # SGLang passes prefix keys (every call of this example)
         base = rng.integers(0, 30000, PAGES * rig.PAGE).tolist()
         self.prompts = []
         for i in range(PROMPTS):  # families share their first i % 3 pages
@@ -77,43 +87,50 @@ class Shared(RuleBasedStateMachine):
     def sglang(self, op, inst, prompt, pages):
         """backup: SGLang's backup thread writes the prompt's first ``pages``; prefetch: its
         prefetch threads ask from page ``PAGES - pages`` on (its host hit; mid-chain) and read
-        what was found; exists: they ask, and the read never comes (a pin left to pin_s)."""
+        what was found; exists: they ask, and the read never comes (a pin left to pin_s).
+        In every other example the calls carry the keys before theirs (prefix keys)."""
         if op == "backup":
-            self.backup(inst, prompt, pages)
+            self.backup(inst, prompt, pages, self.chain)
         else:
-            self.prefetch(inst, prompt, PAGES - pages, get=op == "prefetch")
+            self.prefetch(inst, prompt, PAGES - pages, op == "prefetch", self.chain)
 
-    def backup(self, inst, prompt, pages):
+    def backup(self, inst, prompt, pages, chain):
         keys = rig.chain_hashes(self.prompts[prompt][: pages * rig.PAGE])
         host = self.hosts[inst]
         src = host.alloc(pages * rig.PAGE)
         for i, key in enumerate(keys):
             rig.set_canonical(host, int(src[i * rig.PAGE]), kv_for(key, self.fmt))
-        ok = self.backends[inst].batch_set_v1(keys, src)
+        ok = self.backends[inst].batch_set_v1(keys, src, after([]) if chain else None)
         assert ok in ([True] * pages, [False] * pages)  # False: the pool is pinned full
         host.free(src)
 
-    def prefetch(self, inst, prompt, start, get):
-        keys = rig.chain_hashes(self.prompts[prompt])[start:]
+    def prefetch(self, inst, prompt, start, get, chain):
+        every = rig.chain_hashes(self.prompts[prompt])
+        keys = every[start:]
+        info = after(every[:start]) if chain else None
         be, host = self.backends[inst], self.hosts[inst]
-        hit = be.batch_exists(keys)
+        hit = be.batch_exists(keys, info)
         assert 0 <= hit <= len(keys)
         self.seen["evicted"] += any(k in self.found for k in keys[hit:])
         self.found.update(keys[:hit])
+        if chain and hit:  # held from the first page: the chain from its start is found
+            words = key_words(every, rig.PAGE).reshape(-1)
+            m = self.vllm.match_prefix(words, namespace=be.chains.namespace, lock=False)
+            assert m.device_hit_length >= (start + hit) * rig.PAGE
         if not get or not hit:
             return
         dst = host.alloc(hit * rig.PAGE)
         poison = torch.full_like(kv_for("", self.fmt), float("nan"))
         for i in range(hit):
             rig.set_canonical(host, int(dst[i * rig.PAGE]), poison)
-        got = be.batch_get_v1(keys[:hit], dst)
+        got = be.batch_get_v1(keys[:hit], dst, info)
         done = got.index(False) if False in got else hit
         assert got == [True] * done + [False] * (hit - done)
         for i, key in enumerate(keys[:done]):
             assert torch.equal(
                 rig.canonical_page(host, int(dst[i * rig.PAGE])), kv_for(key, self.fmt)
             )
-        self.seen["read"] += done
+        self.seen["chain_read" if chain else "read"] += done
         host.free(dst)
 
     # ---- a vLLM-style engine on the same daemon ----------------------------------------------
