@@ -52,20 +52,23 @@ def stub_torchvision() -> None:
     )
 
 
-def host_pool(layout: str, mla: bool = False, pages: int = 64, dtype=torch.float16):
-    """SGLang's host pool (and the device pool it mirrors) of about ``pages`` pages."""
+def host_pool(
+    layout: str, mla: bool = False, pages: int = 64, dtype=torch.float16, page: int = PAGE
+):
+    """SGLang's host pool (and the device pool it mirrors) of about ``pages`` pages of
+    ``page`` tokens."""
     stub_torchvision()
     if mla:
         from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
         from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
         dev = MLATokenToKVPool(
-            size=pages * PAGE, page_size=PAGE, dtype=dtype, kv_lora_rank=LORA,
+            size=pages * page, page_size=page, dtype=dtype, kv_lora_rank=LORA,
             qk_rope_head_dim=ROPE, layer_num=LAYERS, device="cpu", enable_memory_saver=False,
         )  # fmt: skip
         info = dev.get_device_pool_infos()[0].buffer_info
         host = MLATokenToKVPoolHost(
-            info, 1.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+            info, 1.0, 0, page, layout, pin_memory=False, device="cpu",
             override_kv_cache_dim=dev.kv_cache_dim, device_capacity_tokens=dev.size,
             start_layer=dev.start_layer, end_layer=dev.end_layer, target_layer_num=LAYERS,
         )  # fmt: skip
@@ -74,11 +77,11 @@ def host_pool(layout: str, mla: bool = False, pages: int = 64, dtype=torch.float
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     dev = MHATokenToKVPool(
-        size=pages * PAGE, page_size=PAGE, dtype=dtype, head_num=HEADS, head_dim=HEAD_DIM,
+        size=pages * page, page_size=page, dtype=dtype, head_num=HEADS, head_dim=HEAD_DIM,
         layer_num=LAYERS, device="cpu", enable_memory_saver=False, enable_alt_stream=False,
     )  # fmt: skip
     cls, info, kw = _mha_host_inputs(dev)
-    return dev, cls(info, 1.0, 0, PAGE, layout, pin_memory=False, device="cpu", **kw)
+    return dev, cls(info, 1.0, 0, page, layout, pin_memory=False, device="cpu", **kw)
 
 
 def storage_config(extra: dict, mla: bool = False, tp_rank: int = 0, tp_size: int = 1, **ranks):

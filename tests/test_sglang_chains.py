@@ -21,7 +21,7 @@ optional.require_module(
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
 
 from hicache.client import HiCacheClient  # noqa: E402
-from hicache.client.sglang.pages import LAYOUTS  # noqa: E402
+from hicache.client.sglang.pages import LAYOUTS, key_words, page_hashes  # noqa: E402
 from tests import sglang_rig as rig  # noqa: E402
 from tests.daemon_helpers import start_daemon, stop_daemon  # noqa: E402
 
@@ -229,3 +229,47 @@ def test_the_generic_path_keys_pages_one_by_one_even_when_sglang_passes_a_prefix
         assert all(torch.equal(a, b) for a, b in zip(out, flat[1:], strict=True))
     finally:
         be.close()
+
+
+def test_kv_events_name_sglangs_page_hashes_and_a_chain_links_its_pages(tmp_path):
+    """A router reads SGLang's own page hashes out of the events (``page_hashes``), and a
+    chain's blocks link parent to child as token prompts' do."""
+    from tests.optional import require_module
+
+    require_module("vllm.distributed.kv_events", "vllm", "decoding events as vLLM does")
+    from tests.test_kv_events import ask, rebuild
+
+    ep = f"ipc://{tmp_path}/h.sock"
+    replay = f"ipc://{tmp_path}/replay.sock"
+    proc = start_daemon(
+        ep, "--device-tier", "engine", "--host-bytes", "1MiB",
+        "--events-endpoint", f"ipc://{tmp_path}/pub.sock", "--events-replay-endpoint", replay,
+    )  # fmt: skip
+    page = 9  # (from 9 tokens on a page's words hold its whole hash)
+    _, host = rig.host_pool("page_first", pages=8, page=page)
+    be = rig.backend(host, rig.extra_config(ep))
+    try:
+        keys = [os.urandom(32).hex() for _ in range(3)]
+        assert be.batch_set_v1(keys, host.alloc(3 * page), after([])) == [True] * 3
+        model = rebuild(ask(replay, b"dump"))
+        blocks = model.blocks["CPU"]
+        by_hash = {h: page_hashes(tokens, page)[0] for h, (_, tokens) in blocks.items()}
+        assert sorted(by_hash.values()) == sorted(keys)
+        parents = {by_hash[h]: parent for h, (parent, _) in blocks.items()}
+        key_of = {v: k for k, v in by_hash.items()}
+        assert parents[keys[0]] is None
+        assert parents[keys[1]] == key_of[keys[0]] and parents[keys[2]] == key_of[keys[1]]
+    finally:
+        be.close()
+        stop_daemon(proc)
+
+
+def test_page_hashes_undo_key_words_from_a_page_of_nine_tokens_on():
+    keys = [os.urandom(32).hex() for _ in range(4)]
+    for size in (9, 16, 64):
+        assert page_hashes(key_words(keys, size).reshape(-1), size) == keys
+    with pytest.raises(ValueError, match="holds 248 of a hash's bits"):
+        page_hashes(key_words(keys, 8).reshape(-1), 8)
+    for bad in ([1] * 10, [-1] * 9, [1 << 31] + [0] * 8):
+        with pytest.raises(ValueError, match="whole pages of 9 31-bit words"):
+            page_hashes(bad, 9)

@@ -5,9 +5,11 @@ SGLang loads it without a change of its own::
 
     --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
     '{"backend_name": "hicache", "module_path": "hicache.client.sglang",
-      "class_name": "HiCacheStore", "interface_v1": 1, "hicache.endpoint": "ipc://..."}'
+      "class_name": "HiCacheStore", "interface_v1": 1,
+      "hicache_storage_pass_prefix_keys": true, "hicache.endpoint": "ipc://..."}'
 
 Interface: ``HiCacheStore`` (backend.py, imports SGLang), ``StoreSettings`` (settings.py);
+``chains.py`` serves the calls that pass prefix keys (a prompt's pages as one tree path),
 ``pages.py`` holds the page format, views and keys (torch only), ``pins.py`` the pins between
 a lookup and its get, ``figures.py`` what SGLang's storage metrics read. Names load on first
 use.

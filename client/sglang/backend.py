@@ -7,6 +7,9 @@ finished pages (``batch_set_v1`` / ``batch_set``). Here each is one or a few dae
 trips plus copies between SGLang's host pool and the daemon's shared pool (the C page copy,
 no GIL), made by the calling thread:
 
+Zero-copy calls that pass ``prefix_keys`` go to ``Chains`` (chains.py: a prompt's pages as one
+path of the tree). The rest key every page alone:
+
 - ``batch_exists``: one batched MATCH of one-page keys (each page its own key: SGLang names
   pages by their chained hash, and its calls start mid-chain, so every page is found alone).
   The pages found stay pinned (locked) for the get that follows; pins not taken by a get are

@@ -214,6 +214,22 @@ def key_words(keys: list[str], page_size: int) -> np.ndarray:
     return out
 
 
+def page_hashes(token_ids: Any, page_size: int) -> list[str]:
+    """SGLang's page hashes back from tree tokens (``key_words``' inverse): what a KV event's
+    ``token_ids`` for SGLang pages name, a hash per ``page_size`` words. From a page of 9
+    tokens on every hash comes back whole; below, ValueError (the words hold only
+    ``31 * page_size`` of its 256 bits)."""
+    if page_size < 9:
+        raise ValueError(f"a page of {page_size} tokens holds {31 * page_size} of a hash's bits")
+    words = np.asarray(token_ids, dtype=np.int64)
+    if words.ndim != 1 or len(words) % page_size or (words < 0).any() or (words >> 31).any():
+        raise ValueError(f"token ids must be whole pages of {page_size} 31-bit words")
+    rows = words.reshape(-1, page_size)
+    top = (rows[:, 8:9] >> np.arange(8)) & 1  # the high bit of each of the 8 words
+    full = (rows[:, :8] | (top << 31)).astype(">u4")
+    return [row.tobytes().hex() for row in full]
+
+
 def _hex(key: str) -> bytes:
     """``key``'s bytes, or b"" when it is not hex digits only."""
     try:
@@ -236,5 +252,6 @@ __all__ = [
     "host_view",
     "key_words",
     "page_bytes",
+    "page_hashes",
     "page_format",
 ]
