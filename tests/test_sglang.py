@@ -20,6 +20,8 @@ optional.require_module(
     "sglang.srt.mem_cache.hicache_storage", "sglang", "the SGLang storage backend's tests"
 )
 
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: E402
+
 from hicache.client import HiCacheClient  # noqa: E402
 from hicache.client.sglang import StoreSettings  # noqa: E402
 from hicache.client.sglang.pages import (  # noqa: E402
@@ -473,9 +475,28 @@ def test_pages_stored_on_one_machine_come_back_on_another_through_the_third_tier
                     rig.canonical_page(host_b, int(dst[i])),
                     rig.canonical_page(host_a, int(src[i])),
                 )
+            # chains (prefix keys): the second machine asks mid-chain, the store has it all
+            info = HiCacheStorageExtraInfo
+            chain = rig.chain_hashes(tokens(5, seed=22))
+            assert a.batch_set_v1(chain, src[: 5 * rig.PAGE], info([])) == [True] * 5
+            with HiCacheClient(eps[0], name="probe") as hc:
+                wait_until(
+                    lambda: (
+                        hc.stats()["l3"]["written_pages"] == 11
+                        and not hc.stats()["l3"]["queued_pages"]
+                    ),
+                    what="the chain written to the store",
+                )
+            assert b.batch_exists(chain[2:], info(chain[:2])) == 3
+            assert b.batch_get_v1(chain[2:], dst[: 3 * rig.PAGE], info(chain[:2])) == [True] * 3
+            for i in range(3):
+                assert torch.equal(
+                    rig.canonical_page(host_b, int(dst[i * rig.PAGE])),
+                    rig.canonical_page(host_a, int(src[(i + 2) * rig.PAGE])),
+                )
             with HiCacheClient(eps[1], name="probe") as hc:
                 stats = hc.stats(check=True)
-            assert stats["integrity"] == "ok" and stats["l3"]["adopted_pages"] == 6
+            assert stats["integrity"] == "ok" and stats["l3"]["adopted_pages"] == 11
         finally:
             a.close()
             b.close()

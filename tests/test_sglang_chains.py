@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing as mp
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -273,3 +274,44 @@ def test_page_hashes_undo_key_words_from_a_page_of_nine_tokens_on():
     for bad in ([1] * 10, [-1] * 9, [1 << 31] + [0] * 8):
         with pytest.raises(ValueError, match="whole pages of 9 31-bit words"):
             page_hashes(bad, 9)
+
+
+def test_a_daemon_killed_during_a_chain_get_or_set_fails_that_call_only(tmp_path, monkeypatch):
+    """Misses and False, never an exception; nothing half-written is readable; the next
+    daemon gets a new session and the layout again by itself."""
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    start = ("--device-tier", "engine", "--host-bytes", "1MiB")
+    proc = start_daemon(endpoint, *start)
+    _, host = rig.host_pool("page_first")
+    be = rig.backend(host, rig.extra_config(endpoint, **{"hicache.retry_s": 0}))
+    try:
+        rig.fill(host, seed=46)
+        keys = rig.chain_hashes(tokens(4, seed=46))
+        src = host.alloc(4 * P)
+        assert be.batch_set_v1(keys[:2], src[: 2 * P], after([])) == [True] * 2
+        assert be.batch_exists(keys[:2], after([])) == 2
+        from hicache.client.sglang import chains
+
+        real, state = chains.copy_pages, {"proc": proc}
+
+        def copy_then_die(*args):  # the daemon dies while the pages are being copied
+            real(*args)
+            os.kill(state["proc"].pid, signal.SIGKILL)
+            state["proc"].wait()
+
+        monkeypatch.setattr(chains, "copy_pages", copy_then_die)
+        assert be.batch_get_v1(keys[:2], host.alloc(2 * P), after([])) == [False] * 2
+        assert be.batch_exists(keys, after([])) == 0  # down: a miss
+        state["proc"] = proc = start_daemon(endpoint, *start)
+        assert be.batch_set_v1(keys, src, after([])) == [False] * 4  # killed before its insert
+        monkeypatch.setattr(chains, "copy_pages", real)
+        proc = start_daemon(endpoint, *start)
+        assert be.batch_exists(keys, after([])) == 0  # nothing half-written is readable
+        assert be.batch_set_v1(keys, src, after([])) == [True] * 4
+        dst = host.alloc(4 * P)
+        assert be.batch_exists(keys[1:], after(keys[:1])) == 3
+        assert be.batch_get_v1(keys[1:], dst[: 3 * P], after(keys[:1])) == [True] * 3
+        assert torch.equal(page(host, dst[2 * P]), page(host, src[3 * P]))
+    finally:
+        be.close()
+        stop_daemon(proc)
