@@ -243,6 +243,42 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "sglang-chain-set-copies-what-the-daemon-has",
+        "client/sglang/chains.py",
+        "first = held - skip  # the first page the daemon lacks",
+        "first = 0",
+        (
+            "tests/test_sglang_chains.py::"
+            "test_a_chain_is_found_whatever_split_the_calls_use_and_sets_store_what_lacks",
+        ),
+    ),
+    Mutation(
+        "sglang-chain-stored-below-a-missing-prefix",
+        "client/sglang/chains.py",
+        "if held < skip:  # the prefix is gone: nothing may hang below it",
+        "if False:",
+        ("tests/test_sglang_chains.py::test_a_set_below_a_prefix_the_daemon_lacks_stores_nothing",),
+    ),
+    Mutation(
+        "sglang-chain-pin-kept-after-the-get",
+        "client/sglang/chains.py",
+        "                if m is not None and m.lock_id:\n                    c.release(m)",
+        "                pass",
+        ("tests/test_sglang_chains.py::test_a_lookup_pins_its_chain_until_the_get",),
+    ),
+    Mutation(
+        "sglang-chains-and-page-keys-share-a-namespace",
+        "client/sglang/backend.py",
+        '_namespace(self.model, shard, self.settings.namespace, "chain")',
+        '_namespace(self.model, shard, self.settings.namespace, "")',
+        (
+            "tests/test_sglang_chains.py::"
+            "test_chains_written_by_one_controller_are_prefetched_mid_chain_by_another_process",
+            "-k",
+            "mha",
+        ),
+    ),
+    Mutation(
         "empty-match-locks",
         "daemon/cache_ops.py",
         "if lock and found else 0",
