@@ -171,18 +171,21 @@ class CacheOps:
         if lock:
             self.limits.check_locks(session, len(batch))
         l3_wait = bool_field(fields, "l3_wait", True)
-        fetches = None
-        if self.cache.l3 is not None:
-            fetches = self._prefetch(batch, spaces, l3_wait)
-        match_key, feed = self.cache.match_key, self.capacity
-        results, state, queried = [], ([], {}), 0
         # a turn at least twice what checking the request took: a client asking again for the
         # rest pays for its checks and its bytes once per part, so parts stay few
         now = time.perf_counter()
         turn_ends = now + max(TURN_S, TURN_PER_CHECK * (now - started))
+        fetches, upto = None, len(batch)  # upto: the prompts this turn may answer
+        if self.cache.l3 is not None:
+            fetches, upto = self._prefetch(batch, spaces, l3_wait, turn_ends)
+        match_key, feed = self.cache.match_key, self.capacity
+        results, state, queried = [], ([], {}), 0
         try:
             for tokens, space in zip(batch, spaces, strict=True):
-                if results and time.perf_counter() > turn_ends and self.context.others_waiting():
+                if results and (
+                    len(results) >= upto
+                    or (time.perf_counter() > turn_ends and self.context.others_waiting())
+                ):
                     self.context.match_parts += 1
                     break  # the rest is asked again: the requests waiting go first
                 m = match_key(tokens, space, True)
@@ -204,20 +207,27 @@ class CacheOps:
                 out["l3_pending"] = pending
         return out, frames
 
-    def _prefetch(self, batch: list, spaces: list, wait: bool) -> list:
+    def _prefetch(
+        self, batch: list, spaces: list, wait: bool, turn_ends: float
+    ) -> tuple[list, int]:
         """Ask the third tier for what the tree lacks of each prompt; under a waiting policy
         (and when the request and the server allow it) raise Deferred until it arrives.
-        Returns the (index, fetch) of each prompt with a fetch still running."""
+        Past the turn (``turn_ends``) while another request waits, it stops: the match then
+        answers the prompts asked for so far. Returns the (index, fetch) of each prompt with
+        a fetch still running, and how many prompts were asked for."""
         l3, match_key = self.cache.l3, self.cache.match_key
-        waiting = []
+        waiting, upto = [], len(batch)
         for i, (tokens, space) in enumerate(zip(batch, spaces, strict=True)):
+            if i and time.perf_counter() > turn_ends and self.context.others_waiting():
+                upto = i  # the rest is asked for when the client asks again
+                break
             m = match_key(tokens, space, True, count=False)
             fetch = l3.prefetch(tokens, space, m.device_hit_length + m.host_hit_length)
             if fetch is not None and not fetch.done:
                 waiting.append((i, fetch))
         if waiting and wait and self.context.may_wait and l3.config.wait_bound(1) > 0:
             raise Deferred([f for _, f in waiting], max(f.deadline for _, f in waiting))
-        return waiting
+        return waiting, upto
 
     def _undo_locks(self, session: Session, results: list) -> None:
         """Release the locks a request took before it failed (their ids never reach the

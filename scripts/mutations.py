@@ -279,6 +279,13 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "third-tier-lookups-take-no-turns",
+        "daemon/cache_ops.py",
+        "            if i and time.perf_counter() > turn_ends and self.context.others_waiting():",
+        "            if False:",
+        ("tests/test_fair_turns.py::test_the_third_tiers_lookups_take_turns_too",),
+    ),
+    Mutation(
         "empty-match-locks",
         "daemon/cache_ops.py",
         "if lock and found else 0",

@@ -56,8 +56,9 @@ def _world(admin_token: str | None = None) -> tuple[HiRadixCache, Handlers, int]
 
 
 def _call(handlers: Handlers, session: int, op: Op, fields: dict, frames=()):  # noqa: ANN001
+    epoch = handlers.boot_epoch
     reply, out = handlers.handle(
-        msgpack.packb([PROTOCOL_VERSION, int(op), 1, session, 3, fields]), list(frames)
+        msgpack.packb([PROTOCOL_VERSION, int(op), 1, session, epoch, fields]), list(frames)
     )
     decoded = decode_reply(reply)
     return decoded, out
@@ -258,4 +259,41 @@ def test_a_wake_of_the_third_tier_is_not_a_request_waiting_and_a_request_read_go
         assert daemon._waiting[0][-1] == b"a request"
     finally:
         peer.close(linger=0)
+        daemon.close()
+
+
+def test_the_third_tiers_lookups_take_turns_too(tmp_path, monkeypatch):
+    """With a third tier, a batch first asks the store for what the tree lacks of each prompt:
+    that pass takes turns as the matching does (the prompts it reached are answered, the rest
+    asked for again), so it cannot hold the loop for a whole batch either."""
+    args = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--device-tokens",
+            "512", "--host-tokens", "1024", "--l3", "memory://fair-turns-l3", "--l3-model", "m",
+            "--endpoint", f"ipc://{tmp_path}/d.sock", "--keep-host", "false"]  # fmt: skip
+    daemon = Daemon(resolve(build_parser().parse_args(args), environ={}))
+    try:
+        handlers = daemon.handlers
+        session = handlers.sessions.open("t", 1, time.monotonic()).key
+        asked = []
+        real = daemon.cache.l3.prefetch
+
+        def prefetch(tokens, space, covered):  # noqa: ANN001, ANN202
+            asked.append(bytes(tokens))
+            return real(tokens, space, covered)
+
+        monkeypatch.setattr(daemon.cache.l3, "prefetch", prefetch)
+        fields, frames = _batch_fields(PROMPTS, lock=False)
+        fields["l3_wait"] = False
+        whole, _ = _call(handlers, session, Op.MATCH, fields, frames)  # nobody waits
+        assert whole.ok, whole.fields
+        assert len(whole.fields["results"]) == len(PROMPTS) == len(asked)
+
+        monkeypatch.setattr(cache_ops, "TURN_S", 0.0)
+        monkeypatch.setattr(cache_ops, "TURN_PER_CHECK", 0)
+        handlers.context.others_waiting = lambda: True
+        asked.clear()
+        part, _ = _call(handlers, session, Op.MATCH, fields, frames)
+        assert part.ok and len(part.fields["results"]) == 1 and len(asked) == 1
+        assert asked[0] == PROMPTS[0].tobytes()
+        handlers.check_integrity()
+    finally:
         daemon.close()
