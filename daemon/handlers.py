@@ -485,6 +485,7 @@ class Handlers:
         """The cache's invariants, plus the sessions' against it: every OWNED page is owned by
         exactly one session (live or in quarantine) and every session lock is a lock the
         cache holds on an in-tree node. Raises IntegrityError."""
+        self.sessions.check_integrity()
         if self.cache is None:
             if any(s.owned or s.locks for s in self.sessions.holders()):
                 raise IntegrityError("a session holds pages or locks, and there is no pool")

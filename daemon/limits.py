@@ -68,7 +68,9 @@ class SessionLimits:
         )
 
     def check_owned(self, session: Session, new_pages: int) -> None:
-        """Pages it owns and pages its locks pinned (see check_pinned) share one bound."""
+        """Pages it owns and pages its locks pinned (see check_pinned) share one bound; so do
+        those of every session of one CurveZMQ key (``fellows``), or one client could hold
+        the whole pool a share per session."""
         held = len(session.owned) + session.pinned_pages
         if held + new_pages > self.max_owned_pages:
             raise ProtocolError(
@@ -78,6 +80,16 @@ class SessionLimits:
                 f"{new_pages} new); a session may hold {self.max_owned_pages} (insert, free or "
                 "release some first)",
             )
+        if len(session.fellows) > 1:
+            held = sum(len(s.owned) + s.pinned_pages for s in session.fellows)
+            if held + new_pages > self.max_owned_pages:
+                raise ProtocolError(
+                    ErrorCode.QUOTA_EXCEEDED,
+                    f"the {len(session.fellows)} sessions of this client key would hold "
+                    f"{held + new_pages} {self.pool} pages (owned or pinned by their locks); "
+                    f"one key may hold {self.max_owned_pages}, as one session may (insert, "
+                    "free or release some first)",
+                )
 
     def check_pinned(self, session: Session, new_pages: int) -> None:
         """A lock that makes ``new_pages`` device pages unevictable (no other lock held them):

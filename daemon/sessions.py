@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.daemon.engine_counts import EngineCounts
+from hicache.errors import IntegrityError
 from hicache.protocol import DEFAULT_LEASE_S, ErrorCode, ProtocolError
 
 FORGET_AFTER = 65536  # lapsed session keys remembered (to answer LEASE_EXPIRED, not UNKNOWN)
@@ -75,6 +76,9 @@ class Session:
     pinned_pages: int = 0  # device pages its locks made unevictable (its records' ``pinned``)
     peer: bytes = b""  # the connection (ROUTER routing id) that opened it
     user: str = ""  # the CurveZMQ client key it came with ("": ipc or plain tcp)
+    # the live and quarantined sessions of ``user`` (itself among them; none without a key):
+    # what the key holds in all is bounded like one session's (limits.check_owned)
+    fellows: list[Session] = field(default_factory=list, repr=False, compare=False)
     tally: list[int] = field(default_factory=lambda: [0])  # locks of all its table's sessions
     loads: set[int] = field(default_factory=set)  # tickets of loads this session started
     release_at: float = 0.0  # in quarantine: when its pages and locks are given back
@@ -149,6 +153,7 @@ class SessionTable:
         self.leases_expired = 0  # live sessions whose lease ran out (not goodbyes)
         self._per_peer: Counter[bytes] = Counter()  # live and quarantined sessions by peer
         self._per_user: Counter[str] = Counter()  # the same by CurveZMQ client key
+        self._by_user: dict[str, list[Session]] = {}  # those sessions (each one's ``fellows``)
         # sessions one client key may hold (ipc and plain tcp have none: one user's own)
         self.max_per_user = max(MAX_SESSIONS_PER_PEER, max_sessions // USER_SHARE)
         self.locks = [0]  # locks every session holds (each session's ``tally``)
@@ -215,6 +220,8 @@ class SessionTable:
             self._per_peer[peer] += 1
         if user:
             self._per_user[user] += 1
+            session.fellows = self._by_user.setdefault(user, [])
+            session.fellows.append(session)
         return session
 
     def _gone(self, session: Session) -> Session:
@@ -224,6 +231,10 @@ class SessionTable:
                 count[who] -= 1
                 if not count[who]:
                     del count[who]
+        if session.fellows:
+            session.fellows.remove(session)
+            if not session.fellows:
+                del self._by_user[session.user]
         return session
 
     def live(self, key: int, now: float) -> Session | None:
@@ -278,6 +289,31 @@ class SessionTable:
                 self._lapsed.popitem(last=False)
         due = [s.key for s in self._quarantine.values() if s.release_at <= now]
         return [Ended(self._gone(s := self._quarantine.pop(key)), s.ending) for key in due]
+
+    def check_integrity(self) -> None:
+        """The per-connection and per-key counts, and each key's sessions (``fellows``), are
+        those of the live and quarantined sessions. Raises IntegrityError."""
+        peers: Counter[bytes] = Counter()
+        users: dict[str, list[Session]] = {}
+        for s in self.holders():
+            if s.peer:
+                peers[s.peer] += 1
+            if s.user:
+                users.setdefault(s.user, []).append(s)
+            elif s.fellows:
+                raise IntegrityError(f"session {s.id} has no client key and fellows")
+        if peers != self._per_peer:
+            raise IntegrityError("sessions per connection are miscounted")
+        if {u: len(ss) for u, ss in users.items()} != dict(self._per_user):
+            raise IntegrityError("sessions per client key are miscounted")
+        for user, sessions in users.items():
+            fellows = self._by_user.get(user)
+            if fellows is None or sorted(s.id for s in fellows) != sorted(s.id for s in sessions):
+                raise IntegrityError(f"the sessions of a client key are not {len(sessions)}")
+            if any(s.fellows is not fellows for s in sessions):
+                raise IntegrityError("a session's fellows are not its client key's sessions")
+        if set(self._by_user) != set(users):
+            raise IntegrityError("a client key without sessions is still listed")
 
     def owner_of(self, page: int) -> Session | None:
         """The session owning ``page`` (linear; for error messages and tests)."""

@@ -286,6 +286,16 @@ MUTATIONS = [
         ("tests/test_fair_turns.py::test_the_third_tiers_lookups_take_turns_too",),
     ),
     Mutation(
+        "client-key-holds-a-share-per-session",
+        "daemon/limits.py",
+        "        if len(session.fellows) > 1:",
+        "        if False:",
+        (
+            "tests/test_sessions.py::"
+            "test_one_client_key_holds_at_most_one_share_of_the_pool_over_its_sessions",
+        ),
+    ),
+    Mutation(
         "empty-match-locks",
         "daemon/cache_ops.py",
         "if lock and found else 0",

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from hicache.client import HiCacheClient
-from hicache.client.connection import DaemonTimeout
+from hicache.client.connection import DaemonError, DaemonTimeout
 from hicache.client.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, keygen
+from hicache.protocol import ErrorCode
 from tests.daemon_helpers import start_daemon, stop_daemon
 from tests.l3_servers import free_port
 
@@ -149,4 +150,30 @@ def test_one_client_key_holds_at_most_its_share_of_sessions_over_connections(key
     finally:
         for sock in socks:
             sock.close()
+        stop_daemon(proc)
+
+
+def test_one_client_key_holds_one_share_of_the_pool_over_its_sessions(keys, monkeypatch):
+    """s16 spread over sessions: each session holds at most its share of the pool (75%); two
+    sessions of one CurveZMQ key together hold no more, and another key still gets its own."""
+    other_pub, other_sec = keygen(keys["clients"], "other-pool")
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    proc = start_daemon(ep, "--curve-secret-key", keys["server_sec"],
+                        "--curve-clients", keys["clients"])  # fmt: skip
+    try:
+        monkeypatch.setenv(SERVER_KEY_ENV, keys["server_pub"])
+        monkeypatch.setenv(CLIENT_KEY_ENV, keys["engine_sec"])
+        with HiCacheClient(ep, name="a") as a, HiCacheClient(ep, name="b") as b:
+            held = a.alloc(128)  # half of the 256-token pool
+            b.alloc(64)  # 192 of 256: the key's share (75%) exactly
+            with pytest.raises(DaemonError) as err:
+                b.alloc(4)
+            assert err.value.code is ErrorCode.QUOTA_EXCEEDED
+            assert "sessions of this client key" in str(err.value)
+            monkeypatch.setenv(CLIENT_KEY_ENV, other_sec)
+            with HiCacheClient(ep, name="c") as c:
+                c.alloc(4)  # another key: its own share (of what is free)
+            a.free(held)
+            b.alloc(64)  # what one session gave back, another of the key may take
+    finally:
         stop_daemon(proc)

@@ -205,3 +205,34 @@ def test_one_client_key_cannot_take_every_session_over_many_connections():
     table.open("local", 3, 0.0, peer=b"ipc")  # no key (ipc): only the per-connection bound
     table.end(held[0].key)
     table.open("x", 1, 0.0, peer=b"fresh", user="k1")  # an ended one frees its place
+
+
+def test_one_client_key_holds_at_most_one_share_of_the_pool_over_its_sessions():
+    """Each session is held to its share of the pool; so is every session of one CurveZMQ
+    key together, or one client would pin the whole pool a share per session."""
+    from hicache.daemon.limits import SessionLimits
+    from hicache.errors import IntegrityError
+
+    table = SessionTable()
+    limits = SessionLimits.for_pool(100, owned_fraction=0.5)  # 50 pages per session or key
+    a, b = (table.open("x", 1, 0.0, peer=b"c%d" % i, user="k1") for i in range(2))
+    other = table.open("engine", 2, 0.0, peer=b"e", user="k2")
+    local, local2 = table.open("ipc", 3, 0.0, peer=b"i"), table.open("ipc", 3, 0.0, peer=b"j")
+    a.owned.update(range(30))
+    a.pinned_pages = 10
+    limits.check_owned(b, 10)  # 40 + 10: the key's share exactly
+    with pytest.raises(ProtocolError) as err:
+        limits.check_owned(b, 11)
+    assert err.value.code is ErrorCode.QUOTA_EXCEEDED
+    assert "2 sessions of this client key would hold 51" in str(err.value)
+    limits.check_owned(other, 50)  # another key has its own share
+    local.owned.update(range(50))
+    limits.check_owned(local2, 50)  # no key (ipc: the daemon's own user): per session only
+    table.check_integrity()
+    table.end(a.key)  # an ended session's pages are no longer the key's
+    limits.check_owned(b, 50)
+    assert b.fellows == [b] and other.fellows == [other] and local.fellows == []
+    table.check_integrity()
+    b.fellows.append(other)  # (a corrupted list is caught)
+    with pytest.raises(IntegrityError):
+        table.check_integrity()
