@@ -296,6 +296,33 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "sglang-chain-pin-read-at-another-depth",
+        "client/sglang/chains.py",
+        "                if m is not None and m.device_hit_length != len(tokens):",
+        "                if False:",
+        ("tests/test_sglang_chains.py::test_a_pin_is_used_only_by_a_get_of_its_own_path",),
+    ),
+    Mutation(
+        "sglang-chain-set-locks-its-prefix",
+        "client/sglang/chains.py",
+        "            m = c.match_prefix(tokens, ns, lock=False)",
+        "            m = c.match_prefix(tokens, ns, lock=True)",
+        (
+            "tests/test_sglang_chains.py::"
+            "test_a_long_chain_is_stored_in_batches_without_its_prefix_charged_to_the_rank",
+        ),
+    ),
+    Mutation(
+        "sglang-allocations-within-a-chain-set",
+        "client/sglang/backend.py",
+        "            with self.writing:\n                stored = self.link.call(write)",
+        "            stored = self.link.call(write)",
+        (
+            "tests/test_sglang_chains.py::"
+            "test_no_allocation_of_the_backend_falls_between_a_chain_sets_match_and_insert",
+        ),
+    ),
+    Mutation(
         "empty-match-locks",
         "daemon/cache_ops.py",
         "if lock and found else 0",

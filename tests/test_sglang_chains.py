@@ -315,3 +315,121 @@ def test_a_daemon_killed_during_a_chain_get_or_set_fails_that_call_only(tmp_path
     finally:
         be.close()
         stop_daemon(proc)
+
+
+def test_a_long_chain_is_stored_in_batches_without_its_prefix_charged_to_the_rank(tmp_path):
+    """A set locks nothing: storing a chain of most of the pool, a batch at a time, never
+    counts the pages already stored against the rank's share (75% of 120 pages)."""
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(endpoint, "--device-tier", "engine", "--host-tokens", str(120 * P))
+    _, host = rig.host_pool("page_first", pages=160)
+    be = rig.backend(host, rig.extra_config(endpoint))
+    try:
+        keys = rig.chain_hashes(tokens(100, seed=47))
+        src = host.alloc(100 * P)
+        for at in range(0, 100, 20):
+            got = be.batch_set_v1(keys[at : at + 20], src[at * P : (at + 20) * P], after(keys[:at]))
+            assert got == [True] * 20, at
+        assert stats(endpoint)["host_cached_tokens"] == 100 * P
+        assert be.batch_exists(keys[40:80], after(keys[:40])) == 40
+        dst = host.alloc(40 * P)  # (a read pins its path, prefix too: 80 of the 90 allowed)
+        assert be.batch_get_v1(keys[40:80], dst, after(keys[:40])) == [True] * 40
+        assert torch.equal(page(host, dst[39 * P]), page(host, src[79 * P]))
+    finally:
+        be.close()
+        stop_daemon(proc)
+
+
+def test_a_pin_is_used_only_by_a_get_of_its_own_path(ep, store):
+    """A caller whose prefix is not the chain's (SGLang never does this) gets what its keys
+    name, or a miss: never the page at another depth of the pinned path."""
+    be, host = store
+    keys = rig.chain_hashes(tokens(4, seed=48))
+    src = host.alloc(4 * P)
+    assert be.batch_set_v1(keys, src, after([])) == [True] * 4
+    assert be.batch_exists(keys, after([])) == 4
+    dst = host.alloc(P)
+    assert be.batch_get_v1(keys[-1:], dst, after([])) == [False]  # keys[3] is no first page
+    assert be.batch_exists(keys, after([])) == 4
+    assert be.batch_get_v1(keys[-1:], dst, after(keys[:3])) == [True]
+    assert torch.equal(page(host, dst[0]), page(host, src[3 * P]))
+    assert be.pinned() == 0
+    with HiCacheClient(ep, name="probe") as hc:
+        locks = [s["locks"] for s in hc.stats()["session_list"] if s["client"] != "probe"]
+    assert locks == [0]
+
+
+def test_a_lookup_that_finds_only_the_prefix_pins_nothing(ep, store):
+    be, host = store
+    keys = rig.chain_hashes(tokens(4, seed=49))
+    assert be.batch_set_v1(keys[:2], host.alloc(2 * P), after([])) == [True] * 2
+    assert be.batch_exists(keys[2:], after(keys[:2])) == 0
+    assert be.pinned() == 0
+    with HiCacheClient(ep, name="probe") as hc:
+        locks = [s["locks"] for s in hc.stats()["session_list"] if s["client"] != "probe"]
+    assert locks == [0]
+
+
+def test_keys_that_are_not_a_list_or_are_str_subclasses(ep, store):
+    """What is not a list of keys is a miss or False on the chain path too, never an
+    exception in SGLang's threads; a str subclass (numpy's) is a key like any other."""
+    be, host = store
+    keys = rig.chain_hashes(tokens(2, seed=50))
+    src = host.alloc(2 * P)
+    assert be.batch_set_v1([np.str_(k) for k in keys], src, after([])) == [True] * 2
+    assert be.batch_exists(keys, after([])) == 2
+    assert be.batch_get_v1(keys, host.alloc(2 * P), after([])) == [True] * 2
+    for bad in ({keys[0]: 1}, set(keys[:1]), iter(keys[:1])):
+        assert be.batch_exists(bad, after([])) == 0
+        assert be.batch_get_v1(bad, host.alloc(P), after([])) == [False]
+        assert be.batch_set_v1(bad, src[:P], after([])) == [False]
+    assert be.pinned() == 0
+
+
+def test_no_allocation_of_the_backend_falls_between_a_chain_sets_match_and_insert(
+    ep, store, monkeypatch
+):
+    """A chain set matches without a lock and names the held pages in its insert: a prefix page
+    evicted meanwhile and given to this very session would pass as the chain's. So the
+    backend's other sets (the generic path's, another thread's) wait for the insert."""
+    import threading
+
+    from hicache.client.client import HiCacheClient as Client
+    from hicache.client.sglang import chains
+
+    be, host = store
+    order: list[str] = []
+    for name in ("alloc", "insert", "insert_batch"):
+        real = getattr(Client, name)
+
+        def traced(self, *a, _real=real, _name=name, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            order.append(f"{threading.current_thread().name}:{_name}")
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(Client, name, traced)
+    in_window, other_allocated = threading.Event(), threading.Event()
+    real_copy = chains.copy_pages
+
+    def copy_in_window(*args):  # (between the chain set's allocation and its insert)
+        in_window.set()
+        other_allocated.wait(1.0)  # it must not come: the other set waits for the insert
+        real_copy(*args)
+
+    monkeypatch.setattr(chains, "copy_pages", copy_in_window)
+    keys = rig.chain_hashes(tokens(2, seed=51))
+    other = [os.urandom(32).hex()]
+
+    def one_page_set() -> None:
+        in_window.wait(10)
+        assert be.batch_set_v1(other, host.alloc(P)) == [True]
+        other_allocated.set()
+
+    thread = threading.Thread(target=one_page_set, name="other")
+    thread.start()
+    threading.current_thread().name, name = "chain", threading.current_thread().name
+    try:
+        assert be.batch_set_v1(keys, host.alloc(2 * P), after([])) == [True] * 2
+    finally:
+        threading.current_thread().name = name
+        thread.join(10)
+    assert order == ["chain:alloc", "chain:insert", "other:alloc", "other:insert_batch"]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from typing import Any
 
@@ -99,7 +100,10 @@ class HiCacheStore(HiCacheStorage):
         extra = getattr(storage_config, "extra_config", None) or {}
         self.v1 = bool(extra.get("interface_v1", 0))  # SGLang calls the zero-copy path
         # zero-copy calls that pass prefix_keys: one path per chain (chains.py)
-        self.chains = Chains(self.link, self.pins, self.figures, self._say_once, self._note)
+        self.writing = threading.Lock()  # every allocation (a set's, from match to insert)
+        self.chains = Chains(
+            self.link, self.pins, self.figures, self._say_once, self._note, self.writing
+        )
 
     # ---- registration -----------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -199,7 +203,8 @@ class HiCacheStore(HiCacheStorage):
             return [False] * n
         chain = self._chain(extra_info)
         if chain is not None:
-            done = self.chains.get(keys, chain, self._host, dst)
+            self._release_stale()
+            done = self.chains.get(keys, chain, self._host, dst) if _is_list(keys) else 0
         else:
             done = self._get(keys, self._host, dst)
         return [i < done for i in range(n)]
@@ -287,7 +292,8 @@ class HiCacheStore(HiCacheStorage):
             return [False] * n
         chain = self._chain(extra_info)
         if chain is not None:
-            return [self.chains.set(keys, chain, self._host, src)] * n
+            self._release_stale()
+            return [_is_list(keys) and self.chains.set(keys, chain, self._host, src)] * n
         return [self._set(keys, self._host, src)] * n
 
     def batch_set(
@@ -355,7 +361,8 @@ class HiCacheStore(HiCacheStorage):
             return len(lacking)
 
         try:
-            stored = self.link.call(write)
+            with self.writing:
+                stored = self.link.call(write)
         except (Unavailable, DaemonError, IndexError) as exc:
             self._say_once("set", exc)
             return False

@@ -27,6 +27,8 @@ Thread safety: as the backend's (the link, the pins and the figures lock themsel
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +45,7 @@ from hicache.client.sglang.pages import PageFormat, copy_pages, daemon_view, key
 from hicache.client.sglang.pins import PinBook
 from hicache.protocol import ErrorCode
 
+log = logging.getLogger("hicache.sglang")
 PIN_TAG = "chain:"  # a chain's pin is keyed by its last page's key, tagged (one-page pins differ)
 
 
@@ -68,12 +71,14 @@ class Chains:
         figures: StoreFigures,
         say: Callable[[str, BaseException], None],
         note: Callable[..., None],
+        writing: threading.Lock,
     ):
         self.link = link  # the backend's session (one for both kinds of keys)
         self.pins = pins  # shared with one-page keys; chain pins are tagged with PIN_TAG
         self.figures = figures
         self.say = say  # log a problem once (a miss follows)
         self.note = note  # the engine counts (queried, hit, loaded pages)
+        self.writing = writing  # held from a set's match to its insert (every allocation)
         self.format: PageFormat | None = None
         self.layout = ""  # SGLang's host layout
         self.namespace = ""  # chains are apart from one-page keys
@@ -107,8 +112,10 @@ class Chains:
         except Unavailable:
             return 0
         hit = self._hit(m, skip, len(keys))
-        # the pin ends at the last page found: a get of that run names the same path
-        self.pins.add([PIN_TAG + keys[hit - 1]] if hit else [], [m], generation, time.monotonic())
+        if hit:  # the pin ends at the last page found: a get of that run names the same path
+            self.pins.add([PIN_TAG + keys[hit - 1]], [m], generation, time.monotonic())
+        elif m.lock_id:  # only prefix pages found: they are not kept pinned
+            self._release(m, generation)
         self.note(queried=len(keys), hit=hit)
         return hit
 
@@ -129,6 +136,9 @@ class Chains:
         def read(c: HiCacheClient) -> int:
             m = pinned
             try:
+                if m is not None and m.device_hit_length != len(tokens):
+                    c.release(m)  # a pin of another path (a caller's prefix that is not the
+                    m = None  # chain's): never read by it, match what the call names
                 if m is None:
                     m = c.match_prefix(tokens, ns, lock=True)
                 count = self._hit(m, skip, len(keys))
@@ -154,9 +164,15 @@ class Chains:
         self, keys: list[str], prefix: list[str], src: torch.Tensor, src_pages: np.ndarray
     ) -> bool:
         """Store the pages of ``keys`` the daemon lacks from ``src`` at ``src_pages``: the
-        chain is matched (locked, so its pages stay what they are), the pages after it are
-        copied into pages of this session and inserted with the chain in one insert (which
-        also releases the match)."""
+        chain is matched, the pages after what the daemon holds are copied into pages of this
+        session and inserted with the chain in one insert.
+
+        The match takes no lock (a lock would charge the whole prefix to the rank's share):
+        the insert names the held pages by their slots, and the daemon takes them only where
+        they are still the tree's own at their place, so a prefix page evicted meanwhile fails
+        the insert (False), never joins it. The one way such a page could pass is as a page
+        of this session's own, so every allocation of the backend's (``writing``) is held off
+        from the match to the insert."""
         tokens = self._tokens(prefix, keys)
         if tokens is None:
             return False
@@ -164,33 +180,33 @@ class Chains:
         ps, start = fmt.page_size, time.perf_counter()
 
         def write(c: HiCacheClient) -> int:
-            m = c.match_prefix(tokens, ns, lock=True)
+            m = c.match_prefix(tokens, ns, lock=False)
+            held = m.device_hit_length // ps
+            if held < skip:  # the prefix is gone: nothing may hang below it
+                if not self.orphans:
+                    log.info(
+                        "hicache: a chain set below pages the daemon no longer holds stores "
+                        "nothing (a page is never held without its prefix; logged once)"
+                    )
+                self.orphans += len(keys)
+                return 0
+            first = held - skip  # the first page the daemon lacks
+            if first >= len(keys):
+                return 0
+            slots = c.alloc((len(keys) - first) * ps)
             try:
-                held = m.device_hit_length // ps
-                if held < skip:  # the prefix is gone: nothing may hang below it
-                    self.orphans += len(keys)
-                    self.say("set", _Orphan("the daemon no longer holds a chain's first pages"))
-                    return 0
-                first = held - skip  # the first page the daemon lacks
-                if first >= len(keys):
-                    return 0
-                slots = c.alloc((len(keys) - first) * ps)
-                try:
-                    pages = (slots[::ps] // ps).numpy()
-                    pool = daemon_view(fmt, self.layout, c.attach().layers)
-                    copy_pages(src, pool, src_pages[first:], pages)
-                    held_slots = m.device_indices[: held * ps]
-                    c.insert(tokens, torch.cat([held_slots, slots]), ns, replaces=m)
-                except BaseException:
-                    free_quietly(c, slots)
-                    raise
-                return len(keys) - first
-            finally:
-                if m.lock_id and not m.released:
-                    c.release(m)
+                pages = (slots[::ps] // ps).numpy()
+                pool = daemon_view(fmt, self.layout, c.attach().layers)
+                copy_pages(src, pool, src_pages[first:], pages)
+                c.insert(tokens, torch.cat([m.device_indices[: held * ps], slots]), ns)
+            except BaseException:
+                free_quietly(c, slots)
+                raise
+            return len(keys) - first
 
         try:
-            stored = self.link.call(write)
+            with self.writing:
+                stored = self.link.call(write)
         except (Unavailable, DaemonError, IndexError) as exc:
             self.say("set", exc)
             return False
@@ -209,13 +225,15 @@ class Chains:
             self.say("keys", exc)
             return None
 
+    def _release(self, m: Match, generation: int) -> None:
+        try:
+            self.link.call(lambda c: c.release(m), generation)
+        except (Unavailable, DaemonError) as exc:
+            self.say("release", exc)
+
     def _hit(self, m: Match, skip: int, count: int) -> int:
         """Pages of the call's keys the match holds (those of the prefix not counted)."""
         return min(max(m.device_hit_length // self.format.page_size - skip, 0), count)
-
-
-class _Orphan(Exception):
-    """A set below a prefix the daemon does not hold (logged once, not an error)."""
 
 
 def free_quietly(c: HiCacheClient, slots: torch.Tensor) -> None:

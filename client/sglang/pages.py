@@ -199,10 +199,13 @@ def key_words(keys: list[str], page_size: int) -> np.ndarray:
         except ValueError:
             pass  # (found below, by key)
     if len(raw) != 32 * len(keys):  # (fromhex skips whitespace: a short result is bad too)
-        for i, key in enumerate(keys):
-            ok = isinstance(key, str) and len(key) == 64
-            if not ok or len(_hex(key)) != 32:
+        parts = []
+        for i, key in enumerate(keys):  # one by one: which key is bad (or a str subclass)
+            part = _hex(key) if isinstance(key, str) and len(key) == 64 else b""
+            if len(part) != 32:
                 raise ValueError(f"key {i} is not a 64-hex-digit page hash: {key!r:.80}")
+            parts.append(part)
+        raw = b"".join(parts)
     words = np.frombuffer(raw, dtype=">u4").reshape(len(keys), 8).astype(np.int64)
     out = np.zeros((len(keys), page_size), dtype=np.int32)
     low = words & 0x7FFFFFFF  # 31 bits of each word
