@@ -210,7 +210,7 @@ MUTATIONS = [
     ),
     Mutation(
         "sglang-pins-kept-after-the-get",
-        "client/sglang/backend.py",
+        "client/sglang/page_keys.py",
         "                c.release(*(m for m in matches if m is not None and m.lock_id))",
         "                pass",
         ("tests/test_sglang.py::test_exists_pins_pages_until_the_get_and_releases_the_rest",),
@@ -234,7 +234,7 @@ MUTATIONS = [
     ),
     Mutation(
         "sglang-set-stores-what-the-daemon-has",
-        "client/sglang/backend.py",
+        "client/sglang/page_keys.py",
         "lacking = [i for i, m in enumerate(have) if m.device_hit_length < fmt.page_size]",
         "lacking = list(range(len(have)))",
         (
@@ -314,7 +314,7 @@ MUTATIONS = [
     ),
     Mutation(
         "sglang-allocations-within-a-chain-set",
-        "client/sglang/backend.py",
+        "client/sglang/page_keys.py",
         "            with self.writing:\n                stored = self.link.call(write)",
         "            stored = self.link.call(write)",
         (
@@ -331,7 +331,7 @@ MUTATIONS = [
     ),
     Mutation(
         "sglang-pins-take-the-generation-after-the-call",
-        "client/sglang/backend.py",
+        "client/sglang/page_keys.py",
         "matches, generation = self.link.call_at(lambda c: self._match(c, words, lock=True))",
         "matches, generation = (\n"
         "                self.link.call(lambda c: self._match(c, words, lock=True)),\n"
@@ -341,7 +341,7 @@ MUTATIONS = [
     ),
     Mutation(
         "sglang-a-refused-match-fails-the-whole-get",
-        "client/sglang/backend.py",
+        "client/sglang/page_keys.py",
         "                        found = [None] * len(missing)",
         "                        raise",
         (
@@ -358,7 +358,7 @@ MUTATIONS = [
     ),
     Mutation(
         "sglang-chains-touched-head-first",
-        "client/sglang/backend.py",
+        "client/sglang/page_keys.py",
         "            part = list(words[max(0, end - MAX_BATCH) : end][::-1])\n"
         "            out += c.match_batch(part, [self.namespace] * len(part), lock=lock)\n"
         "        return out[::-1]",
@@ -377,8 +377,8 @@ MUTATIONS = [
     Mutation(
         "batched-match-never-yields",
         "daemon/cache_ops.py",
-        "if results and time.perf_counter() > turn_ends and self.context.others_waiting():",
-        "if False:",
+        "                or (time.perf_counter() > turn_ends and self.context.others_waiting())",
+        "                or False",
         ("tests/test_fair_turns.py",),
     ),
     Mutation(

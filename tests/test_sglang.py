@@ -423,12 +423,12 @@ def test_a_daemon_killed_during_a_get_or_a_set_fails_that_call_only(tmp_path, mo
             os.kill(state["proc"].pid, signal.SIGKILL)
             state["proc"].wait()
 
-        monkeypatch.setattr("hicache.client.sglang.backend.copy_pages", copy_then_die)
+        monkeypatch.setattr("hicache.client.sglang.page_keys.copy_pages", copy_then_die)
         dst = host.alloc(3 * rig.PAGE)
         assert be.batch_get_v1(keys, dst) == [False] * 3  # the release never came back
         state["proc"] = proc = daemon(endpoint)
         assert be.batch_set_v1(keys, src) == [False] * 3  # killed before its insert
-        monkeypatch.setattr("hicache.client.sglang.backend.copy_pages", real)
+        monkeypatch.setattr("hicache.client.sglang.page_keys.copy_pages", real)
         proc = daemon(endpoint)
         assert be.batch_exists(keys) == 0  # nothing half-written is readable
         assert be.batch_set_v1(keys, src) == [True] * 3

@@ -5,19 +5,15 @@ SGLang calls a storage backend from three of its threads: the prefetch thread as
 its host pool (``batch_get_v1``, or ``batch_get`` into flat pages), the backup thread writes
 finished pages (``batch_set_v1`` / ``batch_set``). Here each is one or a few daemon round
 trips plus copies between SGLang's host pool and the daemon's shared pool (the C page copy,
-no GIL), made by the calling thread:
+no GIL), made by the calling thread. This class checks what SGLang passes (host indices, flat
+pages), converts it to views, and hands the call to one of two kinds of keys:
 
-Zero-copy calls that pass ``prefix_keys`` go to ``Chains`` (chains.py: a prompt's pages as one
-path of the tree). The rest key every page alone:
+- ``Chains`` (chains.py): zero-copy calls that pass ``prefix_keys``; a prompt's pages are one
+  path of the daemon's tree.
+- ``PageKeys`` (page_keys.py): the rest; every page is a key of its own.
 
-- ``batch_exists``: one batched MATCH of one-page keys (each page its own key: SGLang names
-  pages by their chained hash, and its calls start mid-chain, so every page is found alone).
-  The pages found stay pinned (locked) for the get that follows; pins not taken by a get are
-  released after ``pin_s``, when the next call comes.
-- gets: the pinned pages (or a MATCH for keys nobody pinned), copied, then released in one
-  RELEASE; True for the leading run copied.
-- sets: a MATCH (which pages the daemon lacks), an ALLOC for those, the copy, an INSERT in the
-  keys' order; pages the daemon holds already are not copied again.
+What ``batch_exists`` finds stays pinned (locked) for the get that follows; pins not taken by
+a get are released after ``pin_s``, at the backend's next call.
 
 Every daemon failure is a miss (0 pages, False), never an exception in SGLang's threads
 (``DaemonLink``: down for ``retry_s`` after a failure; a new session, the layout registered
@@ -37,29 +33,23 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from hicache.client.client import HiCacheClient
 from hicache.client.connection import DaemonError
 from hicache.client.daemon_link import DaemonLink, Unavailable
-from hicache.client.results import Match
-from hicache.client.sglang.chains import Chains, free_quietly, prefix_keys
+from hicache.client.sglang.chains import Chains, prefix_keys
 from hicache.client.sglang.figures import StoreFigures
+from hicache.client.sglang.page_keys import PageKeys
 from hicache.client.sglang.pages import (
     PageFormat,
-    copy_pages,
-    daemon_view,
     host_pages,
     host_view,
-    key_words,
     page_bytes,
     page_format,
 )
 from hicache.client.sglang.pins import Pin, PinBook
 from hicache.client.sglang.settings import StoreSettings
-from hicache.protocol import MAX_BATCH, ErrorCode
 
 log = logging.getLogger("hicache.sglang")
 
@@ -90,20 +80,17 @@ class HiCacheStore(HiCacheStorage):
             daemon_user=s.daemon_user or None,
         )
         self.format: PageFormat | None = None  # once the host pool is registered
-        self.namespace = ""
         self._host: torch.Tensor | None = None  # SGLang's host pool as [kv, L, pages, P, W]
         self._layout = ""
         self.pins = PinBook()  # what batch_exists found, for the get that follows
         self._said: set[str] = set()  # problems logged once
-        # figures for SGLang's storage metrics (get_stats) and for the daemon (note_engine)
         self.figures = StoreFigures()  # for SGLang's storage metrics (get_stats)
         extra = getattr(storage_config, "extra_config", None) or {}
         self.v1 = bool(extra.get("interface_v1", 0))  # SGLang calls the zero-copy path
-        # zero-copy calls that pass prefix_keys: one path per chain (chains.py)
         self.writing = threading.Lock()  # every allocation (a set's, from match to insert)
-        self.chains = Chains(
-            self.link, self.pins, self.figures, self._say_once, self._note, self.writing
-        )
+        parts = (self.link, self.pins, self.figures, self._say_once, self._note, self.writing)
+        self.chains = Chains(*parts)  # zero-copy calls that pass prefix keys (chains.py)
+        self.page_keys = PageKeys(*parts)  # the rest: a key per page (page_keys.py)
 
     # ---- registration -----------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -126,7 +113,9 @@ class HiCacheStore(HiCacheStorage):
             rank, size = getattr(cfg, f"{name}_rank", 0), getattr(cfg, f"{name}_size", 1)
             if size and size > 1:
                 shard += f"|{name}{rank}/{size}"
-        self.namespace = _namespace(self.model, shard, self.settings.namespace, "")
+        self.page_keys.bind(
+            fmt, self._layout, _namespace(self.model, shard, self.settings.namespace, "")
+        )
         self.chains.bind(
             fmt, self._layout, _namespace(self.model, shard, self.settings.namespace, "chain")
         )
@@ -158,31 +147,7 @@ class HiCacheStore(HiCacheStorage):
         chain = self._chain(extra_info)
         if chain is not None:
             return self.chains.exists(keys, chain) if _is_list(keys) else 0
-        words = self._words(keys)
-        if words is None or not len(keys):
-            return 0
-        try:  # (the generation the pins belong to: another thread may renew the session)
-            matches, generation = self.link.call_at(lambda c: self._match(c, words, lock=True))
-        except DaemonError as exc:
-            if exc.code is not ErrorCode.QUOTA_EXCEEDED:
-                self._say_once("exists", exc)
-                return 0
-            # this rank pins its whole share already (prefetches SGLang has not read yet):
-            # answer without pins; the get pins what is still there then
-            try:
-                matches = self.link.call(lambda c: self._match(c, words, lock=False))
-            except (Unavailable, DaemonError) as exc2:
-                self._say_once("exists", exc2)
-                return 0
-            hit = _leading(matches, self.format.page_size)
-            self._note(queried=len(keys), hit=hit)
-            return hit
-        except Unavailable:
-            return 0
-        hit = _leading(matches, self.format.page_size)
-        self.pins.add(keys[:hit], matches, generation, time.monotonic())
-        self._note(queried=len(keys), hit=hit)
-        return hit
+        return self.page_keys.exists(keys)
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -206,7 +171,8 @@ class HiCacheStore(HiCacheStorage):
             self._release_stale()
             done = self.chains.get(keys, chain, self._host, dst) if _is_list(keys) else 0
         else:
-            done = self._get(keys, self._host, dst)
+            self._release_stale()
+            done = self.page_keys.get(keys, self._host, dst)
         return [i < done for i in range(n)]
 
     def batch_get(
@@ -222,56 +188,12 @@ class HiCacheStore(HiCacheStorage):
         except (ValueError, RuntimeError, TypeError) as exc:
             self._say_once("get", exc)
             return [None] * n
-        done = self._get(keys, views, None)
+        self._release_stale()
+        done = self.page_keys.get(keys, views, None)
         return [t if i < done else None for i, t in enumerate(target_locations)]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         return self.batch_get([key], [target_location])[0]
-
-    def _get(self, keys: list[str], dst: Any, dst_pages: np.ndarray | None) -> int:
-        """Pages copied, from the first: into ``dst`` (one view, at ``dst_pages``) or into
-        each of the views ``dst`` lists. Releases every pin it used."""
-        words = self._words(keys)
-        if words is None:
-            return 0
-        self._release_stale()
-        generation = self.link.generation
-        pinned = self.pins.take(keys, generation)
-        fmt = self.format
-        start = time.perf_counter()
-
-        def read(c: HiCacheClient) -> int:
-            matches = list(pinned)
-            missing = [i for i, m in enumerate(matches) if m is None]
-            try:
-                if missing:
-                    try:  # (refused, e.g. the session's share: the pinned run still serves)
-                        found = self._match(c, words[missing], lock=True)
-                    except DaemonError as exc:
-                        self._say_once("get", exc)
-                        found = [None] * len(missing)
-                    for i, m in zip(missing, found, strict=True):
-                        matches[i] = m
-                count = _leading(matches, fmt.page_size)
-                src = np.array([int(m.device_pages[0]) for m in matches[:count]], np.int64)
-                pool = daemon_view(fmt, self._layout, c.attach().layers)
-                if dst_pages is not None:
-                    copy_pages(pool, dst, src, dst_pages[:count])
-                else:
-                    for page, view in zip(src, dst[:count], strict=True):
-                        copy_pages(pool, view, np.array([page]), np.zeros(1, np.int64))
-                return count
-            finally:
-                c.release(*(m for m in matches if m is not None and m.lock_id))
-
-        try:
-            done = self.link.call(read, generation)
-        except (Unavailable, DaemonError, IndexError) as exc:
-            self._say_once("get", exc)
-            return 0
-        self.figures.sample("get", done, start)
-        self._note(loaded=done)
-        return done
 
     # ---- sets ---------------------------------------------------------------------------------
     def batch_set_v1(
@@ -294,7 +216,8 @@ class HiCacheStore(HiCacheStorage):
         if chain is not None:
             self._release_stale()
             return [_is_list(keys) and self.chains.set(keys, chain, self._host, src)] * n
-        return [self._set(keys, self._host, src)] * n
+        self._release_stale()
+        return [self.page_keys.set(keys, self._host, src)] * n
 
     def batch_set(
         self,
@@ -319,55 +242,13 @@ class HiCacheStore(HiCacheStorage):
         except (ValueError, RuntimeError, TypeError) as exc:
             self._say_once("set", exc)
             return False
-        return self._set(keys, views, None)
+        self._release_stale()
+        return self.page_keys.set(keys, views, None)
 
     def set(
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
     ) -> bool:
         return self.batch_set([key], [value])
-
-    def _set(self, keys: list[str], src: Any, src_pages: np.ndarray | None) -> bool:
-        words = self._words(keys)
-        if words is None:
-            return False
-        self._release_stale()
-        fmt, ns, start = self.format, self.namespace, time.perf_counter()
-
-        def write(c: HiCacheClient) -> int:
-            have = self._match(c, words, lock=False)
-            lacking = [i for i, m in enumerate(have) if m.device_hit_length < fmt.page_size]
-            if not lacking:
-                return 0
-            slots = c.alloc(len(lacking) * fmt.page_size)
-            try:
-                pages = (slots[:: fmt.page_size] // fmt.page_size).numpy()
-                pool = daemon_view(fmt, self._layout, c.attach().layers)
-                if src_pages is not None:
-                    copy_pages(src, pool, src_pages[lacking], pages)
-                else:
-                    for i, page in zip(lacking, pages, strict=True):
-                        copy_pages(src[i], pool, np.zeros(1, np.int64), np.array([page]))
-                pairs = [
-                    (words[i], slots[j * fmt.page_size : (j + 1) * fmt.page_size])
-                    for j, i in enumerate(lacking)
-                ]
-                pairs.reverse()  # last key first, as _match: the head is evicted last
-                for at in range(0, len(pairs), MAX_BATCH):
-                    part = pairs[at : at + MAX_BATCH]
-                    c.insert_batch(part, [ns] * len(part))
-            except BaseException:
-                free_quietly(c, slots)
-                raise
-            return len(lacking)
-
-        try:
-            with self.writing:
-                stored = self.link.call(write)
-        except (Unavailable, DaemonError, IndexError) as exc:
-            self._say_once("set", exc)
-            return False
-        self.figures.sample("set", stored, start)
-        return True
 
     # ---- housekeeping -------------------------------------------------------------------------
     def clear(self) -> None:
@@ -396,17 +277,6 @@ class HiCacheStore(HiCacheStorage):
         return len(self.pins)
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _match(self, c: HiCacheClient, words: np.ndarray, lock: bool) -> list[Match]:
-        """One batched MATCH of one-page keys per MAX_BATCH of them (SGLang sends 128), last
-        key first: the daemon's LRU clock ticks per key, so a chain's first pages become the
-        most recent and are evicted last (SGLang's lookups start at the first page it lacks:
-        a chain that lost its head is lost whole, one that lost its tail keeps its head)."""
-        out: list[Match] = []
-        for end in range(len(words), 0, -MAX_BATCH):
-            part = list(words[max(0, end - MAX_BATCH) : end][::-1])
-            out += c.match_batch(part, [self.namespace] * len(part), lock=lock)
-        return out[::-1]
-
     def _chain(self, extra_info: Any) -> list[str] | None:
         """The keys before the call's (chains.py), or None: one-page keys (SGLang passes no
         prefix, or calls the generic path, whose gets and sets never carry one). A prefix
@@ -418,15 +288,6 @@ class HiCacheStore(HiCacheStorage):
         except ValueError as exc:
             self._say_once("keys", exc)
             return ["not a page hash"]  # (fails key_words: the call is a miss)
-
-    def _words(self, keys: list[str]) -> np.ndarray | None:
-        if self.format is None or not isinstance(keys, (list, tuple)):
-            return None
-        try:
-            return key_words(keys, self.format.page_size)
-        except (ValueError, TypeError) as exc:
-            self._say_once("keys", exc)
-            return None
 
     def _flat_view(self, flat: Any) -> torch.Tensor:
         fmt = self.format
@@ -485,13 +346,3 @@ def _count(keys: Any) -> int:
     """How many keys SGLang passed: a list of them (anything else is taken as one bad key,
     so that a get or set answers one False and changes nothing)."""
     return len(keys) if isinstance(keys, (list, tuple)) else 1
-
-
-def _leading(matches: list[Match | None], page_size: int) -> int:
-    """How many matches from the first found their whole page."""
-    count = 0
-    for m in matches:
-        if m is None or m.device_hit_length < page_size:
-            break
-        count += 1
-    return count

@@ -1,0 +1,218 @@
+"""PageKeys: SGLang's calls without a prefix, every page a key of its own.
+
+SGLang starts a lookup at its own host hit, in the middle of a chain, and says nothing of the
+pages before (unless it passes prefix keys: chains.py); its generic gets and sets never do. So
+every page is a one-page key of the daemon's tree here:
+
+- ``exists``: one batched MATCH of one-page keys per MAX_BATCH of them; the leading pages found
+  stay pinned (locked) for the get that follows.
+- ``get``: the pinned pages (or a MATCH for keys nobody pinned), copied, then released in one
+  RELEASE; the leading run copied counts.
+- ``set``: a MATCH (which pages the daemon lacks), an ALLOC for those, the copy, an INSERT in
+  the keys' order; pages the daemon holds already are not copied again.
+
+Keys are matched and inserted last first: the daemon's LRU clock ticks per key, so a chain's
+first pages are its most recent and are evicted last (a chain that lost its head is lost whole
+to SGLang's lookups, one that lost its tail keeps its head).
+
+Thread safety: as the backend's (the link, the pins and the figures lock themselves; sets
+allocate under the backend's ``writing`` lock, see chains.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hicache.client.client import HiCacheClient
+from hicache.client.connection import DaemonError
+from hicache.client.daemon_link import DaemonLink, Unavailable
+from hicache.client.results import Match
+from hicache.client.sglang.chains import free_quietly
+from hicache.client.sglang.figures import StoreFigures
+from hicache.client.sglang.pages import PageFormat, copy_pages, daemon_view, key_words
+from hicache.client.sglang.pins import PinBook
+from hicache.protocol import MAX_BATCH, ErrorCode
+
+
+class PageKeys:
+    """The backend's one-page-key calls. ``bind`` (at host pool registration) gives the page
+    format, SGLang's host layout and the namespace; before it every call is a miss."""
+
+    def __init__(
+        self,
+        link: DaemonLink,
+        pins: PinBook,
+        figures: StoreFigures,
+        say: Callable[[str, BaseException], None],
+        note: Callable[..., None],
+        writing: threading.Lock,
+    ):
+        self.link = link  # the backend's session (one for both kinds of keys)
+        self.pins = pins  # pins by key (chain pins are tagged apart)
+        self.figures = figures
+        self.say = say  # log a problem once (a miss follows)
+        self.note = note  # the engine counts (queried, hit, loaded pages)
+        self.writing = writing  # held around a set (every allocation of the backend's)
+        self.format: PageFormat | None = None
+        self.layout = ""  # SGLang's host layout
+        self.namespace = ""
+
+    def bind(self, fmt: PageFormat, layout: str, namespace: str) -> None:
+        self.format, self.layout, self.namespace = fmt, layout, namespace
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def exists(self, keys: list[str]) -> int:
+        """How many leading pages of ``keys`` the daemon holds, pinned for the get."""
+        words = self.words(keys)
+        if words is None or not len(keys):
+            return 0
+        try:  # (the generation the pins belong to: another thread may renew the session)
+            matches, generation = self.link.call_at(lambda c: self._match(c, words, lock=True))
+        except DaemonError as exc:
+            if exc.code is not ErrorCode.QUOTA_EXCEEDED:
+                self.say("exists", exc)
+                return 0
+            # this rank pins its whole share already (prefetches SGLang has not read yet):
+            # answer without pins; the get pins what is still there then
+            try:
+                matches = self.link.call(lambda c: self._match(c, words, lock=False))
+            except (Unavailable, DaemonError) as exc2:
+                self.say("exists", exc2)
+                return 0
+            hit = _leading(matches, self.format.page_size)
+            self.note(queried=len(keys), hit=hit)
+            return hit
+        except Unavailable:
+            return 0
+        hit = _leading(matches, self.format.page_size)
+        self.pins.add(keys[:hit], matches, generation, time.monotonic())
+        self.note(queried=len(keys), hit=hit)
+        return hit
+
+    # ---- gets ---------------------------------------------------------------------------------
+    def get(self, keys: list[str], dst: Any, dst_pages: np.ndarray | None) -> int:
+        """Pages copied, from the first: into ``dst`` (one view, at ``dst_pages``) or into
+        each of the views ``dst`` lists. Releases every pin it used."""
+        words = self.words(keys)
+        if words is None:
+            return 0
+        generation = self.link.generation
+        pinned = self.pins.take(keys, generation)
+        fmt = self.format
+        start = time.perf_counter()
+
+        def read(c: HiCacheClient) -> int:
+            matches = list(pinned)
+            missing = [i for i, m in enumerate(matches) if m is None]
+            try:
+                if missing:
+                    try:  # (refused, e.g. the session's share: the pinned run still serves)
+                        found = self._match(c, words[missing], lock=True)
+                    except DaemonError as exc:
+                        self.say("get", exc)
+                        found = [None] * len(missing)
+                    for i, m in zip(missing, found, strict=True):
+                        matches[i] = m
+                count = _leading(matches, fmt.page_size)
+                src = np.array([int(m.device_pages[0]) for m in matches[:count]], np.int64)
+                pool = daemon_view(fmt, self.layout, c.attach().layers)
+                if dst_pages is not None:
+                    copy_pages(pool, dst, src, dst_pages[:count])
+                else:
+                    for page, view in zip(src, dst[:count], strict=True):
+                        copy_pages(pool, view, np.array([page]), np.zeros(1, np.int64))
+                return count
+            finally:
+                c.release(*(m for m in matches if m is not None and m.lock_id))
+
+        try:
+            done = self.link.call(read, generation)
+        except (Unavailable, DaemonError, IndexError) as exc:
+            self.say("get", exc)
+            return 0
+        self.figures.sample("get", done, start)
+        self.note(loaded=done)
+        return done
+
+    # ---- sets ---------------------------------------------------------------------------------
+    def set(self, keys: list[str], src: Any, src_pages: np.ndarray | None) -> bool:
+        """Store the pages of ``keys`` the daemon lacks, from ``src`` (one view, at
+        ``src_pages``, or a view per key), inserted last key first."""
+        words = self.words(keys)
+        if words is None:
+            return False
+        fmt, ns, start = self.format, self.namespace, time.perf_counter()
+
+        def write(c: HiCacheClient) -> int:
+            have = self._match(c, words, lock=False)
+            lacking = [i for i, m in enumerate(have) if m.device_hit_length < fmt.page_size]
+            if not lacking:
+                return 0
+            slots = c.alloc(len(lacking) * fmt.page_size)
+            try:
+                pages = (slots[:: fmt.page_size] // fmt.page_size).numpy()
+                pool = daemon_view(fmt, self.layout, c.attach().layers)
+                if src_pages is not None:
+                    copy_pages(src, pool, src_pages[lacking], pages)
+                else:
+                    for i, page in zip(lacking, pages, strict=True):
+                        copy_pages(src[i], pool, np.zeros(1, np.int64), np.array([page]))
+                pairs = [
+                    (words[i], slots[j * fmt.page_size : (j + 1) * fmt.page_size])
+                    for j, i in enumerate(lacking)
+                ]
+                pairs.reverse()  # last key first, as _match: the head is evicted last
+                for at in range(0, len(pairs), MAX_BATCH):
+                    part = pairs[at : at + MAX_BATCH]
+                    c.insert_batch(part, [ns] * len(part))
+            except BaseException:
+                free_quietly(c, slots)
+                raise
+            return len(lacking)
+
+        try:
+            with self.writing:
+                stored = self.link.call(write)
+        except (Unavailable, DaemonError, IndexError) as exc:
+            self.say("set", exc)
+            return False
+        self.figures.sample("set", stored, start)
+        return True
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def words(self, keys: list[str]) -> np.ndarray | None:
+        """``[len(keys), page_size]`` tree tokens, or None (logged) for a key that is not a
+        page hash."""
+        if self.format is None or not isinstance(keys, (list, tuple)):
+            return None
+        try:
+            return key_words(keys, self.format.page_size)
+        except (ValueError, TypeError) as exc:
+            self.say("keys", exc)
+            return None
+
+    def _match(self, c: HiCacheClient, words: np.ndarray, lock: bool) -> list[Match]:
+        """One batched MATCH of one-page keys per MAX_BATCH of them (SGLang sends 128), last
+        key first: the daemon's LRU clock ticks per key, so a chain's first pages become the
+        most recent and are evicted last (SGLang's lookups start at the first page it lacks:
+        a chain that lost its head is lost whole, one that lost its tail keeps its head)."""
+        out: list[Match] = []
+        for end in range(len(words), 0, -MAX_BATCH):
+            part = list(words[max(0, end - MAX_BATCH) : end][::-1])
+            out += c.match_batch(part, [self.namespace] * len(part), lock=lock)
+        return out[::-1]
+
+
+def _leading(matches: list[Match | None], page_size: int) -> int:
+    """How many matches from the first found their whole page."""
+    count = 0
+    for m in matches:
+        if m is None or m.device_hit_length < page_size:
+            break
+        count += 1
+    return count
