@@ -18,7 +18,7 @@ A set whose prefix the daemon no longer holds (evicted, or never stored) stores 
 answers True, like a page stored and evicted at once: a page is never held without its prefix.
 
 Only the zero-copy path: SGLang's generic calls (``batch_get`` / ``batch_set``) carry no
-prefix, so a backend on the generic path keys pages one by one (backend.py). Chains live in a
+prefix, so a backend on the generic path keys pages one by one (page_keys.py). Chains live in a
 namespace of their own: instances that pass prefix keys share pages with each other, not with
 those that do not.
 
