@@ -61,7 +61,8 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
     "session_owned_fraction": (
         float,
         0.75,
-        "the share of the device pool one session may hold at once (pages it allocated and has "
+        "the share of the device pool (the one pool with --device-tier engine) one session may "
+        "hold at once (pages it allocated and has "
         "not inserted, and pages its locks pinned); so may all sessions of one CurveZMQ key",
     ),
     "session_max_locks": (

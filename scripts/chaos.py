@@ -335,8 +335,11 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = tempfile.mkdtemp(prefix="hicache-chaos-")
     ep = f"ipc://{tmp}/chaos.sock"
     pools = ["--device-tokens", str(64 * args.clients), "--host-tokens", str(256 * args.clients)]
-    daemon = start_daemon(ep, *SHAPE, *pools)
-    admin = Admin(ep)
+    try:
+        daemon = start_daemon(ep, *SHAPE, *pools)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     counters: list[Any] = []
     engines: list[mp.Process] = []
     report: dict[str, Any] = {
@@ -356,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
         return p
 
     try:
+        admin = Admin(ep)
         quiet = match_latencies(ep, 3.0, stop)
         engines = [spawn(i) for i in range(args.clients)]
         sent = ctx.Value("q", 0)

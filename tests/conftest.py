@@ -66,3 +66,27 @@ def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
     for name, needs in sorted(SKIPPED.items()):
         for what in sorted(needs):
             terminalreporter.write_line(f"NOT TESTED: {what} ({name} declared absent)", yellow=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):  # noqa: ANN001, ANN201
+    """Every daemon a test's body started is stopped when the body ends, also when it failed
+    before its own ``finally`` (a daemon started before a failing setup line would outlive
+    the run). Daemons of fixtures start outside the body and are the fixtures' to stop."""
+    from hicache.daemon import launch
+
+    started = []
+    real = launch.DaemonProcess.start_draining
+
+    def tracked(self, before):  # noqa: ANN001, ANN202
+        started.append(self)
+        return real(self, before)
+
+    launch.DaemonProcess.start_draining = tracked
+    try:
+        yield
+    finally:
+        launch.DaemonProcess.start_draining = real
+        for proc in started:
+            if proc.poll() is None:
+                launch.stop_daemon(proc)

@@ -24,8 +24,10 @@ page moves as one copy per part:
 
 A flat page of SGLang's generic path (``get_data_page(i).flatten()``) is a pool of one page of
 the same layout. Keys: SGLang names a page by a 64-hex-digit sha256 chained over the prefix;
-the daemon's tree keys a page by ``page_size`` non-negative int32 words, so a digest becomes
-its first ``min(256, 31 * page_size)`` bits, 31 per word (the rest zero).
+the daemon's tree keys a page by ``page_size`` non-negative int32 words, so a digest's eight
+32-bit words lose their top bit (the low 31 bits each fill a word) and, from a page of 9 tokens
+on, the ninth word packs the eight top bits: all 256 bits (below 9, ``31 * page_size`` of them
+are kept; the rest zero).
 
 Pure torch and numpy: duck-typed on SGLang's pool (``layout``, ``kv_buffer``, ``page_size``,
 ``layer_num``, ``dtype`` and the head or MLA dims), never importing SGLang.
