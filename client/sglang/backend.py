@@ -319,8 +319,8 @@ class HiCacheStore(HiCacheStorage):
         page = self.format.page_size
         try:
             client.note_engine(queried * page, hit * page, loaded * page)
-        except Exception:  # noqa: BLE001 (a figure is never worth an exception in SGLang)
-            pass
+        except Exception as exc:  # noqa: BLE001 (a figure is never worth an exception in SGLang)
+            log.debug("hicache: engine figures not noted: %s", exc)
 
     def _say_once(self, what: str, exc: BaseException) -> None:
         text = f"{what}: {type(exc).__name__}: {exc}"
