@@ -10,9 +10,9 @@ SGLang loads it without a change of its own::
 
 Interface: ``HiCacheStore`` (backend.py, imports SGLang), ``StoreSettings`` (settings.py);
 ``chains.py`` serves the calls that pass prefix keys (a prompt's pages as one tree path),
-``page_keys.py`` the rest (a key per page), ``pages.py`` holds the page format, views and
-keys (torch only), ``pins.py`` the pins between a lookup and its get, ``figures.py`` what
-SGLang's storage metrics read. Names load on first use.
+``page_keys.py`` the rest (a key per page), both built on ``calls.py``; ``pages.py`` holds the
+page format, views and keys (torch only), ``pins.py`` the pins between a lookup and its get,
+``figures.py`` what SGLang's storage metrics read. Names load on first use.
 """
 
 from __future__ import annotations

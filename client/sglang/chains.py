@@ -28,9 +28,7 @@ Thread safety: as the backend's (the link, the pins and the figures lock themsel
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,11 +36,10 @@ import torch
 
 from hicache.client.client import HiCacheClient
 from hicache.client.connection import DaemonError
-from hicache.client.daemon_link import DaemonLink, Unavailable
+from hicache.client.daemon_link import Unavailable
 from hicache.client.results import Match
-from hicache.client.sglang.figures import StoreFigures
-from hicache.client.sglang.pages import PageFormat, copy_pages, daemon_view, key_words
-from hicache.client.sglang.pins import PinBook
+from hicache.client.sglang.calls import KeyCalls, free_quietly
+from hicache.client.sglang.pages import copy_pages, daemon_view, key_words
 from hicache.protocol import ErrorCode
 
 log = logging.getLogger("hicache.sglang")
@@ -60,32 +57,13 @@ def prefix_keys(extra_info: Any) -> list[str] | None:
     return list(keys)
 
 
-class Chains:
+class Chains(KeyCalls):
     """The backend's chain calls. ``bind`` (at host pool registration) gives the page format,
     SGLang's host layout and the chains' namespace; before it every call is a miss."""
 
-    def __init__(
-        self,
-        link: DaemonLink,
-        pins: PinBook,
-        figures: StoreFigures,
-        say: Callable[[str, BaseException], None],
-        note: Callable[..., None],
-        writing: threading.Lock,
-    ):
-        self.link = link  # the backend's session (one for both kinds of keys)
-        self.pins = pins  # shared with one-page keys; chain pins are tagged with PIN_TAG
-        self.figures = figures
-        self.say = say  # log a problem once (a miss follows)
-        self.note = note  # the engine counts (queried, hit, loaded pages)
-        self.writing = writing  # held from a set's match to its insert (every allocation)
-        self.format: PageFormat | None = None
-        self.layout = ""  # SGLang's host layout
-        self.namespace = ""  # chains are apart from one-page keys
+    def __init__(self, *parts: Any):
+        super().__init__(*parts)
         self.orphans = 0  # pages a set did not store: the daemon no longer held their prefix
-
-    def bind(self, fmt: PageFormat, layout: str, namespace: str) -> None:
-        self.format, self.layout, self.namespace = fmt, layout, namespace
 
     # ---- lookups ------------------------------------------------------------------------------
     def exists(self, keys: list[str], prefix: list[str]) -> int:
@@ -234,11 +212,3 @@ class Chains:
     def _hit(self, m: Match, skip: int, count: int) -> int:
         """Pages of the call's keys the match holds (those of the prefix not counted)."""
         return min(max(m.device_hit_length // self.format.page_size - skip, 0), count)
-
-
-def free_quietly(c: HiCacheClient, slots: torch.Tensor) -> None:
-    """Give back slots a failed set allocated (if that fails too, they go with the session)."""
-    try:
-        c.free(slots)
-    except Exception as exc:  # noqa: BLE001
-        del exc  # the session's pages go back with it anyway

@@ -21,49 +21,23 @@ allocate under the backend's ``writing`` lock, see chains.py).
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from hicache.client.client import HiCacheClient
 from hicache.client.connection import DaemonError
-from hicache.client.daemon_link import DaemonLink, Unavailable
+from hicache.client.daemon_link import Unavailable
 from hicache.client.results import Match
-from hicache.client.sglang.chains import free_quietly
-from hicache.client.sglang.figures import StoreFigures
-from hicache.client.sglang.pages import PageFormat, copy_pages, daemon_view, key_words
-from hicache.client.sglang.pins import PinBook
+from hicache.client.sglang.calls import KeyCalls, free_quietly
+from hicache.client.sglang.pages import copy_pages, daemon_view, key_words
 from hicache.protocol import MAX_BATCH, ErrorCode
 
 
-class PageKeys:
+class PageKeys(KeyCalls):
     """The backend's one-page-key calls. ``bind`` (at host pool registration) gives the page
     format, SGLang's host layout and the namespace; before it every call is a miss."""
-
-    def __init__(
-        self,
-        link: DaemonLink,
-        pins: PinBook,
-        figures: StoreFigures,
-        say: Callable[[str, BaseException], None],
-        note: Callable[..., None],
-        writing: threading.Lock,
-    ):
-        self.link = link  # the backend's session (one for both kinds of keys)
-        self.pins = pins  # pins by key (chain pins are tagged apart)
-        self.figures = figures
-        self.say = say  # log a problem once (a miss follows)
-        self.note = note  # the engine counts (queried, hit, loaded pages)
-        self.writing = writing  # held around a set (every allocation of the backend's)
-        self.format: PageFormat | None = None
-        self.layout = ""  # SGLang's host layout
-        self.namespace = ""
-
-    def bind(self, fmt: PageFormat, layout: str, namespace: str) -> None:
-        self.format, self.layout, self.namespace = fmt, layout, namespace
 
     # ---- lookups ------------------------------------------------------------------------------
     def exists(self, keys: list[str]) -> int:
