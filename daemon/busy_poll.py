@@ -26,7 +26,7 @@ import zmq
 POLLIN = int(zmq.POLLIN)
 WASTE_SHARE = 0.05  # of a core: the most that watches which ran out may take over time
 WASTE_CAP = 0.02  # seconds of such watches allowed in a burst
-_yield_cpu = getattr(os, "sched_yield", lambda: None)  # (releases the GIL while it yields)
+yield_cpu = getattr(os, "sched_yield", lambda: None)  # (releases the GIL while it yields)
 
 
 def queued(sock: zmq.Socket) -> bool:
@@ -40,7 +40,7 @@ def watch(sock: zmq.Socket, until: float) -> bool:
     while not queued(sock):
         if time.perf_counter() >= until:
             return False
-        _yield_cpu()
+        yield_cpu()
     return True
 
 

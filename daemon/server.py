@@ -20,6 +20,7 @@ import os
 import secrets
 import signal
 import time
+from collections import deque
 
 import numpy as np
 import zmq
@@ -28,7 +29,7 @@ from hicache.cache import HiRadixCache
 from hicache.client.curve import load_secret
 from hicache.config import HiCacheConfig
 from hicache.daemon import reaper
-from hicache.daemon.busy_poll import BusyPoll, queued
+from hicache.daemon.busy_poll import BusyPoll, queued, yield_cpu
 from hicache.daemon.capacity_feed import IDLE_BUDGET_S
 from hicache.daemon.endpoint import (
     AdminToken,
@@ -72,6 +73,8 @@ HOUSEKEEP_S = 0.05  # acks and leases are looked at least this often
 POLL_MS = int(HOUSEKEEP_S * 1000)
 METRICS_EVERY_S = 1.0  # how often the metrics snapshot is refreshed
 DUMP_EVERY_S = 1.0  # KV event dumps are made at most this often (one serves every asker)
+READ_AHEAD = 8  # requests of the peer being served read past while looking for another's
+YIELD_EVERY_S = 0.0002  # a long request yields the core at most this often (see _others_waiting)
 
 __all__ = ["Daemon", "EndpointError", "bind_address", "run"]
 
@@ -114,8 +117,10 @@ class Daemon:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self._first_frame: zmq.Frame | None = None  # the last request's first part
-        self._waiting: list[list] = []  # a request read by _others_waiting, served next
+        # requests read by _others_waiting (with their first part), served next in this order
+        self._waiting: deque[tuple[list, zmq.Frame | None]] = deque()
         self._woken = False  # a wake of the third tier read by _others_waiting, not acted on
+        self._yield_after = 0.0  # (perf_counter) _others_waiting yields the core once past it
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
@@ -123,6 +128,7 @@ class Daemon:
         self.sock.setsockopt(zmq.SNDTIMEO, 0)
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)  # bounds what a peer that never reads pins
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)  # ... and what a flooding peer queues here
+        self.busy = BusyPoll(self.sock, settings.busy_poll_us)
         if settings.curve:
             self._secure(self.sock)
         self._bind(settings.endpoint)
@@ -290,9 +296,8 @@ class Daemon:
 
     def _counters(self) -> dict[str, int]:
         out = {"replies_dropped": self.replies_dropped}
-        busy = getattr(self, "busy", None)  # (made by serve)
-        out["busy_poll_watches"] = 0 if busy is None else busy.watches
-        out["busy_poll_hits"] = 0 if busy is None else busy.found
+        out["busy_poll_watches"] = self.busy.watches
+        out["busy_poll_hits"] = self.busy.found
         if self.events is not None:
             out["event_batches_published"] = self.events.published_batches
             out["event_batches_dropped"] = self.events.dropped_batches
@@ -342,19 +347,13 @@ class Daemon:
         """Serve until stop() (or a signal) sets ``stopping``."""
         self._worth_keeping = True
         next_housekeep = next_metrics = time.monotonic()
-        busy = self.busy = BusyPoll(self.sock, self.settings.busy_poll_us)
+        busy = self.busy
         while not self.stopping:
-            if self._waiting:  # read while a turn asked whether others wait: it goes first
-                frames = self._waiting.pop()
-            else:
-                busy.before_recv()  # after a reply: the same engine may be about to ask again
-                try:  # blocks up to POLL_MS (RCVTIMEO): one call per message, no separate poll
-                    frames = self._recv_frames()
-                except zmq.Again:
-                    frames = None
-                    if self.handlers.capacity is not None:  # quiet: nobody waits for the loop
-                        self.handlers.capacity.run(IDLE_BUDGET_S)
-                    self._trim.maybe()
+            frames = self._next_request()
+            if frames is None:  # quiet: nobody waits for the loop
+                if self.handlers.capacity is not None:
+                    self.handlers.capacity.run(IDLE_BUDGET_S)
+                self._trim.maybe()
             if self._woken:  # a wake of the third tier read on the way
                 self._woken = False
                 self._resume()
@@ -383,6 +382,19 @@ class Daemon:
                     return
                 if self.keeper is not None and self.cache is not None:
                     self._periodic_snapshot()
+
+    def _next_request(self) -> list[bytes | memoryview] | None:
+        """The next message to serve: one read ahead by a turn first (in their order), else
+        the socket's (blocking up to POLL_MS: one call per message, no separate poll); None
+        when none came. Sets ``_first_frame`` to the message's own first part."""
+        if self._waiting:
+            frames, self._first_frame = self._waiting.popleft()
+            return frames
+        self.busy.before_recv()  # after a reply: the same engine may be about to ask again
+        try:
+            return self._recv_frames()
+        except zmq.Again:
+            return None
 
     def _resume(self) -> None:
         """Answer matches that waited for the third tier and may go on now."""
@@ -427,19 +439,29 @@ class Daemon:
         return "" if frame is None else frame.get("User-Id") or ""
 
     def _others_waiting(self) -> bool:
-        """Whether a client's request waits (asked by a long batched match between prompts,
-        and after a whole-cache view). Reads what is queued: a wake of the third tier is noted
-        (answered after) and never counts, the first request is kept to be served next."""
-        if self._waiting:
+        """Whether another client's request waits (asked by a long batched match between
+        prompts, and after a whole-cache view). Reads what is queued: a wake of the third tier
+        is noted (answered after) and never counts; requests of the peer being served are kept
+        in order and do not count (its own next request must not end its turn), up to
+        READ_AHEAD of them (then its turn ends: others may queue behind them); another peer's
+        request is kept ahead of them, served next."""
+        waiting, peer = self._waiting, self.handlers.peer
+        if any(w[0][0] != peer for w in waiting):
             return True
-        while queued(self.sock):
+        now = time.perf_counter()
+        if now >= self._yield_after:  # zmq's io thread may be waiting for this core: let it
+            self._yield_after = now + YIELD_EVERY_S  # deliver what arrived (once a turn)
+            yield_cpu()
+        while len(waiting) < READ_AHEAD and queued(self.sock):
             frames = self._recv_frames()
             if frames[0] == WAKE_ID:
                 self._woken = True
                 continue
-            self._waiting.append(frames)
-            return True
-        return False
+            if frames[0] != peer:
+                waiting.appendleft((frames, self._first_frame))
+                return True
+            waiting.append((frames, self._first_frame))
+        return len(waiting) >= READ_AHEAD
 
     def _recv_frames(self) -> list[bytes | memoryview]:
         """One multipart message; raises zmq.Again after RCVTIMEO."""

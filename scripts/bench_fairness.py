@@ -62,11 +62,13 @@ def heavy_batch(rng: np.random.Generator, base: np.ndarray, heavy: int) -> list[
     return [np.concatenate([base, tail])] * BATCH
 
 
-def attacker(endpoint: str, kind: str, seed: int, heavy: int, nodes: int, go, stop,
-             counts) -> None:  # fmt: skip  # noqa: ANN001
+def attacker(endpoint: str, kind: str, seed: int, heavy: int, nodes: int, pinned: bool, go,
+             stop, counts) -> None:  # fmt: skip  # noqa: ANN001
     """Send ``kind`` requests while ``go`` is set, until ``stop``; counts[kind] = (requests
     answered, refused)."""
     rng = np.random.default_rng(seed + 1)
+    if pinned:  # the attacking engine's own work yields to the victim engine's on their core
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     if kind == "busy":  # no request: a core kept busy (what two busy processes cost alone)
         counts[kind] = (0, 0)
         while not stop.is_set():
@@ -128,7 +130,12 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--heavy-tokens", type=int, default=16384)
     ap.add_argument("--nodes", type=int, default=4096)
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="daemon alone on CPU 0, the engines on the others (as on a host "
+                    "where engines have their own cores)")  # fmt: skip
     args = ap.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = args.pin and len(cpus) >= 2
     rng = np.random.default_rng(args.seed)
     prompt = rng.integers(1, 32000, args.prompt_tokens, dtype=np.int32)
     ctx = mp.get_context("spawn")
@@ -138,7 +145,11 @@ def main() -> None:
         flags = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
                  "--device-tokens", str(max(262144, 2 * args.heavy_tokens + 64 * args.nodes)),
                  "--host-ratio", "2", "--keep-host", "false"]  # fmt: skip
+        if pinned:
+            os.sched_setaffinity(0, cpus[:1])  # the daemon, its threads and helpers inherit it
         proc = start_daemon(endpoint, *flags)
+        if pinned:
+            os.sched_setaffinity(0, cpus[1:])  # the victim here, the attackers it spawns
         try:
             with ctx.Manager() as manager, HiCacheClient(endpoint, name="victim") as hc:
                 counts = manager.dict()
@@ -147,7 +158,7 @@ def main() -> None:
                 alone: list[float] = []
                 for i, kind in enumerate(KINDS):
                     go, stop = manager.Event(), manager.Event()
-                    work = (endpoint, kind, args.seed + i, args.heavy_tokens, args.nodes)
+                    work = (endpoint, kind, args.seed + i, args.heavy_tokens, args.nodes, pinned)
                     noisy = [
                         ctx.Process(target=attacker, args=(*work, go, stop, counts))
                         for _ in range(2 if kind == "busy" else 1)  # busy: both cores
@@ -197,6 +208,7 @@ def main() -> None:
                 "seed": args.seed,
                 "heavy_tokens": args.heavy_tokens,
                 "cpu_count": os.cpu_count(),
+                "pinned": pinned,
             }
         )
     )

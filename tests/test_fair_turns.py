@@ -256,9 +256,66 @@ def test_a_wake_of_the_third_tier_is_not_a_request_waiting_and_a_request_read_go
         peer.send(b"a request")
         assert watch(daemon.sock, time.perf_counter() + 30)  # (arrived; nothing read)
         assert others() and others()  # read once, kept: asking again reads nothing more
-        assert daemon._waiting[0][-1] == b"a request"
+        assert len(daemon._waiting) == 1 and daemon._waiting[0][0][-1] == b"a request"
     finally:
         peer.close(linger=0)
+        daemon.close()
+
+
+def _read(daemon: Daemon, count: int) -> None:
+    """Wait until ``count`` messages are queued in the daemon's socket or read ahead."""
+    deadline = time.monotonic() + 30
+    while len(daemon._waiting) < count:
+        assert time.monotonic() < deadline, "messages did not arrive"
+        daemon.handlers.context.others_waiting()
+
+
+def test_the_served_peers_own_requests_do_not_end_its_turn_and_anothers_goes_first(tmp_path):
+    """A client with requests in flight must not make its own turn end (each would then be
+    answered in more parts while others wait behind them); another client's request ends it
+    and is served before the first client's next ones, which keep their order. A client with
+    READ_AHEAD requests read ahead ends its turn too (others may wait in the socket behind
+    them). Each request served from the read-ahead carries its own first part (its CurveZMQ
+    key is read from it)."""
+    import zmq
+
+    from hicache.daemon import server as server_module
+
+    args = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--device-tokens",
+            "512", "--endpoint", f"ipc://{tmp_path}/d.sock", "--keep-host", "false"]  # fmt: skip
+    daemon = Daemon(resolve(build_parser().parse_args(args), environ={}))
+    ctx = zmq.Context.instance()
+    heavy, light = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for sock, name in ((heavy, b"heavy"), (light, b"light")):
+            sock.setsockopt(zmq.ROUTING_ID, name)
+            sock.connect(daemon.settings.endpoint)
+        others = daemon.handlers.context.others_waiting
+        daemon.handlers.peer = b"heavy"  # serving one of heavy's requests
+        for i in range(2):
+            heavy.send(b"heavy %d" % i)
+        _read(daemon, 2)
+        assert not others(), "the served client's own requests ended its turn"
+        light.send(b"light 0")
+        assert watch(daemon.sock, time.perf_counter() + 30)
+        assert others() and others()
+        heavy.send(b"heavy 2")  # after another's: waits behind it, read once its turn asks
+        served = []
+        while (frames := daemon._next_request()) is not None:
+            served.append(frames[-1])
+            assert daemon._first_frame is not None and daemon._first_frame.bytes == frames[0]
+            if len(served) == 3:
+                daemon.handlers.peer = b"heavy"
+                _read(daemon, 1)
+        assert served == [b"light 0", b"heavy 0", b"heavy 1", b"heavy 2"]
+        for i in range(server_module.READ_AHEAD + 2):
+            heavy.send(b"more %d" % i)
+        daemon.handlers.peer = b"heavy"
+        _read(daemon, server_module.READ_AHEAD)
+        assert others() and len(daemon._waiting) == server_module.READ_AHEAD
+    finally:
+        heavy.close(linger=0)
+        light.close(linger=0)
         daemon.close()
 
 
