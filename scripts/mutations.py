@@ -410,6 +410,20 @@ MUTATIONS = [
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
+        "long-turn-never-yields",
+        "daemon/server.py",
+        "            yield_cpu()\n        while len(waiting)",
+        "            pass\n        while len(waiting)",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "long-turn-yields-every-ask",
+        "daemon/server.py",
+        "            self._yield_after = now + YIELD_EVERY_S",
+        "            self._yield_after = now",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
         "match-part-shared-head-dropped",
         "client/client.py",
         "part = arrays[start][: shared[start]].tobytes() + frame[pos:]",

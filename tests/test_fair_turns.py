@@ -262,6 +262,33 @@ def test_a_wake_of_the_third_tier_is_not_a_request_waiting_and_a_request_read_go
         daemon.close()
 
 
+def test_a_long_turn_yields_the_core_now_and_then_for_zmqs_io_thread(tmp_path, monkeypatch):
+    """Requests reach the socket through zmq's io thread: while a long request holds the
+    loop, asking whether others wait gives the core away once per YIELD_EVERY_S (so a daemon
+    on one core still sees them), and no more often (a yield per prompt would cost more than
+    the matches)."""
+    from hicache.daemon import server as server_module
+
+    args = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--device-tokens",
+            "512", "--endpoint", f"ipc://{tmp_path}/d.sock", "--keep-host", "false"]  # fmt: skip
+    daemon = Daemon(resolve(build_parser().parse_args(args), environ={}))
+    yields = []
+    monkeypatch.setattr(server_module, "yield_cpu", lambda: yields.append(time.perf_counter()))
+    try:
+        others, asked = daemon.handlers.context.others_waiting, 0
+        started = time.perf_counter()
+        while time.perf_counter() - started < 0.02:
+            assert not others()
+            asked += 1
+        took = time.perf_counter() - started
+        assert asked > 10 * len(yields)
+        assert 1 <= len(yields) <= took / server_module.YIELD_EVERY_S + 1
+        gaps = np.diff(yields)
+        assert (gaps >= 0.9 * server_module.YIELD_EVERY_S).all()  # (read just after)
+    finally:
+        daemon.close()
+
+
 def _read(daemon: Daemon, count: int) -> None:
     """Wait until ``count`` messages are queued in the daemon's socket or read ahead."""
     deadline = time.monotonic() + 30
