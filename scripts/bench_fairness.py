@@ -38,7 +38,7 @@ from hicache.protocol import PROTOCOL_VERSION, Op, decode_reply
 from hicache.tree import pack_shared
 
 PROBE_EVERY_S = 0.002
-BLOCKS, BLOCK_S = 8, 0.5  # per attack: blocks alone and attacked, in turns
+BLOCKS, BLOCK_S = 12, 0.5  # per attack: blocks alone and attacked, in turns
 KINDS = ("busy", "batch", "pipelined", "views")
 BATCH = 1024
 IN_FLIGHT = 4
