@@ -15,7 +15,14 @@ and the attacking client each keep one busy).
 Each prints the victim's p50 and p99 under it against the blocks alone between, and what the
 attacker got done. The last line is one JSON object.
 
-    python -m scripts.bench_fairness [--seed 0] [--heavy-tokens 16384] [--nodes 4096]
+With ``--pin`` (the default where there are two CPUs or more) the daemon, its threads and its
+helpers run on the first CPU alone and both engines on the others, the attacker's process at
+SCHED_IDLE (its own work never delays the victim's on their shared CPU): as on a host where the
+daemon and the engines have cores of their own, what is left is what the daemon's loop does to
+the victim. ``--no-pin``: all share every CPU (on two cores the victim's p99 is then the
+machine's: see ``busy``).
+
+    python -m scripts.bench_fairness [--seed 0] [--heavy-tokens 16384] [--nodes 4096] [--no-pin]
 """
 
 from __future__ import annotations
