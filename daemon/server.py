@@ -204,6 +204,8 @@ class Daemon:
         self.handlers.context.others_waiting = self._others_waiting
         if settings.curve:  # (read only by a hello: a property costs a call per message)
             self.handlers.user = lambda: self._peer_user()
+        if settings.endpoint.startswith("ipc://"):
+            self.handlers.process = lambda: self._peer_process()
         if settings.metrics_port:
             if not is_loopback(f"tcp://{settings.metrics_host}:0"):
                 log.warning(
@@ -438,6 +440,15 @@ class Daemon:
         frame = self._first_frame
         return "" if frame is None else frame.get("User-Id") or ""
 
+    def _peer_process(self) -> int:
+        """The pid the kernel gave (SO_PEERCRED) for the ipc connection of the request being
+        handled; 0 when zmq gives none."""
+        frame = self._first_frame
+        try:
+            return 0 if frame is None else peer_pid(frame.get("Peer-Address") or "")
+        except zmq.ZMQError:  # (a libzmq that gives no such property)
+            return 0
+
     def _others_waiting(self) -> bool:
         """Whether another client's request waits (asked by a long batched match between
         prompts, and after a whole-cache view). Reads what is queued: a wake of the third tier
@@ -602,6 +613,15 @@ class Daemon:
 
 class StopDuringStart(BaseException):
     """SIGTERM or SIGINT while the daemon was starting: what it made is undone, it exits."""
+
+
+def peer_pid(address: str) -> int:
+    """The pid in zmq's Peer-Address of an ipc connection ("host:uid:gid:pid", from
+    SO_PEERCRED); 0 for anything else."""
+    parts = address.rsplit(":", 3)
+    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
+        return 0
+    return int(parts[3])
 
 
 def _stop_during_start(*_: object) -> None:

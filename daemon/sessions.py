@@ -37,7 +37,8 @@ from hicache.protocol import DEFAULT_LEASE_S, ErrorCode, ProtocolError
 FORGET_AFTER = 65536  # lapsed session keys remembered (to answer LEASE_EXPIRED, not UNKNOWN)
 DEFAULT_MAX_SESSIONS = 4096  # live and quarantined sessions at once
 MAX_SESSIONS_PER_PEER = 16  # sessions one connection may have open (an engine opens one)
-USER_SHARE = 4  # one CurveZMQ client key holds at most this share (1/4) of max_sessions
+USER_SHARE = 4  # one CurveZMQ client key holds at most this share (1/4) of max_sessions, and
+# so does one process over ipc (however many connections it opens)
 
 
 class ServiceClock:
@@ -76,6 +77,7 @@ class Session:
     pinned_pages: int = 0  # device pages its locks made unevictable (its records' ``pinned``)
     peer: bytes = b""  # the connection (ROUTER routing id) that opened it
     user: str = ""  # the CurveZMQ client key it came with ("": ipc or plain tcp)
+    process: int = 0  # over ipc: the pid the kernel gave for its connection (0: tcp)
     # the live and quarantined sessions of ``user`` (itself among them; none without a key):
     # what the key holds in all is bounded like one session's (limits.check_owned)
     fellows: list[Session] = field(default_factory=list, repr=False, compare=False)
@@ -153,8 +155,10 @@ class SessionTable:
         self.leases_expired = 0  # live sessions whose lease ran out (not goodbyes)
         self._per_peer: Counter[bytes] = Counter()  # live and quarantined sessions by peer
         self._per_user: Counter[str] = Counter()  # the same by CurveZMQ client key
+        self._per_process: Counter[int] = Counter()  # ... and by process (ipc)
         self._by_user: dict[str, list[Session]] = {}  # those sessions (each one's ``fellows``)
-        # sessions one client key may hold (ipc and plain tcp have none: one user's own)
+        # sessions one client key, or one process over ipc, may hold (plain tcp: no bound but
+        # max_sessions)
         self.max_per_user = max(MAX_SESSIONS_PER_PEER, max_sessions // USER_SHARE)
         self.locks = [0]  # locks every session holds (each session's ``tally``)
 
@@ -180,11 +184,13 @@ class SessionTable:
         admin: bool = False,
         peer: bytes = b"",
         user: str = "",
+        process: int = 0,
     ) -> Session:
         """A new live session; QUOTA_EXCEEDED when max_sessions already hold memory, when
         ``peer`` (the connection asking) has MAX_SESSIONS_PER_PEER open already (an engine
         opens one per connection, and one socket must not take every session there is), or
-        when ``user`` (its CurveZMQ key) holds its share of max_sessions over connections."""
+        when ``user`` (its CurveZMQ key) or ``process`` (the kernel's pid of an ipc peer)
+        holds its share of max_sessions over connections."""
         if len(self._sessions) + len(self._quarantine) >= self.max_sessions:
             raise ProtocolError(
                 ErrorCode.QUOTA_EXCEEDED,
@@ -202,6 +208,12 @@ class SessionTable:
                 f"this client key holds {self.max_per_user} sessions already (a 1/{USER_SHARE} "
                 "share of --max-sessions): close some first",
             )
+        if process and self._per_process[process] >= self.max_per_user:
+            raise ProtocolError(
+                ErrorCode.QUOTA_EXCEEDED,
+                f"this process ({process}) holds {self.max_per_user} sessions already over its "
+                f"connections (a 1/{USER_SHARE} share of --max-sessions): close some first",
+            )
         key = secrets.randbits(62) | 1
         session = Session(
             next(self._ids),
@@ -213,11 +225,14 @@ class SessionTable:
             admin,
             peer=peer,
             user=user,
+            process=process,
             tally=self.locks,
         )
         self._sessions[key] = session
         if peer:
             self._per_peer[peer] += 1
+        if process:
+            self._per_process[process] += 1
         if user:
             self._per_user[user] += 1
             session.fellows = self._by_user.setdefault(user, [])
@@ -225,8 +240,13 @@ class SessionTable:
         return session
 
     def _gone(self, session: Session) -> Session:
-        """Forget ``session``'s place in the per-peer and per-user counts (it ended)."""
-        for count, who in ((self._per_peer, session.peer), (self._per_user, session.user)):
+        """Forget ``session``'s place in the per-peer, per-user and per-process counts (it
+        ended)."""
+        for count, who in (
+            (self._per_peer, session.peer),
+            (self._per_user, session.user),
+            (self._per_process, session.process),
+        ):
             if who:
                 count[who] -= 1
                 if not count[who]:
@@ -291,19 +311,24 @@ class SessionTable:
         return [Ended(self._gone(s := self._quarantine.pop(key)), s.ending) for key in due]
 
     def check_integrity(self) -> None:
-        """The per-connection and per-key counts, and each key's sessions (``fellows``), are
-        those of the live and quarantined sessions. Raises IntegrityError."""
+        """The per-connection, per-key and per-process counts, and each key's sessions
+        (``fellows``), are those of the live and quarantined sessions. Raises IntegrityError."""
         peers: Counter[bytes] = Counter()
+        processes: Counter[int] = Counter()
         users: dict[str, list[Session]] = {}
         for s in self.holders():
             if s.peer:
                 peers[s.peer] += 1
+            if s.process:
+                processes[s.process] += 1
             if s.user:
                 users.setdefault(s.user, []).append(s)
             elif s.fellows:
                 raise IntegrityError(f"session {s.id} has no client key and fellows")
         if peers != self._per_peer:
             raise IntegrityError("sessions per connection are miscounted")
+        if processes != self._per_process:
+            raise IntegrityError("sessions per process are miscounted")
         if {u: len(ss) for u, ss in users.items()} != dict(self._per_user):
             raise IntegrityError("sessions per client key are miscounted")
         for user, sessions in users.items():

@@ -72,7 +72,12 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
         "the start log states)",
     ),
     "session_max_loads": (int, 256, "load-backs one session may have in flight at once"),
-    "max_sessions": (int, 4096, "sessions (live and quarantined) at once"),
+    "max_sessions": (
+        int,
+        4096,
+        "sessions (live and quarantined) at once; a quarter of them per CurveZMQ key or per ipc "
+        "process",
+    ),
     "device_tier": (
         str,
         "daemon",

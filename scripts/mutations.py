@@ -424,6 +424,27 @@ MUTATIONS = [
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
+        "process-sessions-unbounded",
+        "daemon/sessions.py",
+        "        if process and self._per_process[process] >= self.max_per_user:",
+        "        if False:",
+        ("tests/test_sessions.py",),
+    ),
+    Mutation(
+        "process-taken-from-the-hello",
+        "daemon/server.py",
+        '            return 0 if frame is None else peer_pid(frame.get("Peer-Address") or "")',
+        "            return 0",
+        ("tests/test_sessions.py",),
+    ),
+    Mutation(
+        "ended-session-keeps-its-process-place",
+        "daemon/sessions.py",
+        "            (self._per_process, session.process),\n",
+        "",
+        ("tests/test_sessions.py",),
+    ),
+    Mutation(
         "match-part-shared-head-dropped",
         "client/client.py",
         "part = arrays[start][: shared[start]].tobytes() + frame[pos:]",

@@ -236,3 +236,70 @@ def test_one_client_key_holds_at_most_one_share_of_the_pool_over_its_sessions():
     b.fellows.append(other)  # (a corrupted list is caught)
     with pytest.raises(IntegrityError):
         table.check_integrity()
+
+
+def test_one_process_cannot_take_every_session_over_many_ipc_connections():
+    """s10 (sessions) on ipc: the kernel's pid of each connection (SO_PEERCRED) bounds one
+    process's sessions over all its connections to a quarter of max_sessions; another process
+    still gets in, an ended session frees its place, and the counts are checked."""
+    from hicache.errors import IntegrityError
+
+    table = SessionTable(max_sessions=256)
+    held = [table.open("x", 1, 0.0, peer=b"c%d" % (i // 16), process=77) for i in range(64)]
+    with pytest.raises(ProtocolError) as err:
+        table.open("x", 1, 0.0, peer=b"fresh", process=77)
+    assert err.value.code is ErrorCode.QUOTA_EXCEEDED and "process (77)" in str(err.value)
+    assert table.open("engine", 2, 0.0, peer=b"engine", process=78).fellows == []  # no share
+    table.check_integrity()
+    table.end(held[0].key)
+    table.open("x", 1, 0.0, peer=b"fresh", process=77)
+    table.check_integrity()
+    held[1].process = 79  # (a session counted under another process is caught)
+    with pytest.raises(IntegrityError, match="per process"):
+        table.check_integrity()
+
+
+def test_the_daemon_counts_ipc_sessions_by_the_kernels_pid(tmp_path):
+    """End to end: the pid a hello claims is not what counts, the connection's is."""
+    import os
+    import subprocess
+    import sys
+
+    import msgpack
+    import zmq
+
+    from hicache.daemon.server import peer_pid
+    from hicache.protocol import PROTOCOL_VERSION, Op, decode_reply
+    from tests.daemon_helpers import start_daemon, stop_daemon
+
+    assert peer_pid("localhost:0:0:4242") == 4242
+    assert peer_pid("127.0.0.1:5555") == peer_pid("") == peer_pid("a:b:c:d") == 0
+    ep = f"ipc://{tmp_path}/d.sock"
+    proc = start_daemon(ep, "--max-sessions", "64", "--keep-host", "false")  # 16 per process
+    socks = []
+
+    def hello(claimed_pid: int):  # noqa: ANN202
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 20000)
+        sock.connect(ep)
+        socks.append(sock)
+        fields = {"client": "many", "pid": claimed_pid}
+        sock.send(msgpack.packb([PROTOCOL_VERSION, int(Op.HELLO), 1, 0, 0, fields]))
+        return decode_reply(sock.recv())
+
+    try:
+        replies = [hello(1000 + i) for i in range(17)]  # a connection each, pids made up
+        assert all(r.ok for r in replies[:16])
+        assert replies[16].status is ErrorCode.QUOTA_EXCEEDED
+        assert f"process ({os.getpid()})" in str(replies[16].fields)
+        other = subprocess.run(
+            [sys.executable, "-c", "from hicache.client import HiCacheClient as C\n"
+             f"with C({ep!r}, name='other') as c: print(c.session > 0)"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert other.stdout.strip() == "True", other.stderr
+    finally:
+        for sock in socks:
+            sock.close()
+        stop_daemon(proc)
