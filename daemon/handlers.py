@@ -105,7 +105,7 @@ class Handlers:
         self.peer = b""  # the connection it came on (set by the server before handle)
         # the CurveZMQ client key it came with, "" without Curve (set by the server)
         self.user: Callable[[], str] = str
-        self.process: Callable[[], int] = int  # the kernel's pid of an ipc peer (0: unknown)
+        self.process: Callable[[], str] = str  # the process of an ipc peer ("": unknown)
         self.server_counters: Callable[[], dict[str, int]] = dict  # the transport's counters
         self.views = ViewBudget()  # the loop's time for whole-cache views (check, tree)
         self.table: dict[Op, Callable[[Session | None, dict, Frames], Result]] = {

@@ -63,10 +63,11 @@ class L3Waits:
 
     def resume(
         self,
-        handle: Callable[[Any, list[Any]], tuple[bytes, list[Any]]],
+        handle: Callable[[bytes, Any, list[Any]], tuple[bytes, list[Any]]],
         send: Callable[[list[Any]], None],
     ) -> None:
-        """Answer every parked match that may go on now (``handle`` runs it again)."""
+        """Answer every parked match that may go on now (``handle`` runs it again, given its
+        peer's routing id, header and frames)."""
         if not self.parked:
             return
         now = time.monotonic()
@@ -77,7 +78,7 @@ class L3Waits:
                 continue
             if not all(f.done for f in p.waiting.fetches) and self.counters is not None:
                 self.counters.wait_timeouts += 1  # answered at its bound
-            reply, out = handle(p.header, p.frames)
+            reply, out = handle(p.identity, p.header, p.frames)
             send([p.identity, reply, *out])
         self.parked = still
 

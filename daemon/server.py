@@ -6,8 +6,8 @@ sessions. Copies run on the transfer engine's own thread meanwhile. After a repl
 watches the socket for ``busy_poll_us`` before it sleeps on it (the next request of an engine
 finds it awake) while requests come back that fast (``busy_poll.py``).
 
-Replies never block the loop: a peer that does not read its replies (its pipe is full) loses
-them, counted in ``replies_dropped``, and everyone else is served on.
+What is served next, who sent it and how replies leave (never blocking the loop) is the
+inbox's (``inbox.py``).
 
 Start-up claims the endpoint (no second daemon on one ipc path), binds, then creates the pools;
 whatever fails, what was made so far is undone (no shared memory left behind).
@@ -20,7 +20,6 @@ import os
 import secrets
 import signal
 import time
-from collections import deque
 
 import numpy as np
 import zmq
@@ -29,7 +28,7 @@ from hicache.cache import HiRadixCache
 from hicache.client.curve import load_secret
 from hicache.config import HiCacheConfig
 from hicache.daemon import reaper
-from hicache.daemon.busy_poll import BusyPoll, queued, yield_cpu
+from hicache.daemon.busy_poll import BusyPoll
 from hicache.daemon.capacity_feed import IDLE_BUDGET_S
 from hicache.daemon.endpoint import (
     AdminToken,
@@ -41,6 +40,7 @@ from hicache.daemon.endpoint import (
 from hicache.daemon.engine_tier import EngineTier
 from hicache.daemon.events import EventPublisher
 from hicache.daemon.handlers import Handlers
+from hicache.daemon.inbox import Inbox
 from hicache.daemon.l3_waits import WAKE_ID, L3Waits
 from hicache.daemon.limits import SNDHWM, SessionLimits
 from hicache.daemon.memory_trim import MemoryTrim
@@ -58,23 +58,11 @@ from hicache.transfers import DEFAULT_CAPACITY as PROGRESS_CAPACITY
 from hicache.transfers import LayerProgress
 
 log = logging.getLogger("hicache.daemon")
-# pyzmq's send_multipart/recv_multipart do enum flag arithmetic in Python for every frame; the
-# backend methods with int flags do the same work in half the time (measured: 7 vs 15 us).
-_send, _recv = zmq.backend.Socket.send, zmq.backend.Socket.recv
-SNDMORE, NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
-# Frames below this are copied into the message: a zero-copy send makes pyzmq wake its garbage
-# thread to release the buffer later, which costs more than a memcpy of up to a MiB here.
-COPY_BELOW = 1 << 20
-# Received frames below this are copied into bytes (cheaper than keeping pyzmq's Frame); larger
-# ones stay in zmq's buffer, read through a memoryview (a batch of prompts: no 500 KiB copy).
-KEEP_FROM = 1 << 16
 RCVHWM = 64  # requests queued per peer before zmq stops reading from it (it waits, we don't)
 HOUSEKEEP_S = 0.05  # acks and leases are looked at least this often
 POLL_MS = int(HOUSEKEEP_S * 1000)
 METRICS_EVERY_S = 1.0  # how often the metrics snapshot is refreshed
 DUMP_EVERY_S = 1.0  # KV event dumps are made at most this often (one serves every asker)
-READ_AHEAD = 8  # requests of the peer being served read past while looking for another's
-YIELD_EVERY_S = 0.0002  # a long request yields the core at most this often (see _others_waiting)
 
 __all__ = ["Daemon", "EndpointError", "bind_address", "run"]
 
@@ -87,7 +75,6 @@ class Daemon:
         self._next_dump = 0.0  # the earliest the next KV event dump is made
         self._trim = MemoryTrim()  # freed heap back to the system when quiet
         self.drain_deadline = 0.0
-        self.replies_dropped = 0  # replies a peer's full pipe refused (it does not read)
         # what close() undoes, in its order; set as each is made, so a failed start undoes
         # exactly what it made
         self.sock: zmq.Socket | None = None
@@ -116,11 +103,6 @@ class Daemon:
         self._claim = EndpointClaim(settings.endpoint)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self._first_frame: zmq.Frame | None = None  # the last request's first part
-        # requests read by _others_waiting (with their first part), served next in this order
-        self._waiting: deque[tuple[list, zmq.Frame | None]] = deque()
-        self._woken = False  # a wake of the third tier read by _others_waiting, not acted on
-        self._yield_after = 0.0  # (perf_counter) _others_waiting yields the core once past it
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
@@ -129,6 +111,7 @@ class Daemon:
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)  # bounds what a peer that never reads pins
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)  # ... and what a flooding peer queues here
         self.busy = BusyPoll(self.sock, settings.busy_poll_us)
+        self.inbox = Inbox(self.sock, self.busy, WAKE_ID)
         if settings.curve:
             self._secure(self.sock)
         self._bind(settings.endpoint)
@@ -201,11 +184,11 @@ class Daemon:
             engine_tier=tier,
         )
         self.handlers.server_counters = self._counters
-        self.handlers.context.others_waiting = self._others_waiting
+        self.handlers.context.others_waiting = self.inbox.others_waiting
         if settings.curve:  # (read only by a hello: a property costs a call per message)
-            self.handlers.user = lambda: self._peer_user()
+            self.handlers.user = self.inbox.user
         if settings.endpoint.startswith("ipc://"):
-            self.handlers.process = lambda: self._peer_process()
+            self.handlers.process = self.inbox.process
         if settings.metrics_port:
             if not is_loopback(f"tcp://{settings.metrics_host}:0"):
                 log.warning(
@@ -297,7 +280,7 @@ class Daemon:
         return limits
 
     def _counters(self) -> dict[str, int]:
-        out = {"replies_dropped": self.replies_dropped}
+        out = {"replies_dropped": self.inbox.dropped}
         out["busy_poll_watches"] = self.busy.watches
         out["busy_poll_hits"] = self.busy.found
         if self.events is not None:
@@ -351,13 +334,13 @@ class Daemon:
         next_housekeep = next_metrics = time.monotonic()
         busy = self.busy
         while not self.stopping:
-            frames = self._next_request()
+            frames = self.inbox.next()
             if frames is None:  # quiet: nobody waits for the loop
                 if self.handlers.capacity is not None:
                     self.handlers.capacity.run(IDLE_BUDGET_S)
                 self._trim.maybe()
-            if self._woken:  # a wake of the third tier read on the way
-                self._woken = False
+            if self.inbox.woken:  # a wake of the third tier read on the way
+                self.inbox.woken = False
                 self._resume()
             if frames:
                 if frames[0] == WAKE_ID:  # the third tier finished something
@@ -385,19 +368,6 @@ class Daemon:
                 if self.keeper is not None and self.cache is not None:
                     self._periodic_snapshot()
 
-    def _next_request(self) -> list[bytes | memoryview] | None:
-        """The next message to serve: one read ahead by a turn first (in their order), else
-        the socket's (blocking up to POLL_MS: one call per message, no separate poll); None
-        when none came. Sets ``_first_frame`` to the message's own first part."""
-        if self._waiting:
-            frames, self._first_frame = self._waiting.popleft()
-            return frames
-        self.busy.before_recv()  # after a reply: the same engine may be about to ask again
-        try:
-            return self._recv_frames()
-        except zmq.Again:
-            return None
-
     def _resume(self) -> None:
         """Answer matches that waited for the third tier and may go on now."""
         waits = self.waits
@@ -407,19 +377,14 @@ class Daemon:
             self.cache.poll()
             if self.cache.l3 is not None:
                 self.cache.l3.poll()
-        waits.resume(self._handle_resumed, self._send_reply)
+        waits.resume(self._handle_resumed, self.inbox.send)
 
-    def _handle_resumed(self, header: bytes | memoryview, frames: list) -> tuple[bytes, list]:
+    def _handle_resumed(
+        self, identity: bytes, header: bytes | memoryview, frames: list
+    ) -> tuple[bytes, list]:
+        self.handlers.peer = self.inbox.serving = identity  # (its turn is its own)
         reply, out = self.handlers.handle(header, frames, resumed=True)
         return reply, out  # type: ignore[return-value]  (a resumed match is never deferred)
-
-    def _send_reply(self, frames: list) -> None:
-        try:
-            self._send_frames(frames)
-        except zmq.Again:  # the peer's pipe is full: it does not read, so it loses this reply
-            self.replies_dropped += 1
-        except zmq.ZMQError as exc:  # the peer went away: nothing to do
-            log.debug("reply dropped: %s", exc)
 
     def _serve_one(self, frames: list[bytes | memoryview]) -> None:
         identity, rest = frames[0], frames[1:]
@@ -428,70 +393,12 @@ class Daemon:
         header = rest[0] if rest else b""
         waits = self.waits
         may_wait = waits is not None and waits.room() and not self.draining
-        self.handlers.peer = bytes(identity)
+        self.handlers.peer = self.inbox.serving = bytes(identity)  # (a resumed match ran)
         reply, out = self.handlers.handle(header, rest[1:], may_wait)
         if reply is None:  # a match that waits for the third tier
             waits.park(identity, header, rest[1:], out)  # type: ignore[union-attr, arg-type]
             return
-        self._send_reply([identity, reply, *out])
-
-    def _peer_user(self) -> str:
-        """The CurveZMQ client key (z85) the request being handled came with."""
-        frame = self._first_frame
-        return "" if frame is None else frame.get("User-Id") or ""
-
-    def _peer_process(self) -> int:
-        """The pid the kernel gave (SO_PEERCRED) for the ipc connection of the request being
-        handled; 0 when zmq gives none."""
-        frame = self._first_frame
-        try:
-            return 0 if frame is None else peer_pid(frame.get("Peer-Address") or "")
-        except zmq.ZMQError:  # (a libzmq that gives no such property)
-            return 0
-
-    def _others_waiting(self) -> bool:
-        """Whether another client's request waits (asked by a long batched match between
-        prompts, and after a whole-cache view). Reads what is queued: a wake of the third tier
-        is noted (answered after) and never counts; requests of the peer being served are kept
-        in order and do not count (its own next request must not end its turn), up to
-        READ_AHEAD of them (then its turn ends: others may queue behind them); another peer's
-        request is kept ahead of them, served next."""
-        waiting, peer = self._waiting, self.handlers.peer
-        if any(w[0][0] != peer for w in waiting):
-            return True
-        now = time.perf_counter()
-        if now >= self._yield_after:  # zmq's io thread may be waiting for this core: let it
-            self._yield_after = now + YIELD_EVERY_S  # deliver what arrived (once a turn)
-            yield_cpu()
-        while len(waiting) < READ_AHEAD and queued(self.sock):
-            frames = self._recv_frames()
-            if frames[0] == WAKE_ID:
-                self._woken = True
-                continue
-            if frames[0] != peer:
-                waiting.appendleft((frames, self._first_frame))
-                return True
-            waiting.append((frames, self._first_frame))
-        return len(waiting) >= READ_AHEAD
-
-    def _recv_frames(self) -> list[bytes | memoryview]:
-        """One multipart message; raises zmq.Again after RCVTIMEO."""
-        sock = self.sock  # Frame.more, not getsockopt(RCVMORE): that costs 2 us per frame
-        frame = self._first_frame = _recv(sock, 0, False)
-        parts = [frame.bytes]
-        while frame.more:
-            frame = _recv(sock, 0, False)
-            parts.append(frame.buffer if len(frame) >= KEEP_FROM else frame.bytes)
-        return parts
-
-    def _send_frames(self, frames: list) -> None:
-        """Never blocks: a full pipe refuses the whole message at its first frame (zmq checks
-        the high-water mark per message), so a reply is sent whole or not at all.
-        pyzmq's zero-copy send costs more than a memcpy below its 64 KiB threshold."""
-        sock, last = self.sock, len(frames) - 1
-        for i, frame in enumerate(frames):
-            flags = (SNDMORE if i < last else 0) | NOBLOCK
-            _send(sock, frame, flags, len(frame) < COPY_BELOW)
+        self.inbox.send([identity, reply, *out])
 
     def stop(self, *_: object) -> None:
         """Stop at once (a signal handler's target when there is no drain)."""
@@ -613,15 +520,6 @@ class Daemon:
 
 class StopDuringStart(BaseException):
     """SIGTERM or SIGINT while the daemon was starting: what it made is undone, it exits."""
-
-
-def peer_pid(address: str) -> int:
-    """The pid in zmq's Peer-Address of an ipc connection ("host:uid:gid:pid", from
-    SO_PEERCRED); 0 for anything else."""
-    parts = address.rsplit(":", 3)
-    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
-        return 0
-    return int(parts[3])
 
 
 def _stop_during_start(*_: object) -> None:

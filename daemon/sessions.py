@@ -77,7 +77,9 @@ class Session:
     pinned_pages: int = 0  # device pages its locks made unevictable (its records' ``pinned``)
     peer: bytes = b""  # the connection (ROUTER routing id) that opened it
     user: str = ""  # the CurveZMQ client key it came with ("": ipc or plain tcp)
-    process: int = 0  # over ipc: the pid the kernel gave for its connection (0: tcp)
+    # over ipc: the process that opened its connection, as the kernel gives it ("<pid>@<start
+    # time>", inbox.process); "": tcp, or unknown
+    process: str = ""
     # the live and quarantined sessions of ``user`` (itself among them; none without a key):
     # what the key holds in all is bounded like one session's (limits.check_owned)
     fellows: list[Session] = field(default_factory=list, repr=False, compare=False)
@@ -155,7 +157,7 @@ class SessionTable:
         self.leases_expired = 0  # live sessions whose lease ran out (not goodbyes)
         self._per_peer: Counter[bytes] = Counter()  # live and quarantined sessions by peer
         self._per_user: Counter[str] = Counter()  # the same by CurveZMQ client key
-        self._per_process: Counter[int] = Counter()  # ... and by process (ipc)
+        self._per_process: Counter[str] = Counter()  # ... and by process (ipc)
         self._by_user: dict[str, list[Session]] = {}  # those sessions (each one's ``fellows``)
         # sessions one client key, or one process over ipc, may hold (plain tcp: no bound but
         # max_sessions)
@@ -184,13 +186,13 @@ class SessionTable:
         admin: bool = False,
         peer: bytes = b"",
         user: str = "",
-        process: int = 0,
+        process: str = "",
     ) -> Session:
         """A new live session; QUOTA_EXCEEDED when max_sessions already hold memory, when
         ``peer`` (the connection asking) has MAX_SESSIONS_PER_PEER open already (an engine
         opens one per connection, and one socket must not take every session there is), or
-        when ``user`` (its CurveZMQ key) or ``process`` (the kernel's pid of an ipc peer)
-        holds its share of max_sessions over connections."""
+        when ``user`` (its CurveZMQ key) or ``process`` (the process that opened an ipc
+        connection) holds its share of max_sessions over connections."""
         if len(self._sessions) + len(self._quarantine) >= self.max_sessions:
             raise ProtocolError(
                 ErrorCode.QUOTA_EXCEEDED,
@@ -211,8 +213,9 @@ class SessionTable:
         if process and self._per_process[process] >= self.max_per_user:
             raise ProtocolError(
                 ErrorCode.QUOTA_EXCEEDED,
-                f"this process ({process}) holds {self.max_per_user} sessions already over its "
-                f"connections (a 1/{USER_SHARE} share of --max-sessions): close some first",
+                f"this process (pid {process.split('@')[0]}) holds {self.max_per_user} sessions "
+                f"already over its connections (a 1/{USER_SHARE} share of --max-sessions): "
+                "close some first",
             )
         key = secrets.randbits(62) | 1
         session = Session(
@@ -314,7 +317,7 @@ class SessionTable:
         """The per-connection, per-key and per-process counts, and each key's sessions
         (``fellows``), are those of the live and quarantined sessions. Raises IntegrityError."""
         peers: Counter[bytes] = Counter()
-        processes: Counter[int] = Counter()
+        processes: Counter[str] = Counter()
         users: dict[str, list[Session]] = {}
         for s in self.holders():
             if s.peer:

@@ -383,44 +383,73 @@ MUTATIONS = [
     ),
     Mutation(
         "own-requests-end-the-turn",
-        "daemon/server.py",
-        "            if frames[0] != peer:",
+        "daemon/inbox.py",
+        "            if frames[0] != serving:",
         "            if True:",
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
         "others-request-queued-behind",
-        "daemon/server.py",
-        "                waiting.appendleft((frames, self._first_frame))",
-        "                waiting.append((frames, self._first_frame))",
+        "daemon/inbox.py",
+        "                ahead.appendleft((frames, first))",
+        "                ahead.append((frames, first))",
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
         "read-ahead-unbounded",
-        "daemon/server.py",
-        "        return len(waiting) >= READ_AHEAD",
+        "daemon/inbox.py",
+        "        return len(ahead) >= READ_AHEAD",
         "        return False",
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
         "read-ahead-loses-its-first-part",
-        "daemon/server.py",
-        "            frames, self._first_frame = self._waiting.popleft()",
-        "            frames = self._waiting.popleft()[0]",
+        "daemon/inbox.py",
+        "            return self._serve(*ahead.popleft())",
+        "            return ahead.popleft()[0]",
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
         "long-turn-never-yields",
-        "daemon/server.py",
-        "            yield_cpu()\n        while len(waiting)",
-        "            pass\n        while len(waiting)",
+        "daemon/inbox.py",
+        "            yield_cpu()\n        while len(ahead)",
+        "            pass\n        while len(ahead)",
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
         "long-turn-yields-every-ask",
-        "daemon/server.py",
+        "daemon/inbox.py",
         "            self._yield_after = now + YIELD_EVERY_S",
         "            self._yield_after = now",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "read-ahead-replaces-the-served-first-part",
+        "daemon/inbox.py",
+        "            frames, first = self._read()\n            if frames[0] == self.wake_id:",
+        "            frames, first = self._read()\n            self._first = first\n"
+        "            if frames[0] == self.wake_id:",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "read-ahead-ahead-of-the-socket",
+        "daemon/inbox.py",
+        "            if ahead[0][0][0] == self.serving and queued(self.sock):",
+        "            if False:",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "a-reused-pid-is-the-same-process",
+        "daemon/inbox.py",
+        '    return f"{pid}@{start}"',
+        '    return f"{pid}"',
+        ("tests/test_sessions.py",),
+    ),
+    Mutation(
+        "served-request-keeps-a-resumed-sender",
+        "daemon/server.py",
+        "        self.handlers.peer = self.inbox.serving = bytes(identity)",
+        "        self.handlers.peer = bytes(identity)",
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
@@ -432,9 +461,9 @@ MUTATIONS = [
     ),
     Mutation(
         "process-taken-from-the-hello",
-        "daemon/server.py",
-        '            return 0 if frame is None else peer_pid(frame.get("Peer-Address") or "")',
-        "            return 0",
+        "daemon/inbox.py",
+        "        pid = peer_pid(address)",
+        "        pid = 0",
         ("tests/test_sessions.py",),
     ),
     Mutation(
@@ -484,9 +513,9 @@ MUTATIONS = [
     ),
     Mutation(
         "third-tier-wake-counts-as-a-request",
-        "daemon/server.py",
-        "            if frames[0] == WAKE_ID:\n"
-        "                self._woken = True\n"
+        "daemon/inbox.py",
+        "            if frames[0] == self.wake_id:\n"
+        "                self.woken = True  # (answered after this request)\n"
         "                continue\n",
         "",
         ("tests/test_fair_turns.py",),

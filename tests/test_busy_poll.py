@@ -42,7 +42,7 @@ def test_a_watch_ends_at_its_deadline_and_at_once_when_a_message_waits(daemon):
         t0 = time.perf_counter()
         assert watch(daemon.sock, t0 + 30.0)  # a message waits: back long before the deadline
         assert time.perf_counter() - t0 < 15.0
-        assert daemon._recv_frames()[-1] == b"ping"  # and it is still there to be read
+        assert daemon.inbox.next()[-1] == b"ping"  # and it is still there to be read
     finally:
         peer.close(linger=0)
 

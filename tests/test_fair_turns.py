@@ -251,15 +251,21 @@ def test_a_wake_of_the_third_tier_is_not_a_request_waiting_and_a_request_read_go
     try:
         others = daemon.handlers.context.others_waiting
         daemon.waits.wake()  # what the tier's IO thread sends when a fetch lands
-        assert not others() and daemon._woken  # noted, not counted
+        assert not others() and daemon.inbox.woken  # noted, not counted
         peer.connect(daemon.settings.endpoint)
         peer.send(b"a request")
         assert watch(daemon.sock, time.perf_counter() + 30)  # (arrived; nothing read)
         assert others() and others()  # read once, kept: asking again reads nothing more
-        assert len(daemon._waiting) == 1 and daemon._waiting[0][0][-1] == b"a request"
+        assert daemon.inbox.next()[-1] == b"a request"
     finally:
         peer.close(linger=0)
         daemon.close()
+
+
+def _daemon(tmp_path) -> Daemon:  # noqa: ANN001
+    args = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--device-tokens",
+            "512", "--endpoint", f"ipc://{tmp_path}/d.sock", "--keep-host", "false"]  # fmt: skip
+    return Daemon(resolve(build_parser().parse_args(args), environ={}))
 
 
 def test_a_long_turn_yields_the_core_now_and_then_for_zmqs_io_thread(tmp_path, monkeypatch):
@@ -267,13 +273,11 @@ def test_a_long_turn_yields_the_core_now_and_then_for_zmqs_io_thread(tmp_path, m
     loop, asking whether others wait gives the core away once per YIELD_EVERY_S (so a daemon
     on one core still sees them), and no more often (a yield per prompt would cost more than
     the matches)."""
-    from hicache.daemon import server as server_module
+    from hicache.daemon import inbox as inbox_module
 
-    args = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--device-tokens",
-            "512", "--endpoint", f"ipc://{tmp_path}/d.sock", "--keep-host", "false"]  # fmt: skip
-    daemon = Daemon(resolve(build_parser().parse_args(args), environ={}))
+    daemon = _daemon(tmp_path)
     yields = []
-    monkeypatch.setattr(server_module, "yield_cpu", lambda: yields.append(time.perf_counter()))
+    monkeypatch.setattr(inbox_module, "yield_cpu", lambda: yields.append(time.perf_counter()))
     try:
         others, asked = daemon.handlers.context.others_waiting, 0
         started = time.perf_counter()
@@ -282,19 +286,32 @@ def test_a_long_turn_yields_the_core_now_and_then_for_zmqs_io_thread(tmp_path, m
             asked += 1
         took = time.perf_counter() - started
         assert asked > 10 * len(yields)
-        assert 1 <= len(yields) <= took / server_module.YIELD_EVERY_S + 1
+        assert 1 <= len(yields) <= took / inbox_module.YIELD_EVERY_S + 1
         gaps = np.diff(yields)
-        assert (gaps >= 0.9 * server_module.YIELD_EVERY_S).all()  # (read just after)
+        assert (gaps >= 0.9 * inbox_module.YIELD_EVERY_S).all()  # (read just after)
     finally:
         daemon.close()
 
 
 def _read(daemon: Daemon, count: int) -> None:
-    """Wait until ``count`` messages are queued in the daemon's socket or read ahead."""
+    """Wait until ``count`` messages are read ahead (asking as a long turn does)."""
     deadline = time.monotonic() + 30
-    while len(daemon._waiting) < count:
+    while len(daemon.inbox._ahead) < count:
         assert time.monotonic() < deadline, "messages did not arrive"
         daemon.handlers.context.others_waiting()
+
+
+def _peers(daemon: Daemon, *names: bytes) -> list:
+    import zmq
+
+    socks = []
+    for name in names:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, name)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(daemon.settings.endpoint)
+        socks.append(sock)
+    return socks
 
 
 def test_the_served_peers_own_requests_do_not_end_its_turn_and_anothers_goes_first(tmp_path):
@@ -303,22 +320,17 @@ def test_the_served_peers_own_requests_do_not_end_its_turn_and_anothers_goes_fir
     and is served before the first client's next ones, which keep their order. A client with
     READ_AHEAD requests read ahead ends its turn too (others may wait in the socket behind
     them). Each request served from the read-ahead carries its own first part (its CurveZMQ
-    key is read from it)."""
-    import zmq
+    key and process are read from it), and reading ahead never replaces the first part of the
+    request being served."""
+    from hicache.daemon import inbox as inbox_module
 
-    from hicache.daemon import server as server_module
-
-    args = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--device-tokens",
-            "512", "--endpoint", f"ipc://{tmp_path}/d.sock", "--keep-host", "false"]  # fmt: skip
-    daemon = Daemon(resolve(build_parser().parse_args(args), environ={}))
-    ctx = zmq.Context.instance()
-    heavy, light = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    daemon = _daemon(tmp_path)
+    heavy, light = _peers(daemon, b"heavy", b"light")
+    inbox = daemon.inbox
     try:
-        for sock, name in ((heavy, b"heavy"), (light, b"light")):
-            sock.setsockopt(zmq.ROUTING_ID, name)
-            sock.connect(daemon.settings.endpoint)
         others = daemon.handlers.context.others_waiting
-        daemon.handlers.peer = b"heavy"  # serving one of heavy's requests
+        heavy.send(b"heavy first")
+        assert inbox.next()[-1] == b"heavy first"  # serving one of heavy's requests
         for i in range(2):
             heavy.send(b"heavy %d" % i)
         _read(daemon, 2)
@@ -326,20 +338,44 @@ def test_the_served_peers_own_requests_do_not_end_its_turn_and_anothers_goes_fir
         light.send(b"light 0")
         assert watch(daemon.sock, time.perf_counter() + 30)
         assert others() and others()
-        heavy.send(b"heavy 2")  # after another's: waits behind it, read once its turn asks
+        assert inbox.serving == inbox._first.bytes == b"heavy"  # still the served one's
+        heavy.send(b"heavy 2")  # after another's: waits behind it
+        assert watch(daemon.sock, time.perf_counter() + 30)
         served = []
-        while (frames := daemon._next_request()) is not None:
+        while (frames := inbox.next()) is not None:
             served.append(frames[-1])
-            assert daemon._first_frame is not None and daemon._first_frame.bytes == frames[0]
-            if len(served) == 3:
-                daemon.handlers.peer = b"heavy"
-                _read(daemon, 1)
+            assert inbox._first is not None and inbox._first.bytes == frames[0]
         assert served == [b"light 0", b"heavy 0", b"heavy 1", b"heavy 2"]
-        for i in range(server_module.READ_AHEAD + 2):
+        for i in range(inbox_module.READ_AHEAD + 2):
             heavy.send(b"more %d" % i)
-        daemon.handlers.peer = b"heavy"
-        _read(daemon, server_module.READ_AHEAD)
-        assert others() and len(daemon._waiting) == server_module.READ_AHEAD
+        inbox.serving = b"heavy"
+        _read(daemon, inbox_module.READ_AHEAD)
+        assert others() and len(inbox._ahead) == inbox_module.READ_AHEAD
+    finally:
+        heavy.close(linger=0)
+        light.close(linger=0)
+        daemon.close()
+
+
+def test_a_client_with_requests_read_ahead_still_takes_turns_with_the_socket(tmp_path):
+    """Read-ahead must not let one client's requests run back to back ahead of another's that
+    arrived meanwhile: serving the read-ahead, a request queued in the socket by another
+    client goes before the served client's next one."""
+    daemon = _daemon(tmp_path)
+    heavy, light = _peers(daemon, b"heavy", b"light")
+    inbox = daemon.inbox
+    try:
+        heavy.send(b"heavy first")
+        assert inbox.next()[-1] == b"heavy first"
+        for i in range(3):
+            heavy.send(b"heavy %d" % i)
+        _read(daemon, 3)  # its own: read ahead
+        light.send(b"light 0")  # not read yet: in the socket
+        assert watch(daemon.sock, time.perf_counter() + 30)
+        served = []
+        while (frames := inbox.next()) is not None:
+            served.append(frames[-1])
+        assert served == [b"light 0", b"heavy 0", b"heavy 1", b"heavy 2"]
     finally:
         heavy.close(linger=0)
         light.close(linger=0)
@@ -380,4 +416,28 @@ def test_the_third_tiers_lookups_take_turns_too(tmp_path, monkeypatch):
         assert asked[0] == PROMPTS[0].tobytes()
         handlers.check_integrity()
     finally:
+        daemon.close()
+
+
+def test_a_resumed_match_between_read_and_serve_leaves_the_request_its_sender(tmp_path):
+    """(hostile review) A match parked on the third tier may be answered between reading a
+    request and serving it; its turn reads ahead as its own client's. The request then served
+    must still be its own sender's (a HELLO reads its process and CurveZMQ key from it)."""
+    daemon = _daemon(tmp_path)
+    heavy, light = _peers(daemon, b"heavy", b"light")
+    inbox = daemon.inbox
+    try:
+        light.send(b"not a request")
+        frames = inbox.next()
+        heavy.send(b"heavy's next")
+        assert watch(daemon.sock, time.perf_counter() + 30)
+        daemon._handle_resumed(b"heavy", b"a parked match", [])  # (answered: an error)
+        assert inbox.serving == b"heavy" and not daemon.handlers.context.others_waiting()
+        assert inbox._first.bytes == b"light"  # its read-ahead replaced nothing
+        daemon._serve_one(frames)
+        assert inbox.serving == daemon.handlers.peer == b"light"
+        assert inbox.next()[-1] == b"heavy's next"
+    finally:
+        heavy.close(linger=0)
+        light.close(linger=0)
         daemon.close()

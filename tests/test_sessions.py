@@ -245,22 +245,24 @@ def test_one_process_cannot_take_every_session_over_many_ipc_connections():
     from hicache.errors import IntegrityError
 
     table = SessionTable(max_sessions=256)
-    held = [table.open("x", 1, 0.0, peer=b"c%d" % (i // 16), process=77) for i in range(64)]
+    held = [table.open("x", 1, 0.0, peer=b"c%d" % (i // 16), process="77@5") for i in range(64)]
     with pytest.raises(ProtocolError) as err:
-        table.open("x", 1, 0.0, peer=b"fresh", process=77)
-    assert err.value.code is ErrorCode.QUOTA_EXCEEDED and "process (77)" in str(err.value)
-    assert table.open("engine", 2, 0.0, peer=b"engine", process=78).fellows == []  # no share
+        table.open("x", 1, 0.0, peer=b"fresh", process="77@5")
+    assert err.value.code is ErrorCode.QUOTA_EXCEEDED and "process (pid 77)" in str(err.value)
+    assert table.open("engine", 2, 0.0, peer=b"engine", process="78@5").fellows == []  # no share
+    table.open("later", 3, 0.0, peer=b"later", process="77@9")  # the pid again: another process
     table.check_integrity()
     table.end(held[0].key)
-    table.open("x", 1, 0.0, peer=b"fresh", process=77)
+    table.open("x", 1, 0.0, peer=b"fresh", process="77@5")
     table.check_integrity()
-    held[1].process = 79  # (a session counted under another process is caught)
+    held[1].process = "79@5"  # (a session counted under another process is caught)
     with pytest.raises(IntegrityError, match="per process"):
         table.check_integrity()
 
 
 def test_the_daemon_counts_ipc_sessions_by_the_kernels_pid(tmp_path):
-    """End to end: the pid a hello claims is not what counts, the connection's is."""
+    """End to end: the pid a hello claims is not what counts, the connection's is, with its
+    start time (a pid the kernel gives again later is another process)."""
     import os
     import subprocess
     import sys
@@ -268,12 +270,18 @@ def test_the_daemon_counts_ipc_sessions_by_the_kernels_pid(tmp_path):
     import msgpack
     import zmq
 
-    from hicache.daemon.server import peer_pid
+    from hicache.daemon.inbox import peer_pid, process_of
     from hicache.protocol import PROTOCOL_VERSION, Op, decode_reply
     from tests.daemon_helpers import start_daemon, stop_daemon
 
     assert peer_pid("localhost:0:0:4242") == 4242
     assert peer_pid("127.0.0.1:5555") == peer_pid("") == peer_pid("a:b:c:d") == 0
+    me = process_of(os.getpid())
+    with open("/proc/self/stat") as f:
+        assert me == f"{os.getpid()}@{f.read().rsplit(')', 1)[1].split()[19]}"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert process_of(int(gone.stdout)) == f"{int(gone.stdout)}@?" and process_of(0) == ""
     ep = f"ipc://{tmp_path}/d.sock"
     proc = start_daemon(ep, "--max-sessions", "64", "--keep-host", "false")  # 16 per process
     socks = []
@@ -292,7 +300,7 @@ def test_the_daemon_counts_ipc_sessions_by_the_kernels_pid(tmp_path):
         replies = [hello(1000 + i) for i in range(17)]  # a connection each, pids made up
         assert all(r.ok for r in replies[:16])
         assert replies[16].status is ErrorCode.QUOTA_EXCEEDED
-        assert f"process ({os.getpid()})" in str(replies[16].fields)
+        assert f"process (pid {os.getpid()})" in str(replies[16].fields)
         other = subprocess.run(
             [sys.executable, "-c", "from hicache.client import HiCacheClient as C\n"
              f"with C({ep!r}, name='other') as c: print(c.session > 0)"],
