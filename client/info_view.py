@@ -157,7 +157,8 @@ def sections(stats: dict) -> dict[str, dict]:
         )
         | {
             f"session_{s['id']}": f"client={s['client']},pid={s['pid']},"
-            f"owned_pages={s['owned_pages']},locks={s['locks']},"
+            + (f"peer_pid={s['peer_pid']}," if s.get("peer_pid") else "")
+            + f"owned_pages={s['owned_pages']},locks={s['locks']},"
             f"queried_tokens={s.get('queried_tokens', 0)},hit_tokens={s.get('hit_tokens', 0)},"
             f"hit_ratio={_ratio(s.get('hit_tokens', 0), s.get('queried_tokens', 0))}"
             + _engine_figures(s)

@@ -428,7 +428,8 @@ class Handlers:
             {
                 "id": s.id,
                 "client": s.client,
-                "pid": s.pid,
+                "pid": s.pid,  # as its hello said
+                "peer_pid": int(s.process.split("@")[0]) if s.process else 0,  # the kernel's (ipc)
                 "owned_pages": len(s.owned),
                 "pinned_pages": s.pinned_pages,
                 "locks": len(s.locks),

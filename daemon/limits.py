@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hicache.daemon.sessions import MAX_SESSIONS_PER_PEER, USER_SHARE
 from hicache.protocol import MAX_FRAME_BYTES, ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
@@ -61,7 +62,9 @@ class SessionLimits:
         (said at start): locks, and replies queued for connections that do not read."""
         locks = self.max_total_locks * LOCK_BYTES
         return (
-            f"limits: {max_sessions} sessions; {self.max_locks} locks each, {self.max_total_locks}"
+            f"limits: {max_sessions} sessions ({MAX_SESSIONS_PER_PEER} per connection, "
+            f"{max(MAX_SESSIONS_PER_PEER, max_sessions // USER_SHARE)} per CurveZMQ key or ipc "
+            f"process); {self.max_locks} locks each, {self.max_total_locks}"
             f" in all (~{locks / 2**20:.0f} MiB); {self.max_owned_pages} {self.pool} pages owned"
             f" or pinned each; {SNDHWM} replies queued per connection; frames of at most "
             f"{MAX_FRAME_BYTES / 2**20:.0f} MiB"

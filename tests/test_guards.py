@@ -218,6 +218,8 @@ def test_replies_over_a_mebibyte_decode_and_huge_prompts_are_too_large_at_once(e
         "0",
         "--session-owned-fraction",
         "1",
+        "--max-sessions",
+        "16384",  # (3000 sessions from this one process: a quarter of them per process)
         lease=30,
     )
     try:

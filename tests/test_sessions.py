@@ -191,6 +191,9 @@ def test_locks_of_all_sessions_together_are_bounded():
     assert a.drop_locks() == ["node"] * 100 and table.locks == [50]
     limits.check_locks(b, 50)
     assert "150 in all" in limits.describe(4096)
+    assert "4096 sessions (16 per connection, 1024 per CurveZMQ key or ipc process)" in (
+        limits.describe(4096)
+    )
 
 
 def test_one_client_key_cannot_take_every_session_over_many_connections():
@@ -263,6 +266,7 @@ def test_one_process_cannot_take_every_session_over_many_ipc_connections():
 def test_the_daemon_counts_ipc_sessions_by_the_kernels_pid(tmp_path):
     """End to end: the pid a hello claims is not what counts, the connection's is, with its
     start time (a pid the kernel gives again later is another process)."""
+    import json
     import os
     import subprocess
     import sys
@@ -302,11 +306,15 @@ def test_the_daemon_counts_ipc_sessions_by_the_kernels_pid(tmp_path):
         assert replies[16].status is ErrorCode.QUOTA_EXCEEDED
         assert f"process (pid {os.getpid()})" in str(replies[16].fields)
         other = subprocess.run(
-            [sys.executable, "-c", "from hicache.client import HiCacheClient as C\n"
-             f"with C({ep!r}, name='other') as c: print(c.session > 0)"],
+            [sys.executable, "-c", "import json\nfrom hicache.client import HiCacheClient as C\n"
+             f"with C({ep!r}, name='other') as c: print(json.dumps(c.stats()['session_list']))"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
-        assert other.stdout.strip() == "True", other.stderr
+        listed = json.loads(other.stdout)  # (another process gets in, and lists them all)
+        many = [s for s in listed if s["client"] == "many"]
+        assert sorted(s["pid"] for s in many) == list(range(1000, 1016))  # as claimed
+        assert {s["peer_pid"] for s in many} == {os.getpid()}  # the kernel's
+        assert {s["peer_pid"] for s in listed if s["client"] == "other"} - {os.getpid()}
     finally:
         for sock in socks:
             sock.close()
