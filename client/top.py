@@ -177,7 +177,8 @@ def render_shape(shape: dict) -> str:
     lines = [f"# Tree\nnodes:{shape['nodes']}\ntokens:{shape['tokens']}"]
     for ns in shape["namespaces"]:
         lines.append(
-            f"\n# Namespace {ns['namespace']}\nnodes:{ns['nodes']}\ntokens:{ns['tokens']}\n"
+            f"\n# Namespace {ns['namespace'] or '(default)'}\n"
+            f"nodes:{ns['nodes']}\ntokens:{ns['tokens']}\n"
             f"device_tokens:{ns['device_tokens']}\nhost_tokens:{ns['host_tokens']}\n"
             f"hits:{ns['hits']}"
         )
