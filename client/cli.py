@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_seconds(0.001), default=5.0, help="seconds to wait for a reply"
     )
     sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("ping", help="check that the daemon answers")
+    ping = sub.add_parser("ping", help="check that the daemon answers")
+    ping.add_argument("--json", action="store_true", help="as one JSON object")
     health = sub.add_parser(
         "health", help="readiness (exit 0 when ready, 1 when draining or not answering)"
     )
@@ -129,7 +130,12 @@ def _in_session(conn: Connection, op: Op, fields: dict) -> dict:
 def _run(args: argparse.Namespace, conn: Connection) -> int:
     if args.command == "ping":
         reply, _ = conn.call(Op.PING)
-        print(f"PONG pid={reply.fields['pid']} epoch={reply.boot_epoch}")
+        pid, epoch = reply.fields["pid"], reply.boot_epoch
+        print(
+            json.dumps({"pid": pid, "epoch": epoch})
+            if args.json
+            else f"PONG pid={pid} epoch={epoch}"
+        )
         return 0
     if args.command == "health":
         try:

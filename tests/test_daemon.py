@@ -246,6 +246,8 @@ def test_cli_ping_info_and_stats(endpoint):
         ).stdout
 
     assert run("ping").startswith("PONG")
+    pong = json.loads(run("ping", "--json"))
+    assert pong["pid"] > 0 and f"pid={pong['pid']} epoch={pong['epoch']}" in run("ping")
     info = run("info")
     assert "# Server" in info and "# Hits" in info and "hit_ratio_device:" in info
     assert run("info", "hits").startswith("# Hits")
