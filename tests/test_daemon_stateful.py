@@ -25,6 +25,7 @@ from hicache.daemon.handlers import Handlers
 from hicache.daemon.sessions import ServiceClock, SessionTable
 from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply
 from hicache.transfers import ManualTransferEngine
+from tests.reach import run_until_reached
 from tests.reference import expected_kv, read_kv, write_kv
 
 PS = 2
@@ -305,6 +306,4 @@ def test_sessions_across_restarts_pauses_and_stalls() -> None:
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
-    DaemonMachine.TestCase().runTest()
-    seen = DaemonMachine.seen
-    assert all(seen.values()), f"the runs did not reach every state: {seen}"
+    run_until_reached(DaemonMachine)

@@ -26,6 +26,7 @@ from hicache.client import HiCacheClient  # noqa: E402
 from hicache.client.sglang.pages import daemon_view, key_words, page_format  # noqa: E402
 from tests import sglang_rig as rig  # noqa: E402
 from tests.daemon_helpers import start_daemon, stop_daemon  # noqa: E402
+from tests.reach import run_until_reached  # noqa: E402
 
 POOL_PAGES = 12
 PROMPTS = 6  # prompt families; each one's pages are a chain, and families share first pages
@@ -191,5 +192,4 @@ def test_two_sglang_instances_and_a_vllm_style_engine_share_one_small_pool(endpo
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
-    Shared.TestCase().runTest()
-    assert all(Shared.seen.values()), f"the runs did not reach every state: {Shared.seen}"
+    run_until_reached(Shared)
