@@ -314,7 +314,7 @@ MUTATIONS = [
     ),
     Mutation(
         "sglang-allocations-within-a-chain-set",
-        "client/sglang/page_keys.py",
+        "client/sglang/calls.py",
         "            with self.writing:\n                stored = self.link.call(write)",
         "            stored = self.link.call(write)",
         (
@@ -331,12 +331,9 @@ MUTATIONS = [
     ),
     Mutation(
         "sglang-pins-take-the-generation-after-the-call",
-        "client/sglang/page_keys.py",
-        "matches, generation = self.link.call_at(lambda c: self._match(c, words, lock=True))",
-        "matches, generation = (\n"
-        "                self.link.call(lambda c: self._match(c, words, lock=True)),\n"
-        "                self.link.generation,\n"
-        "            )",
+        "client/sglang/calls.py",
+        "            return self.link.call_at(lambda c: match(c, True))",
+        "            return self.link.call(lambda c: match(c, True)), self.link.generation",
         ("tests/test_sglang.py::test_pins_of_a_session_another_thread_renewed_are_never_used",),
     ),
     Mutation(

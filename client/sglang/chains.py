@@ -40,7 +40,6 @@ from hicache.client.daemon_link import Unavailable
 from hicache.client.results import Match
 from hicache.client.sglang.calls import KeyCalls, free_quietly
 from hicache.client.sglang.pages import copy_pages, daemon_view, key_words
-from hicache.protocol import ErrorCode
 
 log = logging.getLogger("hicache.sglang")
 PIN_TAG = "chain:"  # a chain's pin is keyed by its last page's key, tagged (one-page pins differ)
@@ -73,26 +72,15 @@ class Chains(KeyCalls):
         if tokens is None:
             return 0
         ns, skip = self.namespace, len(prefix)
-        try:
-            m, generation = self.link.call_at(lambda c: c.match_prefix(tokens, ns, lock=True))
-        except DaemonError as exc:
-            if exc.code is not ErrorCode.QUOTA_EXCEEDED:
-                self.say("exists", exc)
-                return 0
-            try:  # this rank pins its whole share: answer without a pin (as one-page keys)
-                m = self.link.call(lambda c: c.match_prefix(tokens, ns, lock=False))
-            except (Unavailable, DaemonError) as exc2:
-                self.say("exists", exc2)
-                return 0
-            hit = self._hit(m, skip, len(keys))
-            self.note(queried=len(keys), hit=hit)
-            return hit
-        except Unavailable:
+        found = self.lookup(lambda c, lock: c.match_prefix(tokens, ns, lock=lock))
+        if found is None:
             return 0
+        m, generation = found
         hit = self._hit(m, skip, len(keys))
-        if hit:  # the pin ends at the last page found: a get of that run names the same path
+        pinned = generation is not None  # (else answered without a pin: the rank's share)
+        if pinned and hit:  # the pin ends at the last page found: a get of it names its path
             self.pins.add([PIN_TAG + keys[hit - 1]], [m], generation, time.monotonic())
-        elif m.lock_id:  # only prefix pages found: they are not kept pinned
+        elif pinned and m.lock_id:  # only prefix pages found: they are not kept pinned
             self._release(m, generation)
         self.note(queried=len(keys), hit=hit)
         return hit
@@ -128,14 +116,7 @@ class Chains(KeyCalls):
                 if m is not None and m.lock_id:
                     c.release(m)
 
-        try:
-            done = self.link.call(read, generation)
-        except (Unavailable, DaemonError, IndexError) as exc:
-            self.say("get", exc)
-            return 0
-        self.figures.sample("get", done, start)
-        self.note(loaded=done)
-        return done
+        return self.run_get(read, generation, start)
 
     # ---- sets ---------------------------------------------------------------------------------
     def set(
@@ -182,14 +163,7 @@ class Chains(KeyCalls):
                 raise
             return len(keys) - first
 
-        try:
-            with self.writing:
-                stored = self.link.call(write)
-        except (Unavailable, DaemonError, IndexError) as exc:
-            self.say("set", exc)
-            return False
-        self.figures.sample("set", stored, start)
-        return True
+        return self.run_set(write, start)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _tokens(self, prefix: list[str], keys: list[str]) -> np.ndarray | None:

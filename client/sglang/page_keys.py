@@ -28,11 +28,10 @@ import numpy as np
 
 from hicache.client.client import HiCacheClient
 from hicache.client.connection import DaemonError
-from hicache.client.daemon_link import Unavailable
 from hicache.client.results import Match
 from hicache.client.sglang.calls import KeyCalls, free_quietly
 from hicache.client.sglang.pages import copy_pages, daemon_view, key_words
-from hicache.protocol import MAX_BATCH, ErrorCode
+from hicache.protocol import MAX_BATCH
 
 
 class PageKeys(KeyCalls):
@@ -45,26 +44,13 @@ class PageKeys(KeyCalls):
         words = self.words(keys)
         if words is None or not len(keys):
             return 0
-        try:  # (the generation the pins belong to: another thread may renew the session)
-            matches, generation = self.link.call_at(lambda c: self._match(c, words, lock=True))
-        except DaemonError as exc:
-            if exc.code is not ErrorCode.QUOTA_EXCEEDED:
-                self.say("exists", exc)
-                return 0
-            # this rank pins its whole share already (prefetches SGLang has not read yet):
-            # answer without pins; the get pins what is still there then
-            try:
-                matches = self.link.call(lambda c: self._match(c, words, lock=False))
-            except (Unavailable, DaemonError) as exc2:
-                self.say("exists", exc2)
-                return 0
-            hit = _leading(matches, self.format.page_size)
-            self.note(queried=len(keys), hit=hit)
-            return hit
-        except Unavailable:
+        found = self.lookup(lambda c, lock: self._match(c, words, lock=lock))
+        if found is None:
             return 0
+        matches, generation = found
         hit = _leading(matches, self.format.page_size)
-        self.pins.add(keys[:hit], matches, generation, time.monotonic())
+        if generation is not None:  # (pinned)
+            self.pins.add(keys[:hit], matches, generation, time.monotonic())
         self.note(queried=len(keys), hit=hit)
         return hit
 
@@ -104,14 +90,7 @@ class PageKeys(KeyCalls):
             finally:
                 c.release(*(m for m in matches if m is not None and m.lock_id))
 
-        try:
-            done = self.link.call(read, generation)
-        except (Unavailable, DaemonError, IndexError) as exc:
-            self.say("get", exc)
-            return 0
-        self.figures.sample("get", done, start)
-        self.note(loaded=done)
-        return done
+        return self.run_get(read, generation, start)
 
     # ---- sets ---------------------------------------------------------------------------------
     def set(self, keys: list[str], src: Any, src_pages: np.ndarray | None) -> bool:
@@ -149,14 +128,7 @@ class PageKeys(KeyCalls):
                 raise
             return len(lacking)
 
-        try:
-            with self.writing:
-                stored = self.link.call(write)
-        except (Unavailable, DaemonError, IndexError) as exc:
-            self.say("set", exc)
-            return False
-        self.figures.sample("set", stored, start)
-        return True
+        return self.run_set(write, start)
 
     # ---- helpers ------------------------------------------------------------------------------
     def words(self, keys: list[str]) -> np.ndarray | None:
