@@ -32,7 +32,7 @@ from hicache.daemon.limits import SessionLimits
 from hicache.daemon.request_context import RequestContext
 from hicache.daemon.request_fields import bool_field, int_field
 from hicache.daemon.request_stats import RequestStats
-from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable
+from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable, process_pid
 from hicache.daemon.tier_names import TierNames
 from hicache.daemon.view_budget import ViewBudget
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
@@ -429,7 +429,7 @@ class Handlers:
                 "id": s.id,
                 "client": s.client,
                 "pid": s.pid,  # as its hello said
-                "peer_pid": int(s.process.split("@")[0]) if s.process else 0,  # the kernel's (ipc)
+                "peer_pid": process_pid(s.process),  # the kernel's (ipc; 0: none)
                 "owned_pages": len(s.owned),
                 "pinned_pages": s.pinned_pages,
                 "locks": len(s.locks),

@@ -41,6 +41,11 @@ USER_SHARE = 4  # one CurveZMQ client key holds at most this share (1/4) of max_
 # so does one process over ipc (however many connections it opens)
 
 
+def process_pid(process: str) -> int:
+    """The pid in a session's ``process`` ("<pid>@<start time>"); 0 for "" (none)."""
+    return int(process.split("@")[0]) if process else 0
+
+
 class ServiceClock:
     """Seconds the daemon has been running: monotonic time minus the part of every gap between
     two readings beyond ``max_gap``. The control loop reads it at least every 50 ms while it
@@ -204,19 +209,16 @@ class SessionTable:
                 f"this connection opened {MAX_SESSIONS_PER_PEER} sessions already (one per "
                 "HiCacheClient): close some first",
             )
-        if user and self._per_user[user] >= self.max_per_user:
-            raise ProtocolError(
-                ErrorCode.QUOTA_EXCEEDED,
-                f"this client key holds {self.max_per_user} sessions already (a 1/{USER_SHARE} "
-                "share of --max-sessions): close some first",
-            )
-        if process and self._per_process[process] >= self.max_per_user:
-            raise ProtocolError(
-                ErrorCode.QUOTA_EXCEEDED,
-                f"this process (pid {process.split('@')[0]}) holds {self.max_per_user} sessions "
-                f"already over its connections (a 1/{USER_SHARE} share of --max-sessions): "
-                "close some first",
-            )
+        for who, count, name in (
+            (user, self._per_user, "this client key"),
+            (process, self._per_process, f"this process (pid {process_pid(process)})"),
+        ):
+            if who and count[who] >= self.max_per_user:
+                raise ProtocolError(
+                    ErrorCode.QUOTA_EXCEEDED,
+                    f"{name} holds {self.max_per_user} sessions already over its connections "
+                    f"(a 1/{USER_SHARE} share of --max-sessions): close some first",
+                )
         key = secrets.randbits(62) | 1
         session = Session(
             next(self._ids),

@@ -452,8 +452,8 @@ MUTATIONS = [
     Mutation(
         "process-sessions-unbounded",
         "daemon/sessions.py",
-        "        if process and self._per_process[process] >= self.max_per_user:",
-        "        if False:",
+        '            (process, self._per_process, f"this process (pid {process_pid(process)})"),',
+        '            ("", self._per_process, "this process"),',
         ("tests/test_sessions.py",),
     ),
     Mutation(
@@ -501,8 +501,8 @@ MUTATIONS = [
     Mutation(
         "sessions-per-client-key-unbounded",
         "daemon/sessions.py",
-        "        if user and self._per_user[user] >= self.max_per_user:",
-        "        if False:",
+        '            (user, self._per_user, "this client key"),',
+        '            ("", self._per_user, "this client key"),',
         (
             "tests/test_sessions.py::"
             "test_one_client_key_cannot_take_every_session_over_many_connections",
