@@ -87,7 +87,8 @@ class Inbox:
         requests reach the socket through zmq's IO thread, which may be waiting for this
         core."""
         ahead, serving = self._ahead, self.serving
-        if ahead and any(a[0][0] != serving for a in ahead):
+        # the read-ahead is one client's requests in order, another's at most one before them
+        if ahead and ahead[0][0][0] != serving:
             return True
         now = time.perf_counter()
         if now >= self._yield_after:
