@@ -152,6 +152,7 @@ def sections(stats: dict) -> dict[str, dict]:
             "sessions_quarantined",
             "quarantined_tokens",
             "replies_dropped",
+            "connections_closed",
             "match_parts",
             "views_refused",
         )

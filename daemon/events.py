@@ -17,7 +17,9 @@ counted, a gap a consumer sees in ``seq``). The publisher thread owns the PUB an
 sockets; PUB drops what a slow subscriber does not take (its high-water mark), so no
 subscriber ever slows the daemon. A dump is made by the control thread (it owns the tree),
 asked for by the publisher thread through ``dumps_wanted`` (bounded), at most one a second,
-and one dump answers every peer that asked.
+and one dump answers every peer that asked. What peers send is small (subscriptions, a replay
+or dump ask): frames of at most MAX_ASK_BYTES, and on tcp at most PEER_SENDS unread per
+connection (wire_watch.py; the stream's subscriptions count, as zmq takes them itself).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from hicache.daemon.wire_watch import WireWatch
 from hicache.observe import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 log = logging.getLogger("hicache.daemon.events")
@@ -46,6 +49,11 @@ PUB_HWM = 100_000  # batches queued per subscriber before PUB drops them for it
 DUMP_EVENTS = 512  # events per dump batch
 MAX_DUMP_ASKS = 1024  # dump requests waiting at once
 POLL_MS = 100
+WATCH_POLL_MS = 20  # ... with tcp sockets to watch: what a peer sends meanwhile is not bounded
+MAX_ASK_BYTES = 4096  # a frame a peer sends (a subscription, an ask)
+ASKS_QUEUED = 16  # replay asks queued per peer (RCVHWM)
+PEER_SENDS = 1 << 20  # on tcp, bytes one connection may send that no read took (see above)
+PEERS_SEND = 64 << 20  # ... every connection of one socket together
 
 
 def encode_event(event: Event) -> dict[str, Any]:
@@ -101,16 +109,25 @@ class EventPublisher:
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_ASK_BYTES)
         self._replay: zmq.Socket | None = None
+        self._watches: list[WireWatch] = []  # tcp sockets' (used by the publisher thread)
+        self._replay_watch: WireWatch | None = None
         try:
             if secure is not None:  # CurveZMQ: token ids are what prompts say
                 secure(self._pub)
+            self._watch(self._pub, endpoint, secure is not None, "KV event stream")
             self._pub.bind(endpoint)
             if replay_endpoint:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_ASK_BYTES)
+                self._replay.setsockopt(zmq.RCVHWM, ASKS_QUEUED)
                 if secure is not None:
                     secure(self._replay)
+                self._replay_watch = self._watch(
+                    self._replay, replay_endpoint, secure is not None, "KV event replay"
+                )
                 self._replay.bind(replay_endpoint)
         except zmq.ZMQError:
             self._close_sockets()
@@ -165,7 +182,21 @@ class EventPublisher:
                     if stat.S_ISSOCK(os.lstat(path).st_mode):
                         os.unlink(path)
 
+    def connections_closed(self) -> int:
+        """tcp connections shut down for sending more than PEER_SENDS unread."""
+        return sum(w.closed for w in self._watches)
+
+    def _watch(self, sock: zmq.Socket, endpoint: str, curve: bool, name: str) -> WireWatch | None:
+        if not endpoint.startswith("tcp://"):
+            return None
+        watch = WireWatch(sock, curve, name, PEER_SENDS, PEERS_SEND)
+        self._watches.append(watch)
+        return watch
+
     def _close_sockets(self) -> None:
+        for watch in self._watches:
+            watch.close()
+        self._watches = []
         for sock in (self._push, self._pull, self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
@@ -176,9 +207,12 @@ class EventPublisher:
         poller.register(self._pull, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
+        timeout = WATCH_POLL_MS if self._watches else POLL_MS
         while not self._stopping.is_set():
             try:
-                ready = dict(poller.poll(POLL_MS))
+                ready = dict(poller.poll(timeout))
+                for watch in self._watches:
+                    watch.maybe_check()
                 if self._pull in ready:
                     for _ in itertools.repeat(None, 1024):  # a bounded burst, then the replay
                         try:
@@ -186,7 +220,7 @@ class EventPublisher:
                         except zmq.Again:
                             break
                 if self._replay is not None and self._replay in ready:
-                    self._serve_request(self._replay.recv_multipart())
+                    self._serve_request(self._read_ask())
             except zmq.ZMQError as exc:  # the context is ending
                 if not self._stopping.is_set():
                     log.warning("event publisher: %s", exc)
@@ -205,6 +239,12 @@ class EventPublisher:
                 for payload in frames[3:]:
                     self._send(self._replay, [peer, b"", self.topic, seq, payload])
                 self._send(self._replay, [peer, b"", b"", END_SEQ, b""])
+
+    def _read_ask(self) -> list[bytes]:
+        frames = self._replay.recv_multipart(copy=False)  # type: ignore[union-attr]
+        if self._replay_watch is not None:
+            self._replay_watch.took(frames[0], frames[1:])
+        return [f.bytes for f in frames]
 
     def _serve_request(self, frames: list[bytes]) -> None:
         if len(frames) < 2:

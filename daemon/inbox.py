@@ -14,7 +14,8 @@ Who sent the request being served (``serving``: its routing id; ``user``: its Cu
 which reading ahead never replaces.
 
 Replies never block: a peer that does not read its replies (its pipe is full) loses them,
-counted in ``dropped``. Used by the control thread only.
+counted in ``dropped``. On tcp, what each connection sent is weighed against what was read
+from it (``watch``, wire_watch.py). Used by the control thread only.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections import deque
 import zmq
 
 from hicache.daemon.busy_poll import BusyPoll, queued, yield_cpu
+from hicache.daemon.wire_watch import WireWatch
 
 log = logging.getLogger("hicache.daemon")
 
@@ -46,9 +48,12 @@ Frames = list  # one multipart message: [routing id, header, data frames...]
 
 
 class Inbox:
-    def __init__(self, sock: zmq.Socket, busy: BusyPoll, wake_id: bytes):
+    def __init__(
+        self, sock: zmq.Socket, busy: BusyPoll, wake_id: bytes, watch: WireWatch | None = None
+    ):
         self.sock = sock
         self.busy = busy  # watches the socket after a reply (busy_poll.py)
+        self.watch = watch  # tcp: bounds what connections make zmq hold unread
         self.wake_id = wake_id  # routing id of the third tier's wakes (never a client)
         self.serving = b""  # routing id of the request being served
         self.woken = False  # a wake of the third tier read ahead, not acted on yet
@@ -66,6 +71,8 @@ class Inbox:
         that a request of another client queued meanwhile goes before the served client's
         next one."""
         ahead = self._ahead
+        if self.watch is not None:
+            self.watch.maybe_check()
         if ahead:
             if ahead[0][0][0] == self.serving and queued(self.sock):
                 frames, first = self._read()
@@ -94,6 +101,8 @@ class Inbox:
         if now >= self._yield_after:
             self._yield_after = now + YIELD_EVERY_S
             yield_cpu()
+            if self.watch is not None:
+                self.watch.maybe_check()
         while len(ahead) < READ_AHEAD and queued(self.sock):
             frames, first = self._read()
             if frames[0] == self.wake_id:
@@ -117,6 +126,8 @@ class Inbox:
         while frame.more:
             frame = _recv(sock, 0, False)
             parts.append(frame.buffer if len(frame) >= KEEP_FROM else frame.bytes)
+        if self.watch is not None:
+            self.watch.took(first, parts[1:])
         return parts, first
 
     # ---- who sent the request being served ----

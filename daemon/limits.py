@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hicache.daemon.sessions import MAX_SESSIONS_PER_PEER, USER_SHARE
+from hicache.daemon.wire_watch import IN_ALL, PER_CONNECTION
 from hicache.protocol import MAX_FRAME_BYTES, ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
@@ -67,7 +68,8 @@ class SessionLimits:
             f"process); {self.max_locks} locks each, {self.max_total_locks}"
             f" in all (~{locks / 2**20:.0f} MiB); {self.max_owned_pages} {self.pool} pages owned"
             f" or pinned each; {SNDHWM} replies queued per connection; frames of at most "
-            f"{MAX_FRAME_BYTES / 2**20:.0f} MiB"
+            f"{MAX_FRAME_BYTES / 2**20:.0f} MiB; on tcp, {PER_CONNECTION / 2**20:.0f} MiB sent"
+            f" and not read yet per connection, {IN_ALL / 2**20:.0f} MiB in all"
         )
 
     def check_owned(self, session: Session, new_pages: int) -> None:

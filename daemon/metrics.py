@@ -46,6 +46,11 @@ COUNTERS = [
     ),
     ("transfer_errors", "copies between the tiers that failed", "transfer_errors"),
     ("replies_dropped", "replies dropped because a peer did not read", "replies_dropped"),
+    (
+        "connections_closed",
+        "tcp connections closed: they sent more than may be held unread",
+        "connections_closed",
+    ),
     ("leases_expired", "engine sessions whose lease ran out", "leases_expired"),
     (
         "match_parts",

@@ -49,6 +49,7 @@ from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, 
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
 from hicache.daemon.snapshot import HostKeeper
+from hicache.daemon.wire_watch import WireWatch
 from hicache.endpoints import admin_token_path, is_loopback
 from hicache.l3 import L3Tier, LazyStore
 from hicache.memory import CudaBacking, EngineLayout, PageState, SharedMemoryBacking
@@ -78,6 +79,7 @@ class Daemon:
         # what close() undoes, in its order; set as each is made, so a failed start undoes
         # exactly what it made
         self.sock: zmq.Socket | None = None
+        self._watch: WireWatch | None = None  # tcp: what connections make zmq hold unread
         self._claim: EndpointClaim | None = None
         self._admin: AdminToken | None = None
         self._lock: InstanceLock | None = None
@@ -111,7 +113,10 @@ class Daemon:
         self.sock.setsockopt(zmq.SNDHWM, SNDHWM)  # bounds what a peer that never reads pins
         self.sock.setsockopt(zmq.RCVHWM, RCVHWM)  # ... and what a flooding peer queues here
         self.busy = BusyPoll(self.sock, settings.busy_poll_us)
-        self.inbox = Inbox(self.sock, self.busy, WAKE_ID)
+        watch = None
+        if settings.endpoint.startswith("tcp://"):
+            watch = self._watch = WireWatch(self.sock, settings.curve, "control")
+        self.inbox = Inbox(self.sock, self.busy, WAKE_ID, watch)
         if settings.curve:
             self._secure(self.sock)
         self._bind(settings.endpoint)
@@ -283,6 +288,9 @@ class Daemon:
         out = {"replies_dropped": self.inbox.dropped}
         out["busy_poll_watches"] = self.busy.watches
         out["busy_poll_hits"] = self.busy.found
+        out["connections_closed"] = self.inbox.watch.closed if self.inbox.watch else 0
+        if self.events is not None:
+            out["connections_closed"] += self.events.connections_closed()
         if self.events is not None:
             out["event_batches_published"] = self.events.published_batches
             out["event_batches_dropped"] = self.events.dropped_batches
@@ -488,6 +496,9 @@ class Daemon:
         if self.events is not None:
             self.events.close()
             self.events = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None

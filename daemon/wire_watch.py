@@ -1,0 +1,195 @@
+"""Bounds what tcp peers make zmq hold for the daemon: bytes a connection sent that no read
+has taken yet.
+
+zmq bounds each frame (MAXMSGSIZE) and counts whole messages against the high-water mark, but
+holds an unfinished multipart message whole until its last frame comes: a peer that speaks
+ZMTP itself can send frames that never end a message, and zmq keeps reading them. zmq gives no
+way to see or bound that, so the watch compares what the kernel received on each connection
+(TCP_INFO's bytes_received) with what reads took from it (each message's frames with their
+ZMTP framing, found by the message's source descriptor), and shuts down a connection that holds
+more than ``per_connection``, or the ones holding most while all of them together hold more
+than ``in_all``. zmq then drops that connection and what it held. What it counts includes
+whole requests queued and not read yet (RCVHWM bounds their number, not their bytes).
+
+Only tcp connections are watched: the kernel counts no bytes on a unix socket, and an ipc
+peer is the daemon's own user. A zmq heartbeat a peer turns on (hicache's clients do not) is
+counted as held, so such a peer is closed after months on one connection.
+
+Not thread-safe: used by the thread that reads the watched socket (``took`` for each message
+read, ``maybe_check`` in its loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from hicache.protocol import MAX_FRAME_BYTES
+
+log = logging.getLogger("hicache.daemon")
+
+CHECK_EVERY_S = 0.01  # how often the kernel's counts are read (at most; when the loop runs)
+PER_CONNECTION = 4 * MAX_FRAME_BYTES  # unread bytes one connection may make zmq hold
+IN_ALL = 4 * PER_CONNECTION  # ... and every connection of one socket together
+HANDSHAKE_BYTES = 64 << 10  # a connection's greeting and handshake (not read as messages)
+CURVE_BYTES = 33  # what CurveZMQ adds to a frame: its MESSAGE command's name, nonce, MAC, flags
+_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received (u64) in struct tcp_info (Linux >= 4.1)
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+SRCFD = int(zmq.SRCFD)
+
+
+def wire_bytes(size: int, curve: bool) -> int:
+    """What a frame of ``size`` bytes takes on the wire (ZMTP 3: a 2-byte header up to 255
+    bytes, 9 beyond; CurveZMQ sends each frame as a MESSAGE command of CURVE_BYTES more)."""
+    if curve:
+        size += CURVE_BYTES
+    return size + (2 if size <= 255 else 9)
+
+
+def bytes_received(sock: socket.socket) -> int:
+    """Every byte the kernel received on a tcp connection since it opened."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    return struct.unpack_from("=Q", info, _BYTES_RECEIVED)[0]
+
+
+def abort(sock: socket.socket) -> None:
+    """End a connection zmq holds through ``sock``, our copy of its descriptor (closed here):
+    zmq reads the end, drops the connection with what it held and closes its descriptor, and
+    the kernel then resets the connection (no lingering close that leaves the peer's sends
+    waiting on a full window)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.shutdown(socket.SHUT_RD)
+    except OSError:  # (gone already)
+        pass
+    sock.close()
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket  # our copy of zmq's descriptor (counts, shutdown): closed as zmq's is
+    peer: str  # "address:port" (for the log)
+    taken: int = 0  # bytes of its messages read so far, with their framing
+
+
+class WireWatch:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        curve: bool,
+        name: str,
+        per_connection: int = PER_CONNECTION,
+        in_all: int = IN_ALL,
+    ):
+        self.name = name  # which socket (for the log): "control", "events", ...
+        self.curve = curve
+        self.per_connection = per_connection
+        self.in_all = in_all
+        self.closed = 0  # connections shut down for holding too much (stats: connections_closed)
+        self._monitor = sock.get_monitor_socket(_EVENTS)
+        self._connections: dict[int, _Connection] = {}
+        self._next_check = 0.0  # (monotonic) when maybe_check reads the counts again
+
+    # ---- the reading thread ----
+    def took(self, first: zmq.Frame, parts: Sequence) -> None:
+        """A message was read: ``first`` its first frame (zmq's routing id for a ROUTER, not
+        on the wire), ``parts`` the frames its peer sent."""
+        fd = first.get(SRCFD)
+        if fd < 0:  # (inproc: no descriptor)
+            return
+        conn = self._connections.get(fd)
+        if conn is None:  # accepted since the last check: the monitor says so by now
+            self._follow()
+            conn = self._connections.get(fd)
+            if conn is None:
+                return
+        curve = self.curve
+        conn.taken += sum(wire_bytes(len(p), curve) for p in parts)
+
+    def maybe_check(self) -> None:
+        """check(), at most once per CHECK_EVERY_S."""
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + CHECK_EVERY_S
+            self.check()
+
+    def check(self) -> int:
+        """Shut down the connections that hold too much (see the module's docstring); returns
+        how many."""
+        held = {fd: max(0, n - HANDSHAKE_BYTES) for fd, n in self.held().items()}
+        total, closed = sum(held.values()), 0
+        for fd in sorted(held, key=held.__getitem__, reverse=True):
+            if held[fd] <= self.per_connection and total <= self.in_all:
+                break
+            conn = self._connections.pop(fd)
+            log.warning(
+                "closed the %s connection from %s: it sent %.1f MiB that no read took (a "
+                "request it never finished?); zmq may hold %.0f MiB unread for one connection, "
+                "%.0f MiB for all",
+                self.name,
+                conn.peer,
+                held[fd] / 2**20,
+                self.per_connection / 2**20,
+                self.in_all / 2**20,
+            )
+            abort(conn.sock)
+            total -= held[fd]
+            closed += 1
+        self.closed += closed
+        return closed
+
+    def held(self) -> dict[int, int]:
+        """Bytes each connection (by zmq's descriptor) sent that no read took, its greeting
+        and handshake included."""
+        self._follow()
+        held: dict[int, int] = {}
+        for fd, conn in self._connections.items():
+            try:
+                held[fd] = bytes_received(conn.sock) - conn.taken
+            except OSError:  # (gone meanwhile: the monitor says so next)
+                continue
+        return held
+
+    def close(self) -> None:
+        for conn in self._connections.values():
+            conn.sock.close()
+        self._connections.clear()
+        self._monitor.close(linger=0)
+
+    def _follow(self) -> None:
+        """Take in the monitor's news: connections accepted and gone, in their order."""
+        monitor = self._monitor
+        while True:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event, fd = struct.unpack("=Hi", frames[0][:6])
+            old = self._connections.pop(fd, None)
+            if old is not None:  # (a descriptor zmq closed, maybe given again since)
+                old.sock.close()
+            if event == zmq.EVENT_ACCEPTED:
+                self._accepted(fd)
+
+    def _accepted(self, fd: int) -> None:
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:  # gone already
+            return
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                sock.close()  # (not tcp: nothing to count)
+                return
+            bytes_received(sock)  # (a kernel without the count: not watched)
+            host, port = sock.getpeername()[:2]
+        except OSError:
+            sock.close()
+            return
+        self._connections[fd] = _Connection(sock, f"{host}:{port}")

@@ -1,0 +1,201 @@
+"""What tcp peers make zmq hold unread is bounded (daemon/wire_watch.py): a peer speaking ZMTP
+itself that never finishes a message is closed, the largest first when all together hold
+too much; what well-behaved clients send never adds up to a false alarm."""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+import time
+
+import pytest
+import zmq
+
+from hicache.client import HiCacheClient
+from hicache.daemon.events import END_SEQ, MAX_ASK_BYTES, PEER_SENDS
+from hicache.daemon.wire_watch import HANDSHAKE_BYTES, PER_CONNECTION, WireWatch
+from tests.daemon_helpers import start_daemon, stop_daemon, wait_until
+from tests.l3_servers import free_port
+
+
+def zmtp_peer(port: int, kind: bytes = b"DEALER") -> socket.socket:
+    """A tcp connection that speaks ZMTP 3 (NULL security) as a ``kind`` socket, written by
+    hand: zmq itself never sends a message before its last frame."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32))
+    _exactly(sock, 64)  # its greeting
+    ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", len(kind)) + kind
+    sock.sendall(bytes([0x04, len(ready)]) + ready)
+    _, size = _exactly(sock, 2)  # its READY (a short command) ...
+    _exactly(sock, size)  # ... read, so that anything more is news
+    return sock
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        more = sock.recv(n - len(got))
+        assert more, "closed"
+        got += more
+    return got
+
+
+def send_unfinished(sock: socket.socket, nbytes: int, frame: int = 1 << 20) -> None:
+    """Frames of one message that never ends (each frame says more follow)."""
+    chunk = struct.pack(">BQ", 0x03, frame) + bytes(frame)
+    for _ in range(nbytes // frame):
+        sock.sendall(chunk)
+
+
+def closed_by_peer(sock: socket.socket, timeout: float = 20.0) -> bool:
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+@pytest.fixture
+def router():
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    yield ctx, sock
+    ctx.destroy(linger=0)
+
+
+def _pair(ctx, sock, curve: bool):
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    if curve:
+        server_pub, server_sec = zmq.curve_keypair()
+        client_pub, client_sec = zmq.curve_keypair()
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = server_sec, server_pub, 1
+        dealer.curve_secretkey, dealer.curve_publickey = client_sec, client_pub
+        dealer.curve_serverkey = server_pub
+    watch = WireWatch(sock, curve, "test")
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    return watch, dealer, port
+
+
+def _read(sock, watch):
+    frames = sock.recv_multipart(copy=False)
+    watch.took(frames[0], frames[1:])
+    return frames
+
+
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_what_reads_took_matches_what_the_kernel_received_to_the_byte(router, curve):
+    """Thousands of messages of every frame size class (empty, the 255/256 header edge with and
+    without CurveZMQ's 33 bytes, large): what the watch counts unread does not move."""
+    ctx, sock = router
+    watch, dealer, _ = _pair(ctx, sock, curve)
+    dealer.send_multipart([b"hello"])
+    _read(sock, watch)
+    rnd = random.Random(7)
+    sizes = [0, 1, 221, 222, 223, 254, 255, 256, 257, 4096, 70_000]
+
+    def settled():
+        time.sleep(0.05)  # (no message in flight: only the kernel's count to settle)
+        (held,) = watch.held().values()
+        return held
+
+    start = settled()
+    assert 0 < start < HANDSHAKE_BYTES  # the greeting and handshake only
+    for _ in range(1500):
+        dealer.send_multipart([bytes(rnd.choice(sizes)) for _ in range(rnd.randint(1, 4))])
+        _read(sock, watch)
+    assert settled() == start
+    assert watch.check() == 0 and watch.closed == 0
+    watch.close()
+
+
+def test_an_unfinished_message_past_the_bound_closes_its_connection_only(router):
+    ctx, sock = router
+    watch, dealer, port = _pair(ctx, sock, curve=False)
+    watch.per_connection, watch.in_all = 4 << 20, 64 << 20
+    dealer.send_multipart([b"hi"])
+    _read(sock, watch)
+    attacker = zmtp_peer(port)
+    send_unfinished(attacker, 2 << 20)  # under the bound: kept
+    wait_until(lambda: max(watch.held().values()) > 2 << 20, what="the frames arriving")
+    assert watch.check() == 0
+    send_unfinished(attacker, 4 << 20)
+    wait_until(lambda: max(watch.held().values()) > 5 << 20, what="the frames arriving")
+    assert watch.check() == 1 and watch.closed == 1
+    assert closed_by_peer(attacker)
+    dealer.send_multipart([b"still here"])  # the other connection goes on
+    assert _read(sock, watch)[1].bytes == b"still here"
+    watch.close()
+
+
+def test_past_the_bound_for_all_the_largest_go_first(router):
+    ctx, sock = router
+    watch, dealer, port = _pair(ctx, sock, curve=False)
+    watch.per_connection, watch.in_all = 64 << 20, 5 << 20
+    small, large, largest = zmtp_peer(port), zmtp_peer(port), zmtp_peer(port)
+    for peer, mib in ((small, 1), (large, 2), (largest, 3)):
+        send_unfinished(peer, mib << 20)
+    wait_until(lambda: sum(watch.held().values()) > 6 << 20, what="the frames arriving")
+    assert watch.check() == 1  # 6 MiB > 5: the 3 MiB one goes, 3 MiB are left
+    assert closed_by_peer(largest)
+    small.settimeout(0.3)
+    with pytest.raises(TimeoutError):  # still open
+        small.recv(1)
+    for peer in (small, large):
+        peer.close()
+    watch.close()
+
+
+def test_the_daemon_closes_a_peer_that_never_ends_a_message_and_serves_on():
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    proc = start_daemon(ep, "--insecure-local-tcp", "true")
+    try:
+        with HiCacheClient(ep, name="engine") as hc:
+            attacker = zmtp_peer(int(ep.rsplit(":", 1)[1]))
+            with pytest.raises(OSError):  # the daemon shuts it down part-way
+                send_unfinished(attacker, 8 * PER_CONNECTION, frame=8 << 20)
+            assert closed_by_peer(attacker)
+            wait_until(lambda: hc.stats()["connections_closed"] == 1, what="the count")
+            assert hc.ping()  # the daemon and the other client go on
+        assert "closed the control connection from 127.0.0.1:" in proc.output()
+    finally:
+        stop_daemon(proc)
+
+
+def test_event_sockets_close_a_peer_that_sends_past_what_an_ask_needs():
+    """Subscriptions and replay asks are small: frames past MAX_ASK_BYTES end the connection
+    (zmq), and so do PEER_SENDS bytes of small frames that never end a message (the watch)."""
+    ep, pub, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    proc = start_daemon(ep, "--insecure-local-tcp", "true", "--events-endpoint", pub,
+                        "--events-replay-endpoint", replay)  # fmt: skip
+    port = {name: int(e.rsplit(":", 1)[1]) for name, e in (("pub", pub), ("replay", replay))}
+    try:
+        with HiCacheClient(ep, name="engine") as hc:
+            for name, kind in (("pub", b"SUB"), ("replay", b"DEALER")):
+                attacker = zmtp_peer(port[name], kind)
+                with pytest.raises(OSError):
+                    send_unfinished(attacker, 256 * PEER_SENDS, frame=MAX_ASK_BYTES)
+                assert closed_by_peer(attacker)
+            wait_until(lambda: hc.stats()["connections_closed"] == 2, what="the count")
+            big = zmtp_peer(port["replay"])  # one frame past MAX_ASK_BYTES: zmq's own bound
+            send_unfinished(big, MAX_ASK_BYTES + 1, frame=MAX_ASK_BYTES + 1)
+            assert closed_by_peer(big)
+            asker = zmq.Context.instance().socket(zmq.DEALER)
+            asker.setsockopt(zmq.RCVTIMEO, 10_000)
+            asker.setsockopt(zmq.LINGER, 0)
+            asker.connect(replay)
+            asker.send_multipart([b"", (0).to_bytes(8, "big")])  # replay from 0: answered
+            assert asker.recv_multipart()[2] == END_SEQ
+            asker.close()
+        out = proc.output()
+        assert "closed the KV event stream connection" in out
+        assert "closed the KV event replay connection" in out
+    finally:
+        stop_daemon(proc)
