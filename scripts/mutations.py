@@ -442,13 +442,6 @@ MUTATIONS = [
         ("tests/test_wire_watch.py",),
     ),
     Mutation(
-        "closed-connection-lingers",
-        "daemon/wire_watch.py",
-        "        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack(\"ii\", 1, 0))\n",
-        "",
-        ("tests/test_wire_watch.py",),
-    ),
-    Mutation(
         "event-asks-any-size",
         "daemon/events.py",
         "                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_ASK_BYTES)\n",
