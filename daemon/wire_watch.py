@@ -180,8 +180,13 @@ class WireWatch:
 
     def _accepted(self, fd: int) -> None:
         try:
-            sock = socket.socket(fileno=os.dup(fd))
+            copy = os.dup(fd)
         except OSError:  # gone already
+            return
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:  # (not a socket any more)
+            os.close(copy)
             return
         try:
             if sock.family not in (socket.AF_INET, socket.AF_INET6):
@@ -189,7 +194,7 @@ class WireWatch:
                 return
             bytes_received(sock)  # (a kernel without the count: not watched)
             host, port = sock.getpeername()[:2]
-        except OSError:
+        except (OSError, struct.error):
             sock.close()
             return
         self._connections[fd] = _Connection(sock, f"{host}:{port}")

@@ -154,8 +154,11 @@ def test_past_the_bound_for_all_the_largest_go_first(router):
 
 
 def test_the_daemon_closes_a_peer_that_never_ends_a_message_and_serves_on():
-    ep = f"tcp://127.0.0.1:{free_port()}"
-    proc = start_daemon(ep, "--insecure-local-tcp", "true")
+    pytest.importorskip("prometheus_client")  # (the metrics extra: setup installs it)
+    from tests.test_metrics import scrape
+
+    ep, port = f"tcp://127.0.0.1:{free_port()}", free_port()
+    proc = start_daemon(ep, "--insecure-local-tcp", "true", "--metrics-port", str(port))
     try:
         with HiCacheClient(ep, name="engine") as hc:
             attacker = zmtp_peer(int(ep.rsplit(":", 1)[1]))
@@ -164,6 +167,10 @@ def test_the_daemon_closes_a_peer_that_never_ends_a_message_and_serves_on():
             assert closed_by_peer(attacker)
             wait_until(lambda: hc.stats()["connections_closed"] == 1, what="the count")
             assert hc.ping()  # the daemon and the other client go on
+            wait_until(  # (the scrape's snapshot is refreshed once a second)
+                lambda: scrape(port)["hicache_connections_closed_total"][()] == 1,
+                what="the metric",
+            )
         assert "closed the control connection from 127.0.0.1:" in proc.output()
     finally:
         stop_daemon(proc)
