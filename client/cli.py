@@ -240,16 +240,23 @@ def main(argv: list[str] | None = None) -> int:
         print("hicache: evict what? give --device-tokens N and/or --host-tokens N", file=sys.stderr)
         return 2
     endpoint = args.endpoint or env_endpoint()
-    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
+    path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else ""
+    folder = os.path.dirname(path) or "."
+    if path and not path.startswith("@") and not os.path.exists(path):
+        why = (
+            "no socket file"
+            if os.access(folder, os.X_OK)
+            else f"{folder} cannot be entered as this user: the daemon's user can"
+        )
         print(
-            f"hicache: no daemon at {endpoint} (no socket file): start hicache-daemon, or "
+            f"hicache: no daemon at {endpoint} ({why}): start hicache-daemon, or "
             "point --endpoint / HICACHE_ENDPOINT at the one that runs",
             file=sys.stderr,
         )
         return 1
     try:
         conn = Connection(endpoint, args.timeout)
-    except CurveKeyError as exc:
+    except (CurveKeyError, PermissionError) as exc:  # (PermissionError: an untrusted daemon)
         print(f"hicache: {exc}", file=sys.stderr)
         return 1
     try:

@@ -194,6 +194,14 @@ class Daemon:
             self.handlers.user = self.inbox.user
         if settings.endpoint.startswith("ipc://"):
             self.handlers.process = self.inbox.process
+        endpoints = (settings.endpoint, settings.events_endpoint, settings.events_replay_endpoint)
+        plain = [e for e in endpoints if e and e.startswith("tcp://")]
+        if plain and not settings.curve:
+            log.warning(
+                "%s without CurveZMQ (--insecure-local-tcp): every local user can connect, "
+                "read cached prompts' token ids and insert KV",
+                ", ".join(plain),
+            )
         if settings.metrics_port:
             if not is_loopback(f"tcp://{settings.metrics_host}:0"):
                 log.warning(

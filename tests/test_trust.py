@@ -14,6 +14,8 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -110,6 +112,24 @@ def test_a_folder_other_users_can_write_is_refused(tmp_path, mode):
             verify_endpoint(f"ipc://{path}", ME)
         os.chmod(folder, 0o700)
         assert verify_endpoint(f"ipc://{path}", ME) == os.getuid()
+    finally:
+        sock.close()
+
+
+def test_the_cli_refuses_an_untrusted_daemon_in_one_line(tmp_path):
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    path = str(folder / "hicache.sock")
+    sock = unix_listener(path)()
+    sock.listen(1)
+    try:
+        os.chmod(folder, 0o777)
+        for endpoint, says in ((f"ipc://{path}", "writable by other users"),
+                               ("ipc://@hicache", "abstract sockets")):  # fmt: skip
+            cli = [sys.executable, "-m", "hicache.client.cli", "--endpoint", endpoint, "ping"]
+            out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+            assert out.returncode == 1 and says in out.stderr
+            assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # no traceback
     finally:
         sock.close()
 

@@ -171,7 +171,9 @@ def test_the_daemon_closes_a_peer_that_never_ends_a_message_and_serves_on():
                 lambda: scrape(port)["hicache_connections_closed_total"][()] == 1,
                 what="the metric",
             )
-        assert "closed the control connection from 127.0.0.1:" in proc.output()
+        out = proc.output()
+        assert "closed the control connection from 127.0.0.1:" in out
+        assert f"{ep} without CurveZMQ (--insecure-local-tcp): every local user" in out
     finally:
         stop_daemon(proc)
 
