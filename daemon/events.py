@@ -54,6 +54,7 @@ MAX_ASK_BYTES = 4096  # a frame a peer sends (a subscription, an ask)
 ASKS_QUEUED = 16  # replay asks queued per peer (RCVHWM)
 PEER_SENDS = 1 << 20  # on tcp, bytes one connection may send that no read took (see above)
 PEERS_SEND = 64 << 20  # ... every connection of one socket together
+MAX_PEERS = 512  # tcp connections one event socket keeps
 
 
 def encode_event(event: Event) -> dict[str, Any]:
@@ -189,7 +190,7 @@ class EventPublisher:
     def _watch(self, sock: zmq.Socket, endpoint: str, curve: bool, name: str) -> WireWatch | None:
         if not endpoint.startswith("tcp://"):
             return None
-        watch = WireWatch(sock, curve, name, PEER_SENDS, PEERS_SEND)
+        watch = WireWatch(sock, curve, name, PEER_SENDS, PEERS_SEND, MAX_PEERS)
         self._watches.append(watch)
         return watch
 

@@ -49,7 +49,7 @@ from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, 
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
 from hicache.daemon.snapshot import HostKeeper
-from hicache.daemon.wire_watch import WireWatch
+from hicache.daemon.wire_watch import WireWatch, raise_descriptor_limit
 from hicache.endpoints import admin_token_path, is_loopback
 from hicache.l3 import L3Tier, LazyStore
 from hicache.memory import CudaBacking, EngineLayout, PageState, SharedMemoryBacking
@@ -102,6 +102,7 @@ class Daemon:
 
     def _start(self, settings: DaemonSettings) -> None:
         cfg = settings.config
+        raise_descriptor_limit()  # (each tcp connection takes two: zmq's, the watch's copy)
         self._claim = EndpointClaim(settings.endpoint)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)

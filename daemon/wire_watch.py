@@ -21,8 +21,11 @@ read, ``maybe_check`` in its loop).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import resource
 import socket
 import struct
 import time
@@ -36,8 +39,10 @@ from hicache.protocol import MAX_FRAME_BYTES
 log = logging.getLogger("hicache.daemon")
 
 CHECK_EVERY_S = 0.01  # how often the kernel's counts are read (at most; when the loop runs)
+CHECK_SHARE = 0.05  # ... and checks take at most this share of the reading thread's time
 PER_CONNECTION = 4 * MAX_FRAME_BYTES  # unread bytes one connection may make zmq hold
 IN_ALL = 4 * PER_CONNECTION  # ... and every connection of one socket together
+MAX_CONNECTIONS = 2048  # tcp connections one socket keeps (past it, a new one is reset)
 HANDSHAKE_BYTES = 64 << 10  # a connection's greeting and handshake (not read as messages)
 CURVE_BYTES = 33  # what CurveZMQ adds to a frame: its MESSAGE command's name, nonce, MAC, flags
 _BYTES_RECEIVED = 128  # offset of tcpi_bytes_received (u64) in struct tcp_info (Linux >= 4.1)
@@ -57,6 +62,15 @@ def bytes_received(sock: socket.socket) -> int:
     """Every byte the kernel received on a tcp connection since it opened."""
     info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
     return struct.unpack_from("=Q", info, _BYTES_RECEIVED)[0]
+
+
+def raise_descriptor_limit() -> None:
+    """Let the process open as many descriptors as it is allowed to (the soft limit up to the
+    hard one): connections are bounded by MAX_CONNECTIONS, not by a low default."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def abort(sock: socket.socket) -> None:
@@ -87,12 +101,16 @@ class WireWatch:
         name: str,
         per_connection: int = PER_CONNECTION,
         in_all: int = IN_ALL,
+        max_connections: int = MAX_CONNECTIONS,
     ):
         self.name = name  # which socket (for the log): "control", "events", ...
         self.curve = curve
         self.per_connection = per_connection
         self.in_all = in_all
-        self.closed = 0  # connections shut down for holding too much (stats: connections_closed)
+        self.max_connections = max_connections
+        # connections reset: holding too much, past max_connections, or not watchable
+        self.closed = 0  # (stats: connections_closed)
+        self._said_full = False  # a reset for max_connections was logged
         self._monitor = sock.get_monitor_socket(_EVENTS)
         self._connections: dict[int, _Connection] = {}
         self._next_check = 0.0  # (monotonic) when maybe_check reads the counts again
@@ -114,25 +132,29 @@ class WireWatch:
         conn.taken += sum(wire_bytes(len(p), curve) for p in parts)
 
     def maybe_check(self) -> None:
-        """check(), at most once per CHECK_EVERY_S."""
+        """check(), at most once per CHECK_EVERY_S, and taking at most CHECK_SHARE of the
+        time (a check reads every connection's count)."""
         now = time.monotonic()
         if now >= self._next_check:
-            self._next_check = now + CHECK_EVERY_S
             self.check()
+            spent = time.monotonic() - now
+            self._next_check = now + max(CHECK_EVERY_S, spent / CHECK_SHARE)
 
     def check(self) -> int:
         """Shut down the connections that hold too much (see the module's docstring); returns
         how many."""
         held = {fd: max(0, n - HANDSHAKE_BYTES) for fd, n in self.held().items()}
         total, closed = sum(held.values()), 0
+        if total <= self.in_all and max(held.values(), default=0) <= self.per_connection:
+            return 0
         for fd in sorted(held, key=held.__getitem__, reverse=True):
             if held[fd] <= self.per_connection and total <= self.in_all:
                 break
             conn = self._connections.pop(fd)
             log.warning(
-                "closed the %s connection from %s: it sent %.1f MiB that no read took (a "
-                "request it never finished?); zmq may hold %.0f MiB unread for one connection, "
-                "%.0f MiB for all",
+                "reset the %s connection from %s: it sent %.1f MiB that no read took yet (a "
+                "message not finished, or requests queued); zmq may hold %.0f MiB unread for "
+                "one connection, %.0f MiB for all",
                 self.name,
                 conn.peer,
                 held[fd] / 2**20,
@@ -176,25 +198,55 @@ class WireWatch:
             if old is not None:  # (a descriptor zmq closed, maybe given again since)
                 old.sock.close()
             if event == zmq.EVENT_ACCEPTED:
-                self._accepted(fd)
+                listening = frames[1].rsplit(b":", 1)[-1]  # the port it was accepted on
+                self._accepted(fd, int(listening) if listening.isdigit() else -1)
 
-    def _accepted(self, fd: int) -> None:
+    def _accepted(self, fd: int, port: int) -> None:
+        """Watch zmq's connection ``fd``, accepted on ``port``: through a copy of the
+        descriptor (while we hold it, the number names that connection). One that cannot be
+        watched (no descriptor left for the copy) or is one too many is reset."""
         try:
-            copy = os.dup(fd)
-        except OSError:  # gone already
-            return
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self._reset_unwatched(fd, port, "no descriptor left to watch it")
+            return  # (else gone already, or not a socket any more)
         try:
-            sock = socket.socket(fileno=copy)
-        except OSError:  # (not a socket any more)
-            os.close(copy)
-            return
-        try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6):
-                sock.close()  # (not tcp: nothing to count)
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or (
+                sock.getsockname()[1] != port  # (zmq's number given again: not ours)
+            ):
+                sock.close()
                 return
             bytes_received(sock)  # (a kernel without the count: not watched)
-            host, port = sock.getpeername()[:2]
+            host, peer_port = sock.getpeername()[:2]
         except (OSError, struct.error):
             sock.close()
             return
-        self._connections[fd] = _Connection(sock, f"{host}:{port}")
+        if len(self._connections) >= self.max_connections:
+            abort(sock)
+            self.closed += 1
+            if not self._said_full:
+                self._said_full = True
+                log.warning(
+                    "reset a new %s connection from %s:%s: %d are open, the most one socket "
+                    "keeps (said once)",
+                    self.name,
+                    host,
+                    peer_port,
+                    len(self._connections),
+                )
+            return
+        self._connections[fd] = _Connection(sock, f"{host}:{peer_port}")
+
+    def _reset_unwatched(self, fd: int, port: int, why: str) -> None:
+        sock = socket.socket(fileno=fd)  # zmq's own descriptor: let go of, never closed here
+        try:
+            if sock.getsockname()[1] == port:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                sock.shutdown(socket.SHUT_RD)
+                self.closed += 1
+                log.warning("reset a new %s connection: %s", self.name, why)
+        except OSError:
+            pass
+        finally:
+            sock.detach()

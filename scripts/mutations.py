@@ -442,6 +442,27 @@ MUTATIONS = [
         ("tests/test_wire_watch.py",),
     ),
     Mutation(
+        "connections-unbounded",
+        "daemon/wire_watch.py",
+        "        if len(self._connections) >= self.max_connections:",
+        "        if False:",
+        ("tests/test_wire_watch.py",),
+    ),
+    Mutation(
+        "unwatchable-connection-kept",
+        "daemon/wire_watch.py",
+        '                self._reset_unwatched(fd, port, "no descriptor left to watch it")',
+        "                pass",
+        ("tests/test_wire_watch.py",),
+    ),
+    Mutation(
+        "checks-whatever-they-cost",
+        "daemon/wire_watch.py",
+        "max(CHECK_EVERY_S, spent / CHECK_SHARE)",
+        "CHECK_EVERY_S",
+        ("tests/test_wire_watch.py",),
+    ),
+    Mutation(
         "event-asks-any-size",
         "daemon/events.py",
         "                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_ASK_BYTES)\n",

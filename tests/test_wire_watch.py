@@ -4,6 +4,7 @@ too much; what well-behaved clients send never adds up to a false alarm."""
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 import struct
@@ -13,6 +14,7 @@ import pytest
 import zmq
 
 from hicache.client import HiCacheClient
+from hicache.daemon import wire_watch
 from hicache.daemon.events import END_SEQ, MAX_ASK_BYTES, PEER_SENDS
 from hicache.daemon.wire_watch import HANDSHAKE_BYTES, PER_CONNECTION, WireWatch
 from tests.daemon_helpers import start_daemon, stop_daemon, wait_until
@@ -172,7 +174,7 @@ def test_the_daemon_closes_a_peer_that_never_ends_a_message_and_serves_on():
                 what="the metric",
             )
         out = proc.output()
-        assert "closed the control connection from 127.0.0.1:" in out
+        assert "reset the control connection from 127.0.0.1:" in out
         assert f"{ep} without CurveZMQ (--insecure-local-tcp): every local user" in out
     finally:
         stop_daemon(proc)
@@ -204,7 +206,58 @@ def test_event_sockets_close_a_peer_that_sends_past_what_an_ask_needs():
             assert asker.recv_multipart()[2] == END_SEQ
             asker.close()
         out = proc.output()
-        assert "closed the KV event stream connection" in out
-        assert "closed the KV event replay connection" in out
+        assert "reset the KV event stream connection" in out
+        assert "reset the KV event replay connection" in out
     finally:
         stop_daemon(proc)
+
+
+def test_one_connection_too_many_or_one_that_cannot_be_watched_is_reset(router, monkeypatch):
+    ctx, sock = router
+    watch, dealer, port = _pair(ctx, sock, curve=False)
+    watch.max_connections = 3  # the dealer and two more
+    dealer.send_multipart([b"hi"])
+    _read(sock, watch)
+    kept = [zmtp_peer(port), zmtp_peer(port)]
+    watch.check()
+    assert watch.closed == 0
+    extra = zmtp_peer(port)
+    watch.check()
+    assert watch.closed == 1 and closed_by_peer(extra)
+    kept.pop().close()  # room again: the next one is watched ...
+    wait_until(lambda: len(watch.held()) == 2, what="the close seen")
+
+    def no_descriptor(fd):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    with monkeypatch.context() as patch:  # ... unless no descriptor is left to watch it with
+        patch.setattr(wire_watch.os, "dup", no_descriptor)
+        unwatched = zmtp_peer(port)
+        watch.check()
+    assert watch.closed == 2 and closed_by_peer(unwatched)
+    dealer.send_multipart([b"still here"])  # zmq's own descriptors were let go of, not closed
+    assert _read(sock, watch)[1].bytes == b"still here"
+    for peer in kept:
+        peer.close()
+    watch.close()
+
+
+def test_checks_take_a_bounded_share_of_the_loop(router, monkeypatch):
+    ctx, sock = router
+    watch, _, _ = _pair(ctx, sock, curve=False)
+    clock, checks = [100.0], []
+
+    def slow_check():  # a check of many connections: 0.1 s
+        checks.append(clock[0])
+        clock[0] += 0.1
+        return 0
+
+    monkeypatch.setattr(wire_watch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(watch, "check", slow_check)
+    for _ in range(100):
+        watch.maybe_check()
+        clock[0] += 0.05
+    gaps = [b - a for a, b in zip(checks, checks[1:], strict=False)]
+    assert len(checks) >= 2 and min(gaps) > 1.99  # 2 s after a 0.1 s check (5%), not 10 ms
+    monkeypatch.undo()
+    watch.close()
