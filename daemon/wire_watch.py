@@ -9,7 +9,9 @@ way to see or bound that, so the watch compares what the kernel received on each
 ZMTP framing, found by the message's source descriptor), and shuts down a connection that holds
 more than ``per_connection``, or the ones holding most while all of them together hold more
 than ``in_all``. zmq then drops that connection and what it held. What it counts includes
-whole requests queued and not read yet (RCVHWM bounds their number, not their bytes).
+whole requests queued and not read yet (RCVHWM bounds their number, not their bytes). It
+keeps at most ``max_connections``: a new one past them is reset, as is one it cannot watch
+(no descriptor left for its copy).
 
 Only tcp connections are watched: the kernel counts no bytes on a unix socket, and an ipc
 peer is the daemon's own user. A zmq heartbeat a peer turns on (hicache's clients do not) is
