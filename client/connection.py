@@ -196,7 +196,8 @@ class Connection:
                 if op in (Op.HELLO, Op.PING) and self.endpoint.startswith("tcp://"):
                     hint = (
                         " (a daemon with CurveZMQ keys ignores clients without them: set "
-                        f"{SERVER_KEY_ENV} and {CLIENT_KEY_ENV})"
+                        f"{SERVER_KEY_ENV} and {CLIENT_KEY_ENV}; one at its limit of tcp "
+                        "connections resets new ones: its log says so)"
                     )
                 raise DaemonTimeout(f"no reply from {self.endpoint} to {op.name}{hint}") from None
             reply = decode_reply(parts[0].buffer)

@@ -38,7 +38,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from hicache.daemon.wire_watch import WireWatch
+from hicache.daemon.wire_watch import WireWatch, connections_allowed
 from hicache.observe import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 log = logging.getLogger("hicache.daemon.events")
@@ -190,7 +190,8 @@ class EventPublisher:
     def _watch(self, sock: zmq.Socket, endpoint: str, curve: bool, name: str) -> WireWatch | None:
         if not endpoint.startswith("tcp://"):
             return None
-        watch = WireWatch(sock, curve, name, PEER_SENDS, PEERS_SEND, MAX_PEERS)
+        most = connections_allowed(0.25, MAX_PEERS)  # (the control socket: half)
+        watch = WireWatch(sock, curve, name, PEER_SENDS, PEERS_SEND, most)
         self._watches.append(watch)
         return watch
 

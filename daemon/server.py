@@ -49,7 +49,12 @@ from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, 
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
 from hicache.daemon.snapshot import HostKeeper
-from hicache.daemon.wire_watch import WireWatch, raise_descriptor_limit
+from hicache.daemon.wire_watch import (
+    MAX_CONNECTIONS,
+    WireWatch,
+    connections_allowed,
+    raise_descriptor_limit,
+)
 from hicache.endpoints import admin_token_path, is_loopback
 from hicache.l3 import L3Tier, LazyStore
 from hicache.memory import CudaBacking, EngineLayout, PageState, SharedMemoryBacking
@@ -116,7 +121,10 @@ class Daemon:
         self.busy = BusyPoll(self.sock, settings.busy_poll_us)
         watch = None
         if settings.endpoint.startswith("tcp://"):
-            watch = self._watch = WireWatch(self.sock, settings.curve, "control")
+            most = connections_allowed(0.5, MAX_CONNECTIONS)  # (events: a quarter each)
+            watch = WireWatch(self.sock, settings.curve, "control", max_connections=most)
+            self._watch = watch
+            log.info("tcp: at most %d connections kept (past them a new one is reset)", most)
         self.inbox = Inbox(self.sock, self.busy, WAKE_ID, watch)
         if settings.curve:
             self._secure(self.sock)

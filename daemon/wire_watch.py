@@ -45,6 +45,8 @@ CHECK_SHARE = 0.05  # ... and checks take at most this share of the reading thre
 PER_CONNECTION = 4 * MAX_FRAME_BYTES  # unread bytes one connection may make zmq hold
 IN_ALL = 4 * PER_CONNECTION  # ... and every connection of one socket together
 MAX_CONNECTIONS = 2048  # tcp connections one socket keeps (past it, a new one is reset)
+SPARE_DESCRIPTORS = 512  # kept free of watched connections (files, pools, stores)
+SAY_EVERY_S = 10.0  # resets past max_connections are logged at most this often, counted
 HANDSHAKE_BYTES = 64 << 10  # a connection's greeting and handshake (not read as messages)
 CURVE_BYTES = 33  # what CurveZMQ adds to a frame: its MESSAGE command's name, nonce, MAC, flags
 _BYTES_RECEIVED = 128  # offset of tcpi_bytes_received (u64) in struct tcp_info (Linux >= 4.1)
@@ -73,6 +75,15 @@ def raise_descriptor_limit() -> None:
     if soft != hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def connections_allowed(share: float, most: int) -> int:
+    """How many tcp connections a socket may keep: ``most``, or its ``share`` of what the
+    descriptor limit leaves for watched connections (each takes two: zmq's and the copy)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return most
+    return max(16, min(most, int((soft - SPARE_DESCRIPTORS) // 2 * share)))
 
 
 def abort(sock: socket.socket) -> None:
@@ -112,7 +123,8 @@ class WireWatch:
         self.max_connections = max_connections
         # connections reset: holding too much, past max_connections, or not watchable
         self.closed = 0  # (stats: connections_closed)
-        self._said_full = False  # a reset for max_connections was logged
+        self._full_resets = 0  # resets past max_connections not logged yet
+        self._say_after = 0.0  # (monotonic) when such resets are logged next
         self._monitor = sock.get_monitor_socket(_EVENTS)
         self._connections: dict[int, _Connection] = {}
         self._next_check = 0.0  # (monotonic) when maybe_check reads the counts again
@@ -195,13 +207,16 @@ class WireWatch:
                 frames = monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            event, fd = struct.unpack("=Hi", frames[0][:6])
-            old = self._connections.pop(fd, None)
-            if old is not None:  # (a descriptor zmq closed, maybe given again since)
-                old.sock.close()
-            if event == zmq.EVENT_ACCEPTED:
-                listening = frames[1].rsplit(b":", 1)[-1]  # the port it was accepted on
-                self._accepted(fd, int(listening) if listening.isdigit() else -1)
+            try:
+                event, fd = struct.unpack("=Hi", frames[0][:6])
+                old = self._connections.pop(fd, None)
+                if old is not None:  # (a descriptor zmq closed, maybe given again since)
+                    old.sock.close()
+                if event == zmq.EVENT_ACCEPTED:
+                    listening = frames[1].rsplit(b":", 1)[-1]  # the port it was accepted on
+                    self._accepted(fd, int(listening) if listening.isdigit() else -1)
+            except Exception:  # never let a connection's news end the daemon's loop
+                log.exception("the %s socket's connection watch", self.name)
 
     def _accepted(self, fd: int, port: int) -> None:
         """Watch zmq's connection ``fd``, accepted on ``port``: through a copy of the
@@ -227,21 +242,29 @@ class WireWatch:
         if len(self._connections) >= self.max_connections:
             abort(sock)
             self.closed += 1
-            if not self._said_full:
-                self._said_full = True
+            self._full_resets += 1
+            now = time.monotonic()
+            if now >= self._say_after:
+                self._say_after = now + SAY_EVERY_S
                 log.warning(
-                    "reset a new %s connection from %s:%s: %d are open, the most one socket "
-                    "keeps (said once)",
+                    "reset %d new %s connection(s), the last from %s:%s: %d are open, the "
+                    "most this socket keeps (said at most every %.0f s)",
+                    self._full_resets,
                     self.name,
                     host,
                     peer_port,
                     len(self._connections),
+                    SAY_EVERY_S,
                 )
+                self._full_resets = 0
             return
         self._connections[fd] = _Connection(sock, f"{host}:{peer_port}")
 
     def _reset_unwatched(self, fd: int, port: int, why: str) -> None:
-        sock = socket.socket(fileno=fd)  # zmq's own descriptor: let go of, never closed here
+        try:
+            sock = socket.socket(fileno=fd)  # zmq's own: let go of, never closed here
+        except OSError:  # (closed meanwhile, or given again to something not a socket)
+            return
         try:
             if sock.getsockname()[1] == port:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

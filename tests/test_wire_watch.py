@@ -5,6 +5,7 @@ too much; what well-behaved clients send never adds up to a false alarm."""
 from __future__ import annotations
 
 import errno
+import os
 import random
 import socket
 import struct
@@ -261,3 +262,36 @@ def test_checks_take_a_bounded_share_of_the_loop(router, monkeypatch):
     assert len(checks) >= 2 and min(gaps) > 1.99  # 2 s after a 0.1 s check (5%), not 10 ms
     monkeypatch.undo()
     watch.close()
+
+
+def test_a_failing_watch_never_ends_the_loop(router, monkeypatch, caplog):
+    ctx, sock = router
+    watch, _, port = _pair(ctx, sock, curve=False)
+    gone = os.open(os.devnull, os.O_RDONLY)
+    os.close(gone)  # a descriptor zmq closed meanwhile: the reset finds nothing, raises nothing
+    watch._reset_unwatched(gone, port, "no descriptor left to watch it")
+
+    def broken(fd, port):
+        raise RuntimeError("anything")
+
+    monkeypatch.setattr(watch, "_accepted", broken)
+    peer = zmtp_peer(port)
+    assert watch.check() == 0  # logged, not raised
+    assert "connection watch" in caplog.text
+    peer.close()
+    watch.close()
+
+
+def test_the_descriptor_limit_bounds_the_connections_kept(monkeypatch):
+    from hicache.daemon.events import MAX_PEERS
+    from hicache.daemon.wire_watch import MAX_CONNECTIONS, SPARE_DESCRIPTORS, connections_allowed
+
+    monkeypatch.setattr(wire_watch.resource, "getrlimit", lambda _: (4096, 4096))
+    control, events = (
+        connections_allowed(0.5, MAX_CONNECTIONS),
+        connections_allowed(0.25, MAX_PEERS),
+    )
+    assert 0 < control < MAX_CONNECTIONS and 0 < events <= MAX_PEERS
+    assert 2 * (control + 2 * events) + SPARE_DESCRIPTORS <= 4096  # two descriptors each
+    monkeypatch.setattr(wire_watch.resource, "getrlimit", lambda _: (1 << 20, 1 << 20))
+    assert connections_allowed(0.5, MAX_CONNECTIONS) == MAX_CONNECTIONS
