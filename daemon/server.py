@@ -124,7 +124,6 @@ class Daemon:
             most = connections_allowed(0.5, MAX_CONNECTIONS)  # (events: a quarter each)
             watch = WireWatch(self.sock, settings.curve, "control", max_connections=most)
             self._watch = watch
-            log.info("tcp: at most %d connections kept (past them a new one is reset)", most)
         self.inbox = Inbox(self.sock, self.busy, WAKE_ID, watch)
         if settings.curve:
             self._secure(self.sock)
@@ -566,6 +565,11 @@ def run(settings: DaemonSettings) -> None:
         print(f"hicache-daemon ready on {settings.endpoint} (pid {os.getpid()})", flush=True)
         if daemon.cache is not None:  # (engine mode: said when the first engine registers)
             log.info(daemon.handlers.limits.describe(settings.max_sessions))
+        if daemon.inbox.watch is not None:
+            log.info(
+                "tcp: at most %d connections kept (past them a new one is reset)",
+                daemon.inbox.watch.max_connections,
+            )
         if daemon.metrics is not None:
             host = settings.metrics_host
             print(f"metrics on http://{host}:{daemon.metrics.port}/metrics", flush=True)
