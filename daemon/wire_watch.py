@@ -86,16 +86,22 @@ def connections_allowed(share: float, most: int) -> int:
     return max(16, min(most, int((soft - SPARE_DESCRIPTORS) // 2 * share)))
 
 
-def abort(sock: socket.socket) -> None:
-    """End a connection zmq holds through ``sock``, our copy of its descriptor (closed here):
-    zmq reads the end, drops the connection with what it held and closes its descriptor, and
-    the kernel then resets the connection (no lingering close that leaves the peer's sends
-    waiting on a full window)."""
+def end(sock: socket.socket) -> bool:
+    """End a connection zmq holds: zmq reads the end, drops the connection with what it held
+    and closes its descriptor, and the kernel then resets the connection once its last
+    descriptor closes (no lingering close that leaves the peer's sends waiting on a full
+    window). False when it was gone already."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.shutdown(socket.SHUT_RD)
-    except OSError:  # (gone already)
-        pass
+    except OSError:
+        return False
+    return True
+
+
+def abort(sock: socket.socket) -> None:
+    """end() the connection of ``sock``, our copy of zmq's descriptor, and close the copy."""
+    end(sock)
     sock.close()
 
 
@@ -266,12 +272,10 @@ class WireWatch:
         except OSError:  # (closed meanwhile, or given again to something not a socket)
             return
         try:
-            if sock.getsockname()[1] == port:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                sock.shutdown(socket.SHUT_RD)
-                self.closed += 1
-                log.warning("reset a new %s connection: %s", self.name, why)
+            ours = sock.getsockname()[1] == port  # (else the number was given again)
         except OSError:
-            pass
-        finally:
-            sock.detach()
+            ours = False
+        if ours and end(sock):
+            self.closed += 1
+            log.warning("reset a new %s connection: %s", self.name, why)
+        sock.detach()

@@ -98,40 +98,38 @@ def test_an_abstract_socket_is_refused_before_anything_is_sent():
         HiCacheClient("ipc://@hicache", timeout_s=1)
 
 
+@pytest.fixture
+def shared_listener(tmp_path):
+    """(folder, socket path): a socket listening in a folder of its own (the tests chmod it)."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    path = str(folder / "hicache.sock")
+    sock = unix_listener(path)()
+    sock.listen(1)
+    yield folder, path
+    sock.close()
+
+
 @pytest.mark.parametrize("mode", [0o1777, 0o770, 0o777])
-def test_a_folder_other_users_can_write_is_refused(tmp_path, mode):
+def test_a_folder_other_users_can_write_is_refused(shared_listener, mode):
     """Sticky shared folders too (s7): anyone may create the socket's name there first."""
-    folder = tmp_path / "shared"
-    folder.mkdir()
-    path = str(folder / "hicache.sock")
-    sock = unix_listener(path)()
-    sock.listen(1)
-    try:
-        os.chmod(folder, mode)
-        with pytest.raises(UntrustedDaemon, match="writable by other users"):
-            verify_endpoint(f"ipc://{path}", ME)
-        os.chmod(folder, 0o700)
-        assert verify_endpoint(f"ipc://{path}", ME) == os.getuid()
-    finally:
-        sock.close()
+    folder, path = shared_listener
+    os.chmod(folder, mode)
+    with pytest.raises(UntrustedDaemon, match="writable by other users"):
+        verify_endpoint(f"ipc://{path}", ME)
+    os.chmod(folder, 0o700)
+    assert verify_endpoint(f"ipc://{path}", ME) == os.getuid()
 
 
-def test_the_cli_refuses_an_untrusted_daemon_in_one_line(tmp_path):
-    folder = tmp_path / "shared"
-    folder.mkdir()
-    path = str(folder / "hicache.sock")
-    sock = unix_listener(path)()
-    sock.listen(1)
-    try:
-        os.chmod(folder, 0o777)
-        for endpoint, says in ((f"ipc://{path}", "writable by other users"),
-                               ("ipc://@hicache", "abstract sockets")):  # fmt: skip
-            cli = [sys.executable, "-m", "hicache.client.cli", "--endpoint", endpoint, "ping"]
-            out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
-            assert out.returncode == 1 and says in out.stderr
-            assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # no traceback
-    finally:
-        sock.close()
+def test_the_cli_refuses_an_untrusted_daemon_in_one_line(shared_listener):
+    folder, path = shared_listener
+    os.chmod(folder, 0o777)
+    for endpoint, says in ((f"ipc://{path}", "writable by other users"),
+                           ("ipc://@hicache", "abstract sockets")):  # fmt: skip
+        cli = [sys.executable, "-m", "hicache.client.cli", "--endpoint", endpoint, "ping"]
+        out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and says in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr  # no traceback
 
 
 def test_a_link_in_place_of_the_socket_or_its_folder_is_refused(tmp_path):
