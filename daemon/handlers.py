@@ -206,16 +206,18 @@ class Handlers:
             self.requests.error(status.name)
         return encode_reply(Reply(status, request_id, self.boot_epoch, fields))
 
-    def housekeep(self) -> list[Ended]:
-        """Process transfer acks and give back what sessions past their quarantine held.
-        Never raises: a bug here is logged and counted, and the daemon keeps serving."""
+    def housekeep(self, estimate: bool = True) -> list[Ended]:
+        """Process transfer acks and give back what sessions past their quarantine held; with
+        ``estimate``, also count a slice of the capacity feed (the server passes False while
+        another client's request waits: a statistic never goes before a request). Never
+        raises: a bug here is logged and counted, and the daemon keeps serving."""
         try:
             if self.cache is not None:
                 self.cache.poll()
                 if self.cache.l3 is not None:  # (never inside a cache operation: it may evict)
                     self.cache.l3.poll()
             ended = self.sessions.expire(self.clock())
-            if self.capacity is not None:
+            if estimate and self.capacity is not None:
                 self.capacity.run()
         except Exception:
             self.housekeep_errors += 1

@@ -15,6 +15,7 @@ whatever fails, what was made so far is undone (no shared memory left behind).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import secrets
@@ -376,9 +377,14 @@ class Daemon:
                 if self.events is not None:
                     self._publish_events()
             if time.monotonic() >= next_housekeep:
-                self.handlers.housekeep()
+                # another client's request waiting goes before what can wait: the capacity
+                # feed's slice and returning memory (a request met them 1 in 3 times in the
+                # worst 2% of a victim's under a heavy client, 0.37 ms each)
+                waiting = self.inbox.others_waiting()
+                self.handlers.housekeep(estimate=not waiting)
                 self._resume()
-                self._trim.maybe()  # (every TRIM_EVERY_S at most)
+                if not waiting:
+                    self._trim.maybe()  # (every TRIM_EVERY_S at most)
                 if self.events is not None:
                     self._publish_events(housekeeping=True)
                 next_housekeep = time.monotonic() + HOUSEKEEP_S
@@ -577,6 +583,9 @@ def run(settings: DaemonSettings) -> None:
             replay = daemon.events.replay_endpoint
             where = f", replay on {replay}" if replay else ""
             print(f"KV events on {daemon.events.endpoint}{where}", flush=True)
+        # what start-up made (torch's and the other modules' 185,000 objects) never becomes
+        # garbage: out of the collector's sight, a full collection takes 3-5 ms, not 80-100
+        gc.freeze()
         daemon.serve()
     finally:
         daemon.close()

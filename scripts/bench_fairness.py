@@ -152,7 +152,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hicache-fair-") as tmp:
         endpoint = f"ipc://{tmp}/d.sock"
         flags = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
-                 "--device-tokens", str(max(262144, 2 * args.heavy_tokens + 64 * args.nodes)),
+                 "--device-tokens", str(-(-max(262144, 2 * args.heavy_tokens + 64 * args.nodes)
+                                         // 16) * 16),  # (whole pages of the default 16)
                  "--host-ratio", "2", "--keep-host", "false"]  # fmt: skip
         if pinned:
             os.sched_setaffinity(0, cpus[:1])  # the daemon, its threads and helpers inherit it
