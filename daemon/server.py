@@ -377,14 +377,7 @@ class Daemon:
                 if self.events is not None:
                     self._publish_events()
             if time.monotonic() >= next_housekeep:
-                # another client's request waiting goes before what can wait: the capacity
-                # feed's slice and returning memory (a request met them 1 in 3 times in the
-                # worst 2% of a victim's under a heavy client, 0.37 ms each)
-                waiting = self.inbox.others_waiting()
-                self.handlers.housekeep(estimate=not waiting)
-                self._resume()
-                if not waiting:
-                    self._trim.maybe()  # (every TRIM_EVERY_S at most)
+                self._housekeep()
                 if self.events is not None:
                     self._publish_events(housekeeping=True)
                 next_housekeep = time.monotonic() + HOUSEKEEP_S
@@ -397,6 +390,17 @@ class Daemon:
                     return
                 if self.keeper is not None and self.cache is not None:
                     self._periodic_snapshot()
+
+    def _housekeep(self) -> None:
+        """Acks, leases, answers the third tier allows; and, unless another client's request
+        waits (it goes first), a slice of the capacity feed and giving memory back. Under a
+        heavy client, these two met a waiting request in a third of the slowest 2% of
+        another client's requests (0.37 ms each pass)."""
+        waiting = self.inbox.others_waiting()
+        self.handlers.housekeep(estimate=not waiting)
+        self._resume()
+        if not waiting:
+            self._trim.maybe()  # (every TRIM_EVERY_S at most)
 
     def _resume(self) -> None:
         """Answer matches that waited for the third tier and may go on now."""

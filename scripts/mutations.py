@@ -587,6 +587,20 @@ MUTATIONS = [
         '            head = b""',
         ("tests/test_fair_turns.py",),
     ),
+    Mutation(
+        "housekeeping-estimates-while-others-wait",
+        "daemon/server.py",
+        "        self.handlers.housekeep(estimate=not waiting)",
+        "        self.handlers.housekeep()",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "housekeeping-trims-while-others-wait",
+        "daemon/server.py",
+        "        if not waiting:\n            self._trim.maybe()",
+        "        if True:\n            self._trim.maybe()",
+        ("tests/test_fair_turns.py",),
+    ),
 ]
 
 
