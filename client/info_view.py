@@ -88,7 +88,15 @@ def sections(stats: dict) -> dict[str, dict]:
     requested = stats["hit_device_tokens"] + stats["hit_host_tokens"] + stats["miss_tokens"]
     tb = stats.get("token_bytes", 0)
     return {
-        "server": _pick(stats, "version", "protocol", "pid", "endpoint", "boot_epoch", "uptime_s"),
+        "server": _pick(stats, "version", "protocol", "pid", "endpoint", "boot_epoch", "uptime_s")
+        # the daemon's pauses in Python's cycle collector (what start-up made is frozen)
+        | _pick(
+            stats,
+            "gc_frozen_objects",
+            "gc_collections",
+            "gc_pause_seconds_total",
+            "gc_pause_seconds_max",
+        ),
         "config": _config(stats),
         "memory": {
             "device_capacity_tokens": stats["device_capacity_tokens"],

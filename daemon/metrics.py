@@ -62,6 +62,12 @@ COUNTERS = [
         "integrity checks and tree views refused: past their share of the control loop",
         "views_refused",
     ),
+    ("gc_collections", "runs of Python's cycle collector in the daemon", "gc_collections"),
+    (
+        "gc_pause_seconds",
+        "seconds the control loop paused in Python's cycle collector",
+        "gc_pause_seconds_total",
+    ),
     ("event_batches_published", "KV event batches published", "event_batches_published"),
     (
         "event_batches_dropped",
@@ -135,6 +141,11 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
     for name, help_, key in COUNTERS:
         yield CounterMetricFamily(f"hicache_{name}", help_, value=stats.get(key, 0))
     yield GaugeMetricFamily("hicache_sessions", "engine sessions", value=stats.get("sessions", 0))
+    yield GaugeMetricFamily(
+        "hicache_gc_pause_seconds_max",
+        "the longest pause in Python's cycle collector since start",
+        value=stats.get("gc_pause_seconds_max", 0),
+    )
     yield GaugeMetricFamily(
         "hicache_transfers_in_flight",
         "copies between tiers running",

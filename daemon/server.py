@@ -15,7 +15,6 @@ whatever fails, what was made so far is undone (no shared memory left behind).
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import secrets
@@ -40,6 +39,7 @@ from hicache.daemon.endpoint import (
 )
 from hicache.daemon.engine_tier import EngineTier
 from hicache.daemon.events import EventPublisher
+from hicache.daemon.gc_pauses import GcPauses
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.inbox import Inbox
 from hicache.daemon.l3_waits import WAKE_ID, L3Waits
@@ -81,6 +81,7 @@ class Daemon:
         self.draining = False  # SIGTERM: finishing up before stopping (see stop())
         self._next_dump = 0.0  # the earliest the next KV event dump is made
         self._trim = MemoryTrim()  # freed heap back to the system when quiet
+        self.gc = GcPauses()  # the cycle collector's pauses (started by run())
         self.drain_deadline = 0.0
         # what close() undoes, in its order; set as each is made, so a failed start undoes
         # exactly what it made
@@ -306,6 +307,7 @@ class Daemon:
         out["busy_poll_watches"] = self.busy.watches
         out["busy_poll_hits"] = self.busy.found
         out["connections_closed"] = self.inbox.watch.closed if self.inbox.watch else 0
+        out.update(self.gc.counters())
         if self.events is not None:
             out["connections_closed"] += self.events.connections_closed()
         if self.events is not None:
@@ -516,6 +518,7 @@ class Daemon:
             self.keeper = None
         elif keeper is not None:  # nothing worth keeping: no marker either
             keeper.forget()
+        self.gc.stop()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -587,9 +590,7 @@ def run(settings: DaemonSettings) -> None:
             replay = daemon.events.replay_endpoint
             where = f", replay on {replay}" if replay else ""
             print(f"KV events on {daemon.events.endpoint}{where}", flush=True)
-        # what start-up made (torch's and the other modules' 185,000 objects) never becomes
-        # garbage: out of the collector's sight, a full collection takes 3-5 ms, not 80-100
-        gc.freeze()
+        daemon.gc.start()  # what start-up made, out of the collector's sight (gc_pauses.py)
         daemon.serve()
     finally:
         daemon.close()

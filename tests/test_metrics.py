@@ -32,6 +32,11 @@ def scrape(port: int) -> dict[str, dict]:
     return out
 
 
+def hc_stats(ep: str) -> dict:
+    with HiCacheClient(ep, name="operator") as hc:
+        return hc.stats()
+
+
 def test_a_scrape_shows_hits_capacity_and_the_third_tier_under_prometheus_names(tmp_path):
     ep, port = f"ipc://{tmp_path}/m.sock", free_port()
     flags = ["--metrics-port", str(port), "--l3", "memory://metrics", "--l3-model", "m"]
@@ -58,6 +63,11 @@ def test_a_scrape_shows_hits_capacity_and_the_third_tier_under_prometheus_names(
         assert m["hicache_request_duration_seconds_count"][(("op", "match"),)] >= 1
         assert m["hicache_request_duration_seconds_bucket"][(("le", "+Inf"), ("op", "insert"))] >= 1
         assert m["hicache_request_errors_total"][(("code", "NOT_OWNED"),)] == 1
+        # the cycle collector's pauses: timed from the start (a full one ran there at least)
+        stats = hc_stats(ep)
+        assert stats["gc_frozen_objects"] > 50_000  # torch's, numpy's, ...: out of its sight
+        assert m["hicache_gc_collections_total"][()] >= 1
+        assert 0 < m["hicache_gc_pause_seconds_max"][()] <= m["hicache_gc_pause_seconds_total"][()]
         for name in m:  # prefix, and _total exactly on counters (the parser adds it back)
             assert name.startswith("hicache_"), name
             assert not name.endswith("_total_total")

@@ -1,0 +1,40 @@
+"""GcPauses (daemon/gc_pauses.py): what exists at start leaves the collector's sight, and
+each collection after is counted and timed; stop leaves the collector's callbacks as found."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from hicache.daemon.gc_pauses import GcPauses
+
+
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_start_freezes_what_exists_and_later_cycles_are_still_freed_and_timed():
+    pauses, before = GcPauses(), list(gc.callbacks)
+    kept = Cycle()  # made before the start: frozen with the rest
+    try:
+        pauses.start()
+        assert pauses.frozen == gc.get_freeze_count() > 0
+        assert not any(o is kept for o in gc.get_objects()), "a collection still walks it"
+        assert pauses.collections == 0  # (start's own collection ran before the timing)
+        gc.collect()
+        assert pauses.collections == 1 and 0 < pauses.longest_s == pauses.pause_s
+        cycle = Cycle()  # made after the start: garbage like any other
+        gone = weakref.ref(cycle)
+        del cycle
+        gc.collect(0)
+        assert gone() is None, "a cycle made after the start was not freed"
+        assert pauses.collections == 2 and pauses.pause_s >= pauses.longest_s
+        figures = pauses.counters()
+        assert figures["gc_collections"] == 2 and figures["gc_frozen_objects"] == pauses.frozen
+    finally:
+        pauses.stop()
+        gc.unfreeze()  # (the test process goes on: its objects back in sight)
+    assert gc.callbacks == before
+    gc.collect()
+    assert pauses.collections == 2  # not timed after stop
