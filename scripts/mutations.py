@@ -601,6 +601,13 @@ MUTATIONS = [
         "        if True:\n            self._trim.maybe()",
         ("tests/test_fair_turns.py",),
     ),
+    Mutation(
+        "start-up-objects-not-frozen",
+        "daemon/gc_pauses.py",
+        "        gc.freeze()\n",
+        "        pass\n",
+        ("tests/test_gc_pauses.py", "tests/test_metrics.py"),
+    ),
 ]
 
 
