@@ -223,6 +223,8 @@ def main() -> None:
                 "baseline_p99_ms": round(b99, 3),
                 "views_refused": stats.get("views_refused"),
                 "match_parts": stats.get("match_parts"),
+                "gc_pause_seconds_max": stats.get("gc_pause_seconds_max"),
+                "gc_collections": stats.get("gc_collections"),
                 "seed": args.seed,
                 "heavy_tokens": args.heavy_tokens,
                 "cpu_count": os.cpu_count(),
