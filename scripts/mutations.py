@@ -602,6 +602,13 @@ MUTATIONS = [
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
+        "housekeeping-optional-parts-deferred-forever",
+        "daemon/server.py",
+        "now < self._optional_ran + DEFER_AT_MOST_S and self.inbox.others_waiting()",
+        "self.inbox.others_waiting()",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
         "start-up-objects-not-frozen",
         "daemon/gc_pauses.py",
         "        gc.freeze()\n",

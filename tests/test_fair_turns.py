@@ -18,6 +18,7 @@ from hicache.client import HiCacheClient
 from hicache.client.connection import LeaseLost
 from hicache.daemon import cache_ops
 from hicache.daemon import handlers as handlers_module
+from hicache.daemon import server as server_module
 from hicache.daemon.busy_poll import watch
 from hicache.daemon.handlers import Handlers
 from hicache.daemon.server import Daemon
@@ -466,6 +467,16 @@ def test_housekeeping_leaves_what_can_wait_while_another_clients_request_does(tm
         assert daemon.inbox.next()[-1] == b"light 0"  # served next
         daemon._housekeep()  # nobody waits now
         assert len(expired) == 2 and not feed.pending and trims == [1]
+        # engines that always keep one waiting: past DEFER_AT_MOST_S, the parts run anyway
+        feed.saw(True, np.arange(64, dtype=np.int32).tobytes(), None)
+        heavy.send(b"heavy again")
+        assert watch(daemon.sock, time.perf_counter() + 30)
+        assert daemon.handlers.context.others_waiting()
+        daemon._housekeep()
+        assert len(feed.pending) == 1 and trims == [1]
+        daemon._optional_ran -= server_module.DEFER_AT_MOST_S
+        daemon._housekeep()
+        assert not feed.pending and trims == [1, 1]
     finally:
         heavy.close(linger=0)
         light.close(linger=0)
