@@ -597,8 +597,8 @@ MUTATIONS = [
     Mutation(
         "housekeeping-trims-while-others-wait",
         "daemon/server.py",
-        "        if not waiting:\n            self._trim.maybe()",
-        "        if True:\n            self._trim.maybe()",
+        "            self._optional_ran = now\n            self._trim.maybe()",
+        "            self._optional_ran = now\n        if True:\n            self._trim.maybe()",
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
