@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
 import sys
 
 from hicache.daemon.logs import setup_logging
-from hicache.daemon.settings import build_parser, resolve
+from hicache.daemon.settings import DaemonSettings, build_parser, resolve
+
+log = logging.getLogger("hicache.daemon")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(settings.as_dict(), indent=2))
         return 0
     setup_logging(args.log_json, args.log_level)
-    from hicache.daemon.server import EndpointError, StopDuringStart, run  # (zmq, the pools)
+    from hicache.daemon.server import EndpointError  # (zmq, the pools: not for --help)
     from hicache.errors import InsufficientMemoryError
 
     try:
@@ -32,6 +37,48 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hicache-daemon: {exc}", file=sys.stderr)  # one line, no traceback
         return 2
     return 0
+
+
+class StopDuringStart(BaseException):
+    """SIGTERM or SIGINT while the daemon was starting: what it made is undone, it exits."""
+
+
+def _stop_during_start(*_: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the undoing is not interrupted again
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise StopDuringStart
+
+
+def run(settings: DaemonSettings) -> None:
+    """Start the daemon, say where it serves, serve until stopped, undo what it made."""
+    from hicache.daemon.server import Daemon  # (zmq, the pools)
+
+    signal.signal(signal.SIGTERM, _stop_during_start)
+    signal.signal(signal.SIGINT, _stop_during_start)
+    daemon = Daemon(settings)  # (undoes what it made when interrupted)
+    try:
+        signal.signal(signal.SIGTERM, daemon.drain)
+        signal.signal(signal.SIGINT, daemon.stop)
+        print(f"hicache-daemon ready on {settings.endpoint} (pid {os.getpid()})", flush=True)
+        if daemon.cache is not None:  # (engine mode: said when the first engine registers)
+            log.info(daemon.handlers.limits.describe(settings.max_sessions))
+        if daemon.inbox.watch is not None:
+            log.info(
+                "tcp: at most %d connections kept (past them a new one is reset)",
+                daemon.inbox.watch.max_connections,
+            )
+        if daemon.metrics is not None:
+            host = settings.metrics_host
+            print(f"metrics on http://{host}:{daemon.metrics.port}/metrics", flush=True)
+        if daemon.events is not None:
+            replay = daemon.events.replay_endpoint
+            where = f", replay on {replay}" if replay else ""
+            print(f"KV events on {daemon.events.endpoint}{where}", flush=True)
+        daemon.gc.start()  # what start-up made, out of the collector's sight (gc_pauses.py)
+        daemon.serve()
+    finally:
+        daemon.close()
+        print("hicache-daemon stopped", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import signal
 import time
 
 import numpy as np
@@ -72,7 +71,7 @@ POLL_MS = int(HOUSEKEEP_S * 1000)
 METRICS_EVERY_S = 1.0  # how often the metrics snapshot is refreshed
 DUMP_EVERY_S = 1.0  # KV event dumps are made at most this often (one serves every asker)
 
-__all__ = ["Daemon", "EndpointError", "bind_address", "run"]
+__all__ = ["Daemon", "EndpointError", "bind_address"]
 
 
 class Daemon:
@@ -561,42 +560,3 @@ class Daemon:
         if self._claim is not None:
             self._claim.close()
             self._claim = None
-
-
-class StopDuringStart(BaseException):
-    """SIGTERM or SIGINT while the daemon was starting: what it made is undone, it exits."""
-
-
-def _stop_during_start(*_: object) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the undoing is not interrupted again
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise StopDuringStart
-
-
-def run(settings: DaemonSettings) -> None:
-    signal.signal(signal.SIGTERM, _stop_during_start)
-    signal.signal(signal.SIGINT, _stop_during_start)
-    daemon = Daemon(settings)  # (undoes what it made when interrupted)
-    try:
-        signal.signal(signal.SIGTERM, daemon.drain)
-        signal.signal(signal.SIGINT, daemon.stop)
-        print(f"hicache-daemon ready on {settings.endpoint} (pid {os.getpid()})", flush=True)
-        if daemon.cache is not None:  # (engine mode: said when the first engine registers)
-            log.info(daemon.handlers.limits.describe(settings.max_sessions))
-        if daemon.inbox.watch is not None:
-            log.info(
-                "tcp: at most %d connections kept (past them a new one is reset)",
-                daemon.inbox.watch.max_connections,
-            )
-        if daemon.metrics is not None:
-            host = settings.metrics_host
-            print(f"metrics on http://{host}:{daemon.metrics.port}/metrics", flush=True)
-        if daemon.events is not None:
-            replay = daemon.events.replay_endpoint
-            where = f", replay on {replay}" if replay else ""
-            print(f"KV events on {daemon.events.endpoint}{where}", flush=True)
-        daemon.gc.start()  # what start-up made, out of the collector's sight (gc_pauses.py)
-        daemon.serve()
-    finally:
-        daemon.close()
-        print("hicache-daemon stopped", flush=True)

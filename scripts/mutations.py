@@ -615,6 +615,13 @@ MUTATIONS = [
         "        pass\n",
         ("tests/test_gc_pauses.py", "tests/test_metrics.py"),
     ),
+    Mutation(
+        "frozen-objects-kept-at-stop",
+        "daemon/gc_pauses.py",
+        "            gc.unfreeze()\n",
+        "            pass\n",
+        ("tests/test_gc_pauses.py",),
+    ),
 ]
 
 

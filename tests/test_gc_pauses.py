@@ -34,7 +34,25 @@ def test_start_freezes_what_exists_and_later_cycles_are_still_freed_and_timed():
         assert figures["gc_collections"] == 2 and figures["gc_frozen_objects"] == pauses.frozen
     finally:
         pauses.stop()
-        gc.unfreeze()  # (the test process goes on: its objects back in sight)
     assert gc.callbacks == before
+    assert gc.get_freeze_count() == 0 and any(o is kept for o in gc.get_objects())
     gc.collect()
     assert pauses.collections == 2  # not timed after stop
+
+
+def test_a_daemon_freezes_at_start_and_stops_without_leak_reports(tmp_path):
+    """A daemon's start freezes what it made (torch's objects among them), and its stop gives
+    them back: the interpreter's exit then frees them, and nothing (triton's bindings) prints
+    "leaked" lines."""
+    from hicache.client import HiCacheClient
+    from tests.daemon_helpers import start_daemon, stop_daemon
+
+    endpoint = f"ipc://{tmp_path}/d.sock"
+    proc = start_daemon(endpoint)
+    try:
+        with HiCacheClient(endpoint, name="operator") as hc:
+            assert hc.stats()["gc_frozen_objects"] > 50_000
+    finally:
+        said = stop_daemon(proc)
+    assert proc.returncode == 0 and "hicache-daemon stopped" in said
+    assert "leaked" not in said, said[-2000:]
