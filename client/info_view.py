@@ -94,7 +94,7 @@ def sections(stats: dict) -> dict[str, dict]:
             stats,
             "gc_frozen_objects",
             "gc_collections",
-            "gc_pause_seconds_total",
+            "gc_pause_seconds",
             "gc_pause_seconds_max",
         ),
         "config": _config(stats),

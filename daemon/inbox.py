@@ -86,19 +86,20 @@ class Inbox:
         except zmq.Again:
             return None
 
-    def others_waiting(self) -> bool:
-        """Whether another client's request waits (asked by a long request between its parts
-        and after a whole-cache view). Reads what is queued (see the module's docstring);
-        true also once READ_AHEAD of the served client's own are read (others may be queued
-        behind them). Past YIELD_EVERY_S since it last did, it first gives the core away:
-        requests reach the socket through zmq's IO thread, which may be waiting for this
-        core."""
+    def others_waiting(self, may_yield: bool = True) -> bool:
+        """Whether another client's request waits (asked by a long request between its parts,
+        after a whole-cache view, and by housekeeping). Reads what is queued (see the module's
+        docstring); true also once READ_AHEAD of the served client's own are read (others may
+        be queued behind them). Past YIELD_EVERY_S since it last did, and ``may_yield``, it
+        first gives the core away: requests reach the socket through zmq's IO thread, which
+        may be waiting for this core while a long request runs (housekeeping, between
+        requests, does not: a yield on a shared core may last milliseconds)."""
         ahead, serving = self._ahead, self.serving
         # the read-ahead is one client's requests in order, another's at most one before them
         if ahead and ahead[0][0][0] != serving:
             return True
         now = time.perf_counter()
-        if now >= self._yield_after:
+        if may_yield and now >= self._yield_after:
             self._yield_after = now + YIELD_EVERY_S
             yield_cpu()
             if self.watch is not None:

@@ -59,6 +59,7 @@ def run(settings: DaemonSettings) -> None:
     try:
         signal.signal(signal.SIGTERM, daemon.drain)
         signal.signal(signal.SIGINT, daemon.stop)
+        daemon.gc.start()  # what start-up made, out of the collector's sight (gc_pauses.py)
         print(f"hicache-daemon ready on {settings.endpoint} (pid {os.getpid()})", flush=True)
         if daemon.cache is not None:  # (engine mode: said when the first engine registers)
             log.info(daemon.handlers.limits.describe(settings.max_sessions))
@@ -74,7 +75,6 @@ def run(settings: DaemonSettings) -> None:
             replay = daemon.events.replay_endpoint
             where = f", replay on {replay}" if replay else ""
             print(f"KV events on {daemon.events.endpoint}{where}", flush=True)
-        daemon.gc.start()  # what start-up made, out of the collector's sight (gc_pauses.py)
         daemon.serve()
     finally:
         daemon.close()

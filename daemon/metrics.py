@@ -65,8 +65,8 @@ COUNTERS = [
     ("gc_collections", "runs of Python's cycle collector in the daemon", "gc_collections"),
     (
         "gc_pause_seconds",
-        "seconds the control loop paused in Python's cycle collector",
-        "gc_pause_seconds_total",
+        "seconds in Python's cycle collector (the control loop waits meanwhile)",
+        "gc_pause_seconds",
     ),
     ("event_batches_published", "KV event batches published", "event_batches_published"),
     (
@@ -143,8 +143,13 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
     yield GaugeMetricFamily("hicache_sessions", "engine sessions", value=stats.get("sessions", 0))
     yield GaugeMetricFamily(
         "hicache_gc_pause_seconds_max",
-        "the longest pause in Python's cycle collector since start",
+        "the longest run of Python's cycle collector since start",
         value=stats.get("gc_pause_seconds_max", 0),
+    )
+    yield GaugeMetricFamily(
+        "hicache_gc_frozen_objects",
+        "objects start-up made, kept out of the cycle collector's sight",
+        value=stats.get("gc_frozen_objects", 0),
     )
     yield GaugeMetricFamily(
         "hicache_transfers_in_flight",

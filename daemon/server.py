@@ -401,7 +401,7 @@ class Daemon:
         another client's requests (0.37 ms each pass). They wait at most DEFER_AT_MOST_S:
         engines that always keep a request waiting (two busy ones) still get them."""
         now = time.monotonic()
-        waiting = now < self._optional_ran + DEFER_AT_MOST_S and self.inbox.others_waiting()
+        waiting = now < self._optional_ran + DEFER_AT_MOST_S and self.inbox.others_waiting(False)
         self.handlers.housekeep(estimate=not waiting)
         self._resume()
         if not waiting:

@@ -43,7 +43,7 @@ import zmq
 
 from hicache.client import HiCacheClient
 from hicache.daemon.launch import start_daemon, stop_daemon
-from hicache.protocol import PROTOCOL_VERSION, Op, decode_reply
+from hicache.protocol import MAX_MATCH_TOKENS, PROTOCOL_VERSION, Op, decode_reply
 from hicache.tree import pack_shared
 
 PROBE_EVERY_S = 0.002
@@ -112,7 +112,7 @@ def attacker(endpoint: str, kind: str, seed: int, heavy: int, nodes: int, pinned
                 sock.send_multipart([match, frame])  # (the rest of each is never asked)
                 outstanding += 1
             elif outstanding:
-                decode_reply(sock.recv_multipart()[0])
+                refused += not decode_reply(sock.recv_multipart()[0]).ok
                 outstanding -= 1
                 done += 1
             elif not go.wait(0.05) or stop.is_set():
@@ -143,6 +143,8 @@ def main() -> None:
                     help="daemon alone on CPU 0, the engines on the others (as on a host "
                     "where engines have their own cores)")  # fmt: skip
     args = ap.parse_args()
+    if BATCH * args.heavy_tokens > MAX_MATCH_TOKENS:  # the daemon would refuse every batch
+        ap.error(f"--heavy-tokens: at most {MAX_MATCH_TOKENS // BATCH} ({BATCH} per batch)")
     cpus = sorted(os.sched_getaffinity(0))
     pinned = args.pin and len(cpus) >= 2
     rng = np.random.default_rng(args.seed)
@@ -176,6 +178,8 @@ def main() -> None:
                     for p in noisy:
                         p.start()
                     while kind not in counts:
+                        if not any(p.is_alive() for p in noisy):
+                            raise SystemExit(f"the {kind} attacker died in its setup")
                         time.sleep(0.05)  # (its setup: inserting what it needs)
                     base, lat = [], []
                     for _ in range(BLOCKS):  # alone and under attack in turns: the same noise
@@ -186,10 +190,16 @@ def main() -> None:
                     stop.set()
                     for p in noisy:
                         p.join()
+                    done, refused = counts[kind]
+                    failed = [p.exitcode for p in noisy if p.exitcode]
+                    if failed or (kind in ("batch", "pipelined") and done <= refused):
+                        raise SystemExit(  # (a run that measured no attack is no result)
+                            f"the {kind} attacker failed (exit {failed}, {done} requests, "
+                            f"{refused} refused): see its error above"
+                        )
                     alone += base
                     b50, b99 = percentiles(base)
                     p50, p99 = percentiles(lat)
-                    done, refused = counts[kind]
                     results[kind] = {
                         "p50_ratio": round(p50 / b50, 2),
                         "p99_ratio": round(p99 / b99, 2),

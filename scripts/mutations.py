@@ -604,8 +604,15 @@ MUTATIONS = [
     Mutation(
         "housekeeping-optional-parts-deferred-forever",
         "daemon/server.py",
-        "now < self._optional_ran + DEFER_AT_MOST_S and self.inbox.others_waiting()",
-        "self.inbox.others_waiting()",
+        "now < self._optional_ran + DEFER_AT_MOST_S and self.inbox.others_waiting(False)",
+        "self.inbox.others_waiting(False)",
+        ("tests/test_fair_turns.py",),
+    ),
+    Mutation(
+        "housekeeping-gives-the-core-away",
+        "daemon/server.py",
+        "and self.inbox.others_waiting(False)",
+        "and self.inbox.others_waiting()",
         ("tests/test_fair_turns.py",),
     ),
     Mutation(

@@ -444,11 +444,26 @@ def test_a_resumed_match_between_read_and_serve_leaves_the_request_its_sender(tm
         daemon.close()
 
 
-def test_housekeeping_leaves_what_can_wait_while_another_clients_request_does(tmp_path):
+def test_housekeeping_leaves_what_can_wait_while_another_clients_request_does(
+    tmp_path, monkeypatch
+):
     """A housekeeping pass always handles acks and leases, but the capacity feed's slice and
     giving memory back (0.37 ms a pass) wait while another client's request is queued: that
-    request is served first, and the next pass with nobody waiting does them."""
+    request is served first, and the next pass with nobody waiting does them. Looking never
+    gives the core away (a yield on a shared core may take milliseconds)."""
+    from hicache.daemon import inbox as inbox_module
+
+    yields = []
+    monkeypatch.setattr(inbox_module, "yield_cpu", lambda: yields.append(1))
     daemon = _daemon(tmp_path)
+    housekeep = daemon._housekeep
+
+    def _housekeep() -> None:
+        daemon.inbox._yield_after, before = 0.0, len(yields)  # (a yield would be due)
+        housekeep()
+        assert len(yields) == before, "housekeeping gave the core away"
+
+    daemon._housekeep = _housekeep
     heavy, light = _peers(daemon, b"heavy", b"light")
     feed, trims = daemon.handlers.capacity, []
     daemon._trim.maybe = lambda: trims.append(1)  # (the instance's: nothing else sees it)

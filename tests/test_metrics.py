@@ -68,6 +68,7 @@ def test_a_scrape_shows_hits_capacity_and_the_third_tier_under_prometheus_names(
         assert stats["gc_frozen_objects"] > 50_000  # torch's, numpy's, ...: out of its sight
         assert m["hicache_gc_collections_total"][()] >= 1
         assert 0 < m["hicache_gc_pause_seconds_max"][()] <= m["hicache_gc_pause_seconds_total"][()]
+        assert m["hicache_gc_frozen_objects"][()] == stats["gc_frozen_objects"]
         for name in m:  # prefix, and _total exactly on counters (the parser adds it back)
             assert name.startswith("hicache_"), name
             assert not name.endswith("_total_total")
