@@ -9,8 +9,9 @@ sessions) and took 3-5 ms in the same run. Collections still run as usual, so cy
 later are still freed. ``stop`` gives the frozen objects back, so the interpreter's exit
 frees them.
 
-Every collection is timed through ``gc.callbacks`` (stats ``gc_collections``,
-``gc_pause_seconds``, ``gc_pause_seconds_max``), start's own included. The callbacks run in
+Every collection after start's own (before the daemon is ready: no request waits for it, and
+it would be the longest, 80-150 ms, for good) is timed through ``gc.callbacks`` (stats
+``gc_collections``, ``gc_pause_seconds``, ``gc_pause_seconds_max``). The callbacks run in
 whichever of the daemon's threads collects; collections never overlap (the collector holds
 the interpreter), and the control loop waits for each, except while a finalizer it runs
 releases the interpreter (that time is counted too: an upper bound on the loop's wait).
@@ -33,11 +34,11 @@ class GcPauses:
     def start(self) -> None:
         """Freeze what exists now and time collections from here. Call once start-up made
         what it makes, before the daemon says it is ready (this takes 0.1-0.2 s)."""
-        if self._timed not in gc.callbacks:
-            gc.callbacks.append(self._timed)
         gc.collect()  # start-up's own garbage goes first: frozen objects are never freed
         gc.freeze()
         self.frozen = gc.get_freeze_count()
+        if self._timed not in gc.callbacks:
+            gc.callbacks.append(self._timed)
 
     def stop(self) -> None:
         """Stop timing, and give the frozen objects back to the collector: the interpreter's
