@@ -19,6 +19,9 @@ def _ratio(part: int, whole: int) -> str:
     return f"{part / whole:.4f}" if whole else "0.0000"
 
 
+GC_SECONDS = ("gc_pause_seconds", "gc_pause_seconds_max")  # shown as 0.000086, never 8.6e-05
+
+
 def _pick(stats: dict, *keys: str) -> dict:
     return {k: stats[k] for k in keys if k in stats}
 
@@ -90,13 +93,8 @@ def sections(stats: dict) -> dict[str, dict]:
     return {
         "server": _pick(stats, "version", "protocol", "pid", "endpoint", "boot_epoch", "uptime_s")
         # the daemon's pauses in Python's cycle collector (what start-up made is frozen)
-        | _pick(
-            stats,
-            "gc_frozen_objects",
-            "gc_collections",
-            "gc_pause_seconds",
-            "gc_pause_seconds_max",
-        ),
+        | _pick(stats, "gc_frozen_objects", "gc_collections")
+        | {k: f"{stats[k]:.6f}" for k in GC_SECONDS if k in stats},
         "config": _config(stats),
         "memory": {
             "device_capacity_tokens": stats["device_capacity_tokens"],

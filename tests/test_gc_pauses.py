@@ -45,13 +45,18 @@ def test_a_daemon_freezes_at_start_and_stops_without_leak_reports(tmp_path):
     them back: the interpreter's exit then frees them, and nothing (triton's bindings) prints
     "leaked" lines."""
     from hicache.client import HiCacheClient
+    from hicache.client.info_view import sections
     from tests.daemon_helpers import start_daemon, stop_daemon
 
     endpoint = f"ipc://{tmp_path}/d.sock"
     proc = start_daemon(endpoint)
     try:
         with HiCacheClient(endpoint, name="operator") as hc:
-            assert hc.stats()["gc_frozen_objects"] > 50_000
+            stats = hc.stats()
+        assert stats["gc_frozen_objects"] > 50_000
+        server = sections({**stats, "gc_pause_seconds_max": 8.6e-05})["server"]  # (`info`)
+        assert server["gc_pause_seconds_max"] == "0.000086"
+        assert server["gc_frozen_objects"] == stats["gc_frozen_objects"]
     finally:
         said = stop_daemon(proc)
     assert proc.returncode == 0 and "hicache-daemon stopped" in said

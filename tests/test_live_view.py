@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from hicache.client import HiCacheClient
-from hicache.client.top import CLEAR, Rates, render_top
+from hicache.client.top import CLEAR, Rates, render_shape, render_top
 from hicache.observe import tree_shape
 from tests.conftest import make_cache, put
 from tests.daemon_helpers import start_daemon, stop_daemon
@@ -46,6 +46,8 @@ def test_tree_shape_ranks_shared_prefixes_by_what_hangs_below():
     put(cache, [7] * 8, namespace="tenant")
     shape = tree_shape(cache, top=1)
     default, tenant = shape["namespaces"]
+    assert (default["namespace"], tenant["namespace"]) == ("", "'tenant'")
+    assert "# Namespace (default)" in render_shape(shape) and "None" not in render_shape(shape)
     assert default["tokens"] == 32 + 4 * 8 + 8 + 2 * 4 and tenant["tokens"] == 8
     [first] = default["prefixes"]  # top=1: the heaviest only
     assert (first["prefix_tokens"], first["subtree_tokens"], first["branches"]) == (32, 32, 4)

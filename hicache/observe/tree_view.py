@@ -45,7 +45,12 @@ def tree_shape(cache: HasTree, top: int = 10) -> dict[str, Any]:
         best = heapq.nlargest(top, candidates, key=lambda node: (below[node.id], -node.id))
         truncated |= len(candidates) > top
         namespaces.append(
-            {"namespace": repr(ns), **totals, "prefixes": [_prefix(n, below) for n in best]}
+            # "" for the default namespace (None), the repr of any other
+            {
+                "namespace": "" if ns is None else repr(ns),
+                **totals,
+                "prefixes": [_prefix(n, below) for n in best],
+            }
         )
     return {
         "nodes": cache.tree.num_nodes,
