@@ -210,7 +210,7 @@ class Daemon:
         if plain and not settings.curve:
             log.warning(
                 "%s without CurveZMQ (--insecure-local-tcp): every local user can connect, "
-                "read cached prompts' token ids and insert KV",
+                "read cached prompts' token ids, insert KV and take every session",
                 ", ".join(plain),
             )
         if settings.metrics_port:
