@@ -23,7 +23,6 @@ owner. Stateless; thread-safe.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import pwd
 import re
@@ -33,10 +32,10 @@ import struct
 from collections.abc import Mapping
 
 from hicache.endpoints import SHM_DIR, folder_problem, is_loopback
+from hicache.local_tcp import listener_uid
 
 DAEMON_USER_ENV = "HICACHE_DAEMON_USER"
 _SEGMENT = re.compile(r"hicache-(\d+)-\d+-[0-9a-f]{32}-[a-z]+")
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 
 
 class UntrustedDaemon(PermissionError):
@@ -137,34 +136,6 @@ def peer_uid(path: str) -> int:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, _gid = struct.unpack("3i", creds)
     return uid
-
-
-def listener_uid(port: int, proc: str = "/proc/net") -> int | None:
-    """The owner of the socket listening on loopback (or every address) at ``port``, from
-    /proc/net/tcp and tcp6; None when nothing listens there (or /proc is not readable)."""
-    for name in ("tcp", "tcp6"):
-        try:
-            with open(os.path.join(proc, name)) as fh:
-                lines = fh.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 8 or fields[3] != _LISTEN:
-                continue
-            address, _, hex_port = fields[1].rpartition(":")
-            if int(hex_port, 16) == port and _local_or_any(address):
-                return int(fields[7])
-    return None
-
-
-def _local_or_any(hex_address: str) -> bool:
-    raw = bytes.fromhex(hex_address)
-    # /proc prints each 32-bit word in host order (little-endian here)
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    address = ipaddress.ip_address(words)
-    mapped = getattr(address, "ipv4_mapped", None)
-    return address.is_loopback or address.is_unspecified or bool(mapped and mapped.is_loopback)
 
 
 def segment_path(

@@ -21,13 +21,16 @@ from it (``watch``, wire_watch.py). Used by the control thread only.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections import deque
 
 import zmq
 
 from hicache.daemon.busy_poll import BusyPoll, queued, yield_cpu
+from hicache.daemon.sessions import LOCAL_USER
 from hicache.daemon.wire_watch import WireWatch
+from hicache.local_tcp import connection_uid
 
 log = logging.getLogger("hicache.daemon")
 
@@ -41,6 +44,7 @@ COPY_BELOW = 1 << 20
 # Received frames below this are copied into bytes (cheaper than keeping pyzmq's Frame); larger
 # ones stay in zmq's buffer, read through a memoryview (a batch of prompts: no 500 KiB copy).
 KEEP_FROM = 1 << 16
+SRCFD = int(zmq.SRCFD)
 READ_AHEAD = 8  # requests of the client being served read past while looking for another's
 YIELD_EVERY_S = 0.0002  # a long request gives its core away at most this often (see below)
 
@@ -135,6 +139,30 @@ class Inbox:
     def user(self) -> str:
         """The CurveZMQ client key (z85) the served request came with ("": none)."""
         return self._property("User-Id")
+
+    def local_user(self) -> str:
+        """On tcp without CurveZMQ keys: the local user behind the served request's
+        connection, as the kernel lists the client's socket ("local uid N"); "" when not
+        known (another host, a connection gone). Reads /proc (for a hello only)."""
+        try:
+            fd = self._first.get(SRCFD) if self._first is not None else -1
+        except zmq.ZMQError:
+            return ""
+        if fd < 0:
+            return ""
+        try:
+            sock = socket.socket(fileno=fd)  # zmq's own: let go of, never closed here
+        except OSError:
+            return ""
+        try:
+            host, port = sock.getpeername()[:2]
+            server_port = sock.getsockname()[1]
+        except (OSError, ValueError):
+            return ""
+        finally:
+            sock.detach()
+        uid = connection_uid(host, port, server_port)
+        return "" if uid is None else f"{LOCAL_USER}{uid}"
 
     def process(self) -> str:
         """Over ipc: the process that opened the served request's connection, as the kernel

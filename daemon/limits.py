@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hicache.daemon.sessions import MAX_SESSIONS_PER_PEER, USER_SHARE
+from hicache.daemon.sessions import LOCAL_USER, MAX_SESSIONS_PER_PEER, USER_SHARE
 from hicache.daemon.wire_watch import IN_ALL, PER_CONNECTION
 from hicache.protocol import MAX_FRAME_BYTES, ErrorCode, ProtocolError
 
@@ -64,8 +64,8 @@ class SessionLimits:
         locks = self.max_total_locks * LOCK_BYTES
         return (
             f"limits: {max_sessions} sessions ({MAX_SESSIONS_PER_PEER} per connection, "
-            f"{max(MAX_SESSIONS_PER_PEER, max_sessions // USER_SHARE)} per CurveZMQ key or ipc "
-            f"process); {self.max_locks} locks each, {self.max_total_locks}"
+            f"{max(MAX_SESSIONS_PER_PEER, max_sessions // USER_SHARE)} per CurveZMQ key, ipc "
+            f"process or local user on tcp); {self.max_locks} locks each, {self.max_total_locks}"
             f" in all (~{locks / 2**20:.0f} MiB); {self.max_owned_pages} {self.pool} pages owned"
             f" or pinned each; {SNDHWM} replies queued per connection; frames of at most "
             f"{MAX_FRAME_BYTES / 2**20:.0f} MiB; on tcp, {PER_CONNECTION / 2**20:.0f} MiB sent"
@@ -88,11 +88,12 @@ class SessionLimits:
         if len(session.fellows) > 1:
             held = sum(len(s.owned) + s.pinned_pages for s in session.fellows)
             if held + new_pages > self.max_owned_pages:
+                who = "local user" if session.user.startswith(LOCAL_USER) else "client key"
                 raise ProtocolError(
                     ErrorCode.QUOTA_EXCEEDED,
-                    f"the {len(session.fellows)} sessions of this client key would hold "
+                    f"the {len(session.fellows)} sessions of this {who} would hold "
                     f"{held + new_pages} {self.pool} pages (owned or pinned by their locks); "
-                    f"one key may hold {self.max_owned_pages}, as one session may (insert, "
+                    f"one {who} may hold {self.max_owned_pages}, as one session may (insert, "
                     "free or release some first)",
                 )
 

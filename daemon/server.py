@@ -203,6 +203,8 @@ class Daemon:
         self.handlers.context.others_waiting = self.inbox.others_waiting
         if settings.curve:  # (read only by a hello: a property costs a call per message)
             self.handlers.user = self.inbox.user
+        elif settings.endpoint.startswith("tcp://"):  # no keys: the local user behind it
+            self.handlers.user = self.inbox.local_user
         if settings.endpoint.startswith("ipc://"):
             self.handlers.process = self.inbox.process
         endpoints = (settings.endpoint, settings.events_endpoint, settings.events_replay_endpoint)
@@ -210,7 +212,7 @@ class Daemon:
         if plain and not settings.curve:
             log.warning(
                 "%s without CurveZMQ (--insecure-local-tcp): every local user can connect, "
-                "read cached prompts' token ids, insert KV and take every session",
+                "read cached prompts' token ids and insert KV",
                 ", ".join(plain),
             )
         if settings.metrics_port:

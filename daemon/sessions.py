@@ -37,8 +37,9 @@ from hicache.protocol import DEFAULT_LEASE_S, ErrorCode, ProtocolError
 FORGET_AFTER = 65536  # lapsed session keys remembered (to answer LEASE_EXPIRED, not UNKNOWN)
 DEFAULT_MAX_SESSIONS = 4096  # live and quarantined sessions at once
 MAX_SESSIONS_PER_PEER = 16  # sessions one connection may have open (an engine opens one)
+LOCAL_USER = "local uid "  # a user named so is a local uid (tcp without keys), not a key
 USER_SHARE = 4  # one CurveZMQ client key holds at most this share (1/4) of max_sessions, and
-# so does one process over ipc (however many connections it opens)
+# so do one local user on tcp without keys and one process over ipc (however many connections)
 
 
 def process_pid(process: str) -> int:
@@ -196,8 +197,9 @@ class SessionTable:
         """A new live session; QUOTA_EXCEEDED when max_sessions already hold memory, when
         ``peer`` (the connection asking) has MAX_SESSIONS_PER_PEER open already (an engine
         opens one per connection, and one socket must not take every session there is), or
-        when ``user`` (its CurveZMQ key) or ``process`` (the process that opened an ipc
-        connection) holds its share of max_sessions over connections."""
+        when ``user`` (its CurveZMQ key; on tcp without keys its local uid, LOCAL_USER) or
+        ``process`` (the process that opened an ipc connection) holds its share of
+        max_sessions over connections."""
         if len(self._sessions) + len(self._quarantine) >= self.max_sessions:
             raise ProtocolError(
                 ErrorCode.QUOTA_EXCEEDED,
@@ -209,8 +211,9 @@ class SessionTable:
                 f"this connection opened {MAX_SESSIONS_PER_PEER} sessions already (one per "
                 "HiCacheClient): close some first",
             )
+        key_or_uid = "this local user" if user.startswith(LOCAL_USER) else "this client key"
         for who, count, name in (
-            (user, self._per_user, "this client key"),
+            (user, self._per_user, key_or_uid),
             (process, self._per_process, f"this process (pid {process_pid(process)})"),
         ):
             if who and count[who] >= self.max_per_user:

@@ -126,9 +126,8 @@ DAEMON_FIELDS: dict[str, tuple[type, Any, str]] = {
         bool,
         False,
         "accept a loopback tcp:// endpoint (control or events) without CurveZMQ keys: EVERY "
-        "local user can then connect, read cached prompts' token ids, insert KV under any "
-        "tokens and take every session (no identity to share them by) (default: refused; use "
-        "ipc://, private to your user, or CurveZMQ keys)",
+        "local user can then connect, read cached prompts' token ids and insert KV under any "
+        "tokens (default: refused; use ipc://, private to your user, or CurveZMQ keys)",
     ),
     "keep_host": (
         bool,

@@ -616,6 +616,13 @@ MUTATIONS = [
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
+        "local-users-not-told-apart-without-keys",
+        "daemon/server.py",
+        "            self.handlers.user = self.inbox.local_user\n",
+        "            pass\n",
+        ("tests/test_trust.py",),
+    ),
+    Mutation(
         "start-up-objects-not-frozen",
         "daemon/gc_pauses.py",
         "        gc.freeze()\n",

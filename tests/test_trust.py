@@ -25,12 +25,12 @@ import pytest
 from hicache.client import HiCacheClient
 from hicache.client.trust import (
     UntrustedDaemon,
-    listener_uid,
     peer_uid,
     segment_path,
     trusted_uids,
     verify_endpoint,
 )
+from hicache.local_tcp import connection_uid, listener_uid
 from hicache.memory import attach_shared_memory
 from tests.daemon_helpers import start_daemon, stop_daemon
 from tests.l3_servers import free_port
@@ -218,6 +218,26 @@ def test_the_owner_of_a_loopback_listener_is_found():
     assert listener_uid(port) is None
 
 
+def test_the_owner_of_a_loopback_connections_far_end_is_found():
+    """What a daemon without keys learns of who connected: the uid of the client's socket
+    (the one whose own address is the connection's far end), never the listener's."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    client = socket.create_connection(server.getsockname())
+    accepted, (host, port) = server.accept()
+    try:
+        listening = server.getsockname()[1]
+        assert connection_uid(host, port, listening) == os.getuid()
+        assert connection_uid(host, listening, 0) is None  # the listener is nobody's far end
+        assert connection_uid(host, port, listening + 1) is None  # connected elsewhere
+        assert connection_uid("10.1.2.3", port, listening) is None  # not in our tables
+        assert connection_uid("not an address", port, listening) is None
+    finally:
+        for s in (client, accepted, server):
+            s.close()
+
+
 @root_only
 def test_a_loopback_port_another_user_took_is_refused():
     """s14: the port was taken while the daemon was down."""
@@ -313,3 +333,37 @@ def test_a_hello_that_names_another_file_maps_nothing(tmp_path):
         stop_daemon(proc)
     assert victim.read_bytes() == b"precious" * 1024
     assert stat.S_IMODE(os.stat(tmp_path).st_mode) & 0o022 == 0
+
+
+def test_without_keys_one_local_user_holds_one_share_of_the_sessions(tmp_path):
+    """s10 under --insecure-local-tcp: with no key to tell clients apart, the daemon names
+    the local user behind each loopback connection (the kernel's tables) and holds each
+    to a quarter of max_sessions, over any number of connections."""
+    import msgpack
+    import zmq
+
+    from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply
+
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    proc = start_daemon(ep, "--insecure-local-tcp", "true", "--max-sessions", "128")
+    socks = []
+    try:
+        replies = []
+        for _ in range(3):  # 16 per connection, 32 (128 / 4) per local user
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 20000)
+            sock.connect(ep)
+            socks.append(sock)
+            for _ in range(11):
+                hello = [PROTOCOL_VERSION, int(Op.HELLO), 1, 0, 0, {"client": "many", "pid": 1}]
+                sock.send(msgpack.packb(hello))
+                replies.append(decode_reply(sock.recv()))
+        assert all(r.ok for r in replies[:32])
+        refused = replies[32]
+        assert refused.status is ErrorCode.QUOTA_EXCEEDED
+        assert "this local user holds 32 sessions" in str(refused.fields)
+    finally:
+        for sock in socks:
+            sock.close()
+        stop_daemon(proc)
