@@ -143,7 +143,7 @@ class Inbox:
     def local_user(self) -> str:
         """On tcp without CurveZMQ keys: the local user behind the served request's
         connection, as the kernel lists the client's socket ("local uid N"); "" when not
-        known (another host, a connection gone). Reads /proc (for a hello only)."""
+        known (another host, a connection gone). One netlink look-up (for a hello only)."""
         try:
             fd = self._first.get(SRCFD) if self._first is not None else -1
         except zmq.ZMQError:
@@ -156,12 +156,12 @@ class Inbox:
             return ""
         try:
             host, port = sock.getpeername()[:2]
-            server_port = sock.getsockname()[1]
+            server_host, server_port = sock.getsockname()[:2]
         except (OSError, ValueError):
             return ""
         finally:
             sock.detach()
-        uid = connection_uid(host, port, server_port)
+        uid = connection_uid(host, port, server_host, server_port)
         return "" if uid is None else f"{LOCAL_USER}{uid}"
 
     def process(self) -> str:

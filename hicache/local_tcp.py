@@ -1,21 +1,29 @@
-"""Who owns a local tcp socket, from the kernel's tables (/proc/net/tcp and tcp6).
+"""Who owns a local tcp socket, from the kernel's tables.
 
 Both sides of a loopback connection are sockets of this host, so the kernel names each one's
 owner: a client checks the uid behind the port it connects to (``listener_uid``, client
-trust), and a daemon without CurveZMQ keys tells the local users behind its connections apart
-(``connection_uid``: the socket whose own address is the connection's far end). None when no
-such socket is listed (it closed, another host, or /proc is not readable). Stateless; reads
-the tables on each call (a few ms with thousands of connections: for a hello, never per
-request).
+trust: /proc/net/tcp, once per connection), and a daemon without CurveZMQ keys tells the
+local users behind its connections apart (``connection_uid``: the socket at the connection's
+far end, looked up by its address pair through netlink, at a hello). None when no such
+socket is there (it closed, another host, or the kernel's tables cannot be read). Stateless.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import socket
+import struct
 from collections.abc import Iterator
 
 _LISTEN = "0A"  # TCP_LISTEN in the st column
+# netlink socket diagnostics (linux/sock_diag.h, linux/inet_diag.h)
+_NETLINK_SOCK_DIAG, _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, _NLMSG_ERROR = 4, 20, 1, 2
+_ALL_STATES = 0xFFFFFFFF
+_NO_COOKIE = (0xFFFFFFFF, 0xFFFFFFFF)  # INET_DIAG_NOCOOKIE: any socket of that address pair
+# the uid in a reply: after nlmsghdr (16), family/state/timer/retrans (4), the socket id (48),
+# expires, rqueue and wqueue (12)
+_UID_AT = 16 + 4 + 48 + 12
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
@@ -57,18 +65,32 @@ def listener_uid(port: int, proc: str = "/proc/net") -> int | None:
     return None
 
 
-def connection_uid(host: str, port: int, server_port: int, proc: str = "/proc/net") -> int | None:
-    """The owner of the local socket at ``host:port`` connected to ``server_port``: the far
-    end of a loopback connection a listener on ``server_port`` accepted from there. None for
-    another host's address."""
+def connection_uid(host: str, port: int, server_host: str, server_port: int) -> int | None:
+    """The owner of the local socket at ``host:port`` connected to ``server_host:
+    server_port``: the far end of a loopback connection a listener there accepted. One
+    exact look-up through the kernel's socket diagnostics (netlink ``sock_diag``, about
+    15 us; /proc/net/tcp would take 12 ms with 4,000 sockets). None for another host's
+    address, a socket gone, or a kernel without the diagnostics."""
     try:
         peer = _unmapped(ipaddress.ip_address(host))
+        server = _unmapped(ipaddress.ip_address(server_host))
     except ValueError:
         return None
-    if not peer.is_loopback:
-        return None  # (another host's socket is not in this host's tables)
-    for address, local_port, remote_port, state, uid in _rows(proc):
-        if (local_port, remote_port) == (port, server_port) and state != _LISTEN:
-            if _unmapped(address) == peer:
-                return uid
-    return None
+    if not peer.is_loopback or peer.version != server.version:
+        return None  # (another host's socket is not this host's to name)
+    family = socket.AF_INET if peer.version == 4 else socket.AF_INET6
+    request = struct.pack("=BBBxI", family, socket.IPPROTO_TCP, 0, _ALL_STATES)
+    request += struct.pack("!HH", port, server_port)
+    request += peer.packed.ljust(16, b"\0") + server.packed.ljust(16, b"\0")
+    request += struct.pack("=III", 0, *_NO_COOKIE)
+    header = struct.pack("=IHHII", 16 + len(request), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0)
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as nl:
+            nl.settimeout(1.0)
+            nl.sendto(header + request, (0, 0))
+            reply = nl.recv(4096)
+    except OSError:  # no netlink here (another OS, a sandbox): not known
+        return None
+    if len(reply) < _UID_AT + 4 or struct.unpack_from("=H", reply, 4)[0] == _NLMSG_ERROR:
+        return None  # (ENOENT: no such socket, it closed meanwhile)
+    return struct.unpack_from("=I", reply, _UID_AT)[0]

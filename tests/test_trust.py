@@ -228,11 +228,11 @@ def test_the_owner_of_a_loopback_connections_far_end_is_found():
     accepted, (host, port) = server.accept()
     try:
         listening = server.getsockname()[1]
-        assert connection_uid(host, port, listening) == os.getuid()
-        assert connection_uid(host, listening, 0) is None  # the listener is nobody's far end
-        assert connection_uid(host, port, listening + 1) is None  # connected elsewhere
-        assert connection_uid("10.1.2.3", port, listening) is None  # not in our tables
-        assert connection_uid("not an address", port, listening) is None
+        assert connection_uid(host, port, host, listening) == os.getuid()
+        assert connection_uid(host, listening, host, port) == os.getuid()  # (the daemon's end)
+        assert connection_uid(host, port, host, listening + 1) is None  # connected elsewhere
+        assert connection_uid("10.1.2.3", port, host, listening) is None  # not this host's
+        assert connection_uid("not an address", port, host, listening) is None
     finally:
         for s in (client, accepted, server):
             s.close()
