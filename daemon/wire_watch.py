@@ -31,11 +31,14 @@ import resource
 import socket
 import struct
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
 
+from hicache.daemon.sessions import USER_SHARE
+from hicache.local_tcp import connection_uid
 from hicache.protocol import MAX_FRAME_BYTES
 
 log = logging.getLogger("hicache.daemon")
@@ -109,6 +112,7 @@ def abort(sock: socket.socket) -> None:
 class _Connection:
     sock: socket.socket  # our copy of zmq's descriptor (counts, shutdown): closed as zmq's is
     peer: str  # "address:port" (for the log)
+    uid: int | None  # the local user at its far end (loopback), None: another host, unknown
     taken: int = 0  # bytes of its messages read so far, with their framing
 
 
@@ -127,12 +131,15 @@ class WireWatch:
         self.per_connection = per_connection
         self.in_all = in_all
         self.max_connections = max_connections
+        # one local user (loopback) keeps at most a quarter of them: it cannot lock others out
+        self.max_per_user = max(4, max_connections // USER_SHARE)
         # connections reset: holding too much, past max_connections, or not watchable
         self.closed = 0  # (stats: connections_closed)
         self._full_resets = 0  # resets past max_connections not logged yet
         self._say_after = 0.0  # (monotonic) when such resets are logged next
         self._monitor = sock.get_monitor_socket(_EVENTS)
         self._connections: dict[int, _Connection] = {}
+        self._per_uid: Counter[int] = Counter()  # connections kept, by local user
         self._next_check = 0.0  # (monotonic) when maybe_check reads the counts again
 
     # ---- the reading thread ----
@@ -170,7 +177,7 @@ class WireWatch:
         for fd in sorted(held, key=held.__getitem__, reverse=True):
             if held[fd] <= self.per_connection and total <= self.in_all:
                 break
-            conn = self._connections.pop(fd)
+            conn = self._drop(fd)
             log.warning(
                 "reset the %s connection from %s: it sent %.1f MiB that no read took yet (a "
                 "message not finished, or requests queued); zmq may hold %.0f MiB unread for "
@@ -203,7 +210,18 @@ class WireWatch:
         for conn in self._connections.values():
             conn.sock.close()
         self._connections.clear()
+        self._per_uid.clear()
         self._monitor.close(linger=0)
+
+    def _drop(self, fd: int) -> _Connection | None:
+        """Stop watching connection ``fd`` (not closing anything); returns it (None: not
+        watched)."""
+        conn = self._connections.pop(fd, None)
+        if conn is not None and conn.uid is not None:
+            self._per_uid[conn.uid] -= 1
+            if not self._per_uid[conn.uid]:
+                del self._per_uid[conn.uid]
+        return conn
 
     def _follow(self) -> None:
         """Take in the monitor's news: connections accepted and gone, in their order."""
@@ -215,7 +233,7 @@ class WireWatch:
                 return
             try:
                 event, fd = struct.unpack("=Hi", frames[0][:6])
-                old = self._connections.pop(fd, None)
+                old = self._drop(fd)
                 if old is not None:  # (a descriptor zmq closed, maybe given again since)
                     old.sock.close()
                 if event == zmq.EVENT_ACCEPTED:
@@ -242,29 +260,38 @@ class WireWatch:
                 return
             bytes_received(sock)  # (a kernel without the count: not watched)
             host, peer_port = sock.getpeername()[:2]
+            local_host = sock.getsockname()[0]
         except (OSError, struct.error):
             sock.close()
             return
+        # on loopback, the local user behind the connection (None: another host, unknown)
+        uid = connection_uid(host, peer_port, local_host, port)
         if len(self._connections) >= self.max_connections:
-            abort(sock)
-            self.closed += 1
-            self._full_resets += 1
-            now = time.monotonic()
-            if now >= self._say_after:
-                self._say_after = now + SAY_EVERY_S
-                log.warning(
-                    "reset %d new %s connection(s), the last from %s:%s: %d are open, the "
-                    "most this socket keeps (said at most every %.0f s)",
-                    self._full_resets,
-                    self.name,
-                    host,
-                    peer_port,
-                    len(self._connections),
-                    SAY_EVERY_S,
-                )
-                self._full_resets = 0
+            why = f"{len(self._connections)} are open, the most this socket keeps"
+        elif uid is not None and self._per_uid[uid] >= self.max_per_user:
+            why = f"uid {uid} holds {self._per_uid[uid]}, the most one local user may"
+        else:
+            self._connections[fd] = _Connection(sock, f"{host}:{peer_port}", uid)
+            if uid is not None:
+                self._per_uid[uid] += 1
             return
-        self._connections[fd] = _Connection(sock, f"{host}:{peer_port}")
+        abort(sock)
+        self.closed += 1
+        self._full_resets += 1
+        now = time.monotonic()
+        if now >= self._say_after:
+            self._say_after = now + SAY_EVERY_S
+            log.warning(
+                "reset %d new %s connection(s), the last from %s:%s: %s (said at most every "
+                "%.0f s)",
+                self._full_resets,
+                self.name,
+                host,
+                peer_port,
+                why,
+                SAY_EVERY_S,
+            )
+            self._full_resets = 0
 
     def _reset_unwatched(self, fd: int, port: int, why: str) -> None:
         try:

@@ -623,6 +623,20 @@ MUTATIONS = [
         ("tests/test_trust.py",),
     ),
     Mutation(
+        "one-local-user-keeps-every-connection",
+        "daemon/wire_watch.py",
+        "        elif uid is not None and self._per_uid[uid] >= self.max_per_user:",
+        "        elif False:",
+        ("tests/test_wire_watch.py",),
+    ),
+    Mutation(
+        "a-closed-connection-keeps-its-users-place",
+        "daemon/wire_watch.py",
+        "            self._per_uid[conn.uid] -= 1\n",
+        "            pass\n",
+        ("tests/test_wire_watch.py",),
+    ),
+    Mutation(
         "start-up-objects-not-frozen",
         "daemon/gc_pauses.py",
         "        gc.freeze()\n",

@@ -243,6 +243,33 @@ def test_one_connection_too_many_or_one_that_cannot_be_watched_is_reset(router, 
     watch.close()
 
 
+def test_one_local_user_keeps_a_quarter_of_the_connections(router, caplog):
+    """A local user (the kernel names who holds the far end of a loopback connection) keeps
+    at most a quarter of a socket's connections: holding them all would lock every other
+    user's new engines out. A connection it lets go of frees its place."""
+    ctx, sock = router
+    watch = WireWatch(sock, False, "test", max_connections=16)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    assert watch.max_per_user == 4
+    kept = [zmtp_peer(port) for _ in range(4)]
+    watch.check()
+    assert watch.closed == 0 and watch._per_uid == {os.getuid(): 4}
+    with caplog.at_level("WARNING", logger="hicache.daemon"):
+        extra = zmtp_peer(port)
+        watch.check()
+    assert watch.closed == 1 and closed_by_peer(extra)
+    assert f"uid {os.getuid()} holds 4, the most one local user may" in caplog.text
+    kept.pop().close()
+    wait_until(lambda: len(watch.held()) == 3, what="the close seen")
+    assert watch._per_uid == {os.getuid(): 3}
+    kept.append(zmtp_peer(port))  # its place is free again
+    watch.check()
+    assert watch.closed == 1 and len(watch.held()) == 4
+    for peer in kept:
+        peer.close()
+    watch.close()
+
+
 def test_checks_take_a_bounded_share_of_the_loop(router, monkeypatch):
     ctx, sock = router
     watch, _, _ = _pair(ctx, sock, curve=False)
