@@ -557,8 +557,8 @@ MUTATIONS = [
     Mutation(
         "sessions-per-client-key-unbounded",
         "daemon/sessions.py",
-        '            (user, self._per_user, "this client key"),',
-        '            ("", self._per_user, "this client key"),',
+        "            (user, self._per_user, key_or_uid),",
+        '            ("", self._per_user, key_or_uid),',
         (
             "tests/test_sessions.py::"
             "test_one_client_key_cannot_take_every_session_over_many_connections",
