@@ -21,7 +21,6 @@ from it (``watch``, wire_watch.py). Used by the control thread only.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections import deque
 
@@ -29,8 +28,7 @@ import zmq
 
 from hicache.daemon.busy_poll import BusyPoll, queued, yield_cpu
 from hicache.daemon.sessions import LOCAL_USER
-from hicache.daemon.wire_watch import WireWatch
-from hicache.local_tcp import connection_uid
+from hicache.daemon.wire_watch import SRCFD, WireWatch
 
 log = logging.getLogger("hicache.daemon")
 
@@ -44,7 +42,6 @@ COPY_BELOW = 1 << 20
 # Received frames below this are copied into bytes (cheaper than keeping pyzmq's Frame); larger
 # ones stay in zmq's buffer, read through a memoryview (a batch of prompts: no 500 KiB copy).
 KEEP_FROM = 1 << 16
-SRCFD = int(zmq.SRCFD)
 READ_AHEAD = 8  # requests of the client being served read past while looking for another's
 YIELD_EVERY_S = 0.0002  # a long request gives its core away at most this often (see below)
 
@@ -141,28 +138,20 @@ class Inbox:
         return self._property("User-Id")
 
     def local_user(self) -> str:
-        """On tcp without CurveZMQ keys: the local user behind the served request's
-        connection, as the kernel lists the client's socket ("local uid N"); "" when not
-        known (another host, a connection gone). One netlink look-up (for a hello only)."""
+        """On tcp without CurveZMQ keys: whom the served request's sessions count against,
+        the local user the kernel named at the far end of its connection when it was
+        accepted ("local uid N"); "" for the watch's trusted users (the daemon's own, root:
+        they can stop the daemon anyway); "local uid ?" when not known (a connection closed
+        before it was seen: all such share one user's bound)."""
+        watch = self.watch
         try:
             fd = self._first.get(SRCFD) if self._first is not None else -1
         except zmq.ZMQError:
+            fd = -1
+        uid = None if watch is None or fd < 0 else watch.uid_of(fd)
+        if uid is not None and watch is not None and uid in watch.trusted:
             return ""
-        if fd < 0:
-            return ""
-        try:
-            sock = socket.socket(fileno=fd)  # zmq's own: let go of, never closed here
-        except OSError:
-            return ""
-        try:
-            host, port = sock.getpeername()[:2]
-            server_host, server_port = sock.getsockname()[:2]
-        except (OSError, ValueError):
-            return ""
-        finally:
-            sock.detach()
-        uid = connection_uid(host, port, server_host, server_port)
-        return "" if uid is None else f"{LOCAL_USER}{uid}"
+        return f"{LOCAL_USER}{'?' if uid is None else uid}"
 
     def process(self) -> str:
         """Over ipc: the process that opened the served request's connection, as the kernel

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import resource
@@ -55,6 +56,14 @@ CURVE_BYTES = 33  # what CurveZMQ adds to a frame: its MESSAGE command's name, n
 _BYTES_RECEIVED = 128  # offset of tcpi_bytes_received (u64) in struct tcp_info (Linux >= 4.1)
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 SRCFD = int(zmq.SRCFD)
+UNKNOWN = -1  # the share of connections whose local user is not known (on a loopback listener)
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def wire_bytes(size: int, curve: bool) -> int:
@@ -112,7 +121,8 @@ def abort(sock: socket.socket) -> None:
 class _Connection:
     sock: socket.socket  # our copy of zmq's descriptor (counts, shutdown): closed as zmq's is
     peer: str  # "address:port" (for the log)
-    uid: int | None  # the local user at its far end (loopback), None: another host, unknown
+    uid: int | None  # the local user at its far end at accept (None: another host's, unknown)
+    counted: int | None  # whose share it counts in (None: not counted, a trusted user's)
     taken: int = 0  # bytes of its messages read so far, with their framing
 
 
@@ -125,14 +135,17 @@ class WireWatch:
         per_connection: int = PER_CONNECTION,
         in_all: int = IN_ALL,
         max_connections: int = MAX_CONNECTIONS,
+        trusted: frozenset[int] | None = None,
     ):
         self.name = name  # which socket (for the log): "control", "events", ...
         self.curve = curve
         self.per_connection = per_connection
         self.in_all = in_all
         self.max_connections = max_connections
-        # one local user (loopback) keeps at most a quarter of them: it cannot lock others out
+        # one local user keeps at most a quarter of them: it cannot lock others out. Not held
+        # to it: ``trusted`` users (the daemon's own and root: they can stop it anyway)
         self.max_per_user = max(4, max_connections // USER_SHARE)
+        self.trusted = frozenset({os.getuid(), 0}) if trusted is None else trusted
         # connections reset: holding too much, past max_connections, or not watchable
         self.closed = 0  # (stats: connections_closed)
         self._full_resets = 0  # resets past max_connections not logged yet
@@ -217,11 +230,20 @@ class WireWatch:
         """Stop watching connection ``fd`` (not closing anything); returns it (None: not
         watched)."""
         conn = self._connections.pop(fd, None)
-        if conn is not None and conn.uid is not None:
-            self._per_uid[conn.uid] -= 1
-            if not self._per_uid[conn.uid]:
-                del self._per_uid[conn.uid]
+        if conn is not None and conn.counted is not None:
+            self._per_uid[conn.counted] -= 1
+            if not self._per_uid[conn.counted]:
+                del self._per_uid[conn.counted]
         return conn
+
+    def uid_of(self, fd: int) -> int | None:
+        """The local user at the far end of watched connection ``fd`` when it was accepted
+        (None: not watched, another host's, or unknown). What a hello on it is charged to:
+        looked up later, a connection closed meanwhile would read as nobody's, or root's."""
+        if fd not in self._connections:
+            self._follow()
+        conn = self._connections.get(fd)
+        return None if conn is None else conn.uid
 
     def _follow(self) -> None:
         """Take in the monitor's news: connections accepted and gone, in their order."""
@@ -264,16 +286,21 @@ class WireWatch:
         except (OSError, struct.error):
             sock.close()
             return
-        # on loopback, the local user behind the connection (None: another host, unknown)
+        # the local user at the far end (None: another host's, or closed already); counted
+        # unless trusted, and on a loopback listener an unknown one counts as one user too
         uid = connection_uid(host, peer_port, local_host, port)
+        counted = None if uid in self.trusted else uid
+        if uid is None and _loopback(local_host):
+            counted = UNKNOWN
         if len(self._connections) >= self.max_connections:
             why = f"{len(self._connections)} are open, the most this socket keeps"
-        elif uid is not None and self._per_uid[uid] >= self.max_per_user:
-            why = f"uid {uid} holds {self._per_uid[uid]}, the most one local user may"
+        elif counted is not None and self._per_uid[counted] >= self.max_per_user:
+            who = "an unknown local user" if counted == UNKNOWN else f"uid {counted}"
+            why = f"{who} holds {self._per_uid[counted]}, the most one local user may"
         else:
-            self._connections[fd] = _Connection(sock, f"{host}:{peer_port}", uid)
-            if uid is not None:
-                self._per_uid[uid] += 1
+            self._connections[fd] = _Connection(sock, f"{host}:{peer_port}", uid, counted)
+            if counted is not None:
+                self._per_uid[counted] += 1
             return
         abort(sock)
         self.closed += 1

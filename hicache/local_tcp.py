@@ -23,7 +23,9 @@ _ALL_STATES = 0xFFFFFFFF
 _NO_COOKIE = (0xFFFFFFFF, 0xFFFFFFFF)  # INET_DIAG_NOCOOKIE: any socket of that address pair
 # the uid in a reply: after nlmsghdr (16), family/state/timer/retrans (4), the socket id (48),
 # expires, rqueue and wqueue (12)
-_UID_AT = 16 + 4 + 48 + 12
+_UID_AT = 16 + 4 + 48 + 12  # (its inode follows)
+_STATE_AT = 16 + 1
+_TIME_WAIT = 6
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
@@ -67,17 +69,19 @@ def listener_uid(port: int, proc: str = "/proc/net") -> int | None:
 
 def connection_uid(host: str, port: int, server_host: str, server_port: int) -> int | None:
     """The owner of the local socket at ``host:port`` connected to ``server_host:
-    server_port``: the far end of a loopback connection a listener there accepted. One
-    exact look-up through the kernel's socket diagnostics (netlink ``sock_diag``, about
-    15 us; /proc/net/tcp would take 12 ms with 4,000 sockets). None for another host's
-    address, a socket gone, or a kernel without the diagnostics."""
+    server_port``: the far end of a connection a listener there accepted, when that end is
+    a socket of this host (from any of its addresses, not only loopback ones). One exact
+    look-up through the kernel's socket diagnostics (netlink ``sock_diag``, about 15 us;
+    /proc/net/tcp would take 12 ms with 4,000 sockets). None for another host's socket, one
+    gone, one its process closed already (the kernel then names no owner: a closing or
+    TIME_WAIT socket reads as root's), or a kernel without the diagnostics."""
     try:
         peer = _unmapped(ipaddress.ip_address(host))
         server = _unmapped(ipaddress.ip_address(server_host))
     except ValueError:
         return None
-    if not peer.is_loopback or peer.version != server.version:
-        return None  # (another host's socket is not this host's to name)
+    if peer.version != server.version:
+        return None
     family = socket.AF_INET if peer.version == 4 else socket.AF_INET6
     request = struct.pack("=BBBxI", family, socket.IPPROTO_TCP, 0, _ALL_STATES)
     request += struct.pack("!HH", port, server_port)
@@ -91,6 +95,10 @@ def connection_uid(host: str, port: int, server_host: str, server_port: int) -> 
             reply = nl.recv(4096)
     except OSError:  # no netlink here (another OS, a sandbox): not known
         return None
-    if len(reply) < _UID_AT + 4 or struct.unpack_from("=H", reply, 4)[0] == _NLMSG_ERROR:
-        return None  # (ENOENT: no such socket, it closed meanwhile)
-    return struct.unpack_from("=I", reply, _UID_AT)[0]
+    if len(reply) < _UID_AT + 8 or struct.unpack_from("=H", reply, 4)[0] == _NLMSG_ERROR:
+        return None  # (ENOENT: no such socket here)
+    state = reply[_STATE_AT]
+    uid, inode = struct.unpack_from("=II", reply, _UID_AT)
+    if state == _TIME_WAIT or inode == 0:
+        return None  # no process holds it any more
+    return uid

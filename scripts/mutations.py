@@ -637,6 +637,27 @@ MUTATIONS = [
         ("tests/test_wire_watch.py",),
     ),
     Mutation(
+        "the-daemons-own-user-held-to-a-share-of-sessions",
+        "daemon/inbox.py",
+        "        if uid is not None and watch is not None and uid in watch.trusted:",
+        "        if False:",
+        ("tests/test_trust.py",),
+    ),
+    Mutation(
+        "the-daemons-own-user-held-to-a-share-of-connections",
+        "daemon/wire_watch.py",
+        "        counted = None if uid in self.trusted else uid",
+        "        counted = uid",
+        ("tests/test_wire_watch.py",),
+    ),
+    Mutation(
+        "a-closed-sockets-owner-read-as-root",
+        "hicache/local_tcp.py",
+        "    if state == _TIME_WAIT or inode == 0:",
+        "    if False:",
+        ("tests/test_trust.py",),
+    ),
+    Mutation(
         "start-up-objects-not-frozen",
         "daemon/gc_pauses.py",
         "        gc.freeze()\n",

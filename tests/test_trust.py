@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import os
 import shutil
 import signal
@@ -233,6 +234,36 @@ def test_the_owner_of_a_loopback_connections_far_end_is_found():
         assert connection_uid(host, port, host, listening + 1) is None  # connected elsewhere
         assert connection_uid("10.1.2.3", port, host, listening) is None  # not this host's
         assert connection_uid("not an address", port, host, listening) is None
+        client.close()  # its process let go: the kernel names nobody (not root) any more
+        assert connection_uid(host, port, host, listening) is None
+    finally:
+        for s in (client, accepted, server):
+            s.close()
+
+
+def test_a_client_on_another_of_this_hosts_addresses_is_found_too():
+    """A local user may bind its end to any address of this host (eth0's) and connect to a
+    loopback listener: the kernel still names it, so it cannot pass for another host."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # (no packet: picks the address a route would use)
+        address = probe.getsockname()[0]
+    except OSError:
+        address = "127.0.0.1"
+    finally:
+        probe.close()
+    if ipaddress.ip_address(address).is_loopback:
+        pytest.skip("this host has no address but loopback ones")
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    client = socket.socket()
+    client.bind((address, 0))
+    client.connect(server.getsockname())
+    accepted, (host, port) = server.accept()
+    try:
+        assert host == address
+        assert connection_uid(host, port, "127.0.0.1", server.getsockname()[1]) == os.getuid()
     finally:
         for s in (client, accepted, server):
             s.close()
@@ -337,19 +368,28 @@ def test_a_hello_that_names_another_file_maps_nothing(tmp_path):
 
 def test_without_keys_one_local_user_holds_one_share_of_the_sessions(tmp_path):
     """s10 under --insecure-local-tcp: with no key to tell clients apart, the daemon names
-    the local user behind each loopback connection (the kernel's tables) and holds each
-    to a quarter of max_sessions, over any number of connections."""
+    the local user the kernel lists at the far end of each connection (when it was
+    accepted) and holds each to a quarter of max_sessions, over any number of connections.
+    The daemon's own user and root are not held to it (they can stop the daemon anyway):
+    here the test's user stands for another one."""
+    import threading
+
     import msgpack
     import zmq
 
+    from hicache.daemon.server import Daemon
+    from hicache.daemon.settings import build_parser, resolve
     from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply
 
     ep = f"tcp://127.0.0.1:{free_port()}"
-    proc = start_daemon(ep, "--insecure-local-tcp", "true", "--max-sessions", "128")
+    args = ["--endpoint", ep, "--insecure-local-tcp", "true", "--max-sessions", "128",
+            "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
+            "--device-tokens", "512", "--keep-host", "false"]  # fmt: skip
     socks = []
-    try:
+
+    def hellos(connections: int) -> list:
         replies = []
-        for _ in range(3):  # 16 per connection, 32 (128 / 4) per local user
+        for _ in range(connections):  # 11 each (16 per connection at most)
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVTIMEO, 20000)
@@ -359,11 +399,27 @@ def test_without_keys_one_local_user_holds_one_share_of_the_sessions(tmp_path):
                 hello = [PROTOCOL_VERSION, int(Op.HELLO), 1, 0, 0, {"client": "many", "pid": 1}]
                 sock.send(msgpack.packb(hello))
                 replies.append(decode_reply(sock.recv()))
-        assert all(r.ok for r in replies[:32])
-        refused = replies[32]
-        assert refused.status is ErrorCode.QUOTA_EXCEEDED
-        assert "this local user holds 32 sessions" in str(refused.fields)
-    finally:
-        for sock in socks:
-            sock.close()
-        stop_daemon(proc)
+        return replies
+
+    for trusted in (frozenset(), None):
+        daemon = Daemon(resolve(build_parser().parse_args(args), environ={}))
+        if trusted is not None:
+            daemon.inbox.watch.trusted = trusted  # the test's user: another local user
+        serving = threading.Thread(target=daemon.serve)
+        serving.start()
+        try:
+            replies = hellos(3)
+            if trusted is None:  # the daemon's own user: only the per-connection bound
+                assert all(r.ok for r in replies)
+                continue
+            assert all(r.ok for r in replies[:32])  # 128 / 4
+            refused = replies[32]
+            assert refused.status is ErrorCode.QUOTA_EXCEEDED
+            assert "this local user holds 32 sessions" in str(refused.fields)
+        finally:
+            for sock in socks:
+                sock.close()
+            socks.clear()
+            daemon.stopping = True
+            serving.join()
+            daemon.close()

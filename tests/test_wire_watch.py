@@ -248,7 +248,7 @@ def test_one_local_user_keeps_a_quarter_of_the_connections(router, caplog):
     at most a quarter of a socket's connections: holding them all would lock every other
     user's new engines out. A connection it lets go of frees its place."""
     ctx, sock = router
-    watch = WireWatch(sock, False, "test", max_connections=16)
+    watch = WireWatch(sock, False, "test", max_connections=16, trusted=frozenset())
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     assert watch.max_per_user == 4
     kept = [zmtp_peer(port) for _ in range(4)]
@@ -265,9 +265,22 @@ def test_one_local_user_keeps_a_quarter_of_the_connections(router, caplog):
     kept.append(zmtp_peer(port))  # its place is free again
     watch.check()
     assert watch.closed == 1 and len(watch.held()) == 4
+    assert {watch.uid_of(fd) for fd in watch.held()} == {os.getuid()}  # (what hellos count to)
     for peer in kept:
         peer.close()
     watch.close()
+    # the daemon's own user (and root) is not held to a share: it can stop the daemon anyway
+    ctx2 = zmq.Context()
+    sock2 = ctx2.socket(zmq.ROUTER)
+    own = WireWatch(sock2, False, "test", max_connections=16)
+    port = sock2.bind_to_random_port("tcp://127.0.0.1")
+    peers = [zmtp_peer(port) for _ in range(6)]
+    own.check()
+    assert own.closed == 0 and not own._per_uid and len(own.held()) == 6
+    for peer in peers:
+        peer.close()
+    own.close()
+    ctx2.destroy(linger=0)
 
 
 def test_checks_take_a_bounded_share_of_the_loop(router, monkeypatch):
