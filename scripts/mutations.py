@@ -625,14 +625,14 @@ MUTATIONS = [
     Mutation(
         "one-local-user-keeps-every-connection",
         "daemon/wire_watch.py",
-        "        elif uid is not None and self._per_uid[uid] >= self.max_per_user:",
+        "        elif counted is not None and self._per_uid[counted] >= self.max_per_user:",
         "        elif False:",
         ("tests/test_wire_watch.py",),
     ),
     Mutation(
         "a-closed-connection-keeps-its-users-place",
         "daemon/wire_watch.py",
-        "            self._per_uid[conn.uid] -= 1\n",
+        "            self._per_uid[conn.counted] -= 1\n",
         "            pass\n",
         ("tests/test_wire_watch.py",),
     ),
