@@ -65,8 +65,8 @@ def run(settings: DaemonSettings) -> None:
             log.info(daemon.handlers.limits.describe(settings.max_sessions))
         if daemon.inbox.watch is not None:
             log.info(
-                "tcp: at most %d connections kept, %d per local user on loopback (past them a "
-                "new one is reset)",
+                "tcp: at most %d connections kept, %d per local user other than this one and "
+                "root (past them a new one is reset)",
                 daemon.inbox.watch.max_connections,
                 daemon.inbox.watch.max_per_user,
             )
