@@ -239,11 +239,18 @@ class WireWatch:
     def uid_of(self, fd: int) -> int | None:
         """The local user at the far end of watched connection ``fd`` when it was accepted
         (None: not watched, another host's, or unknown). What a hello on it is charged to:
-        looked up later, a connection closed meanwhile would read as nobody's, or root's."""
-        if fd not in self._connections:
-            self._follow()
+        looked up later, a connection closed meanwhile would read as nobody's, or root's.
+        The monitor's news is taken first, and the number must still name the socket
+        watched (our copy's inode): zmq gives a closed connection's number to the next."""
+        self._follow()
         conn = self._connections.get(fd)
-        return None if conn is None else conn.uid
+        if conn is None:
+            return None
+        try:
+            same = os.fstat(fd).st_ino == os.fstat(conn.sock.fileno()).st_ino
+        except OSError:  # (closed meanwhile)
+            return None
+        return conn.uid if same else None
 
     def _follow(self) -> None:
         """Take in the monitor's news: connections accepted and gone, in their order."""

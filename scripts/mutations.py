@@ -658,6 +658,13 @@ MUTATIONS = [
         ("tests/test_trust.py",),
     ),
     Mutation(
+        "a-reused-descriptor-keeps-its-old-user",
+        "daemon/wire_watch.py",
+        "        return conn.uid if same else None",
+        "        return conn.uid",
+        ("tests/test_wire_watch.py",),
+    ),
+    Mutation(
         "start-up-objects-not-frozen",
         "daemon/gc_pauses.py",
         "        gc.freeze()\n",

@@ -266,6 +266,11 @@ def test_one_local_user_keeps_a_quarter_of_the_connections(router, caplog):
     watch.check()
     assert watch.closed == 1 and len(watch.held()) == 4
     assert {watch.uid_of(fd) for fd in watch.held()} == {os.getuid()}  # (what hellos count to)
+    fd = next(iter(watch.held()))
+    stale, watch._connections[fd].sock = watch._connections[fd].sock, socket.socket()
+    assert watch.uid_of(fd) is None, "a number given to another socket kept its old user"
+    watch._connections[fd].sock.close()
+    watch._connections[fd].sock = stale
     for peer in kept:
         peer.close()
     watch.close()
