@@ -143,15 +143,14 @@ class Inbox:
         accepted ("local uid N"); "" for the watch's trusted users (the daemon's own, root:
         they can stop the daemon anyway); "local uid ?" when not known (a connection closed
         before it was seen: all such share one user's bound)."""
-        watch = self.watch
         try:
             fd = self._first.get(SRCFD) if self._first is not None else -1
         except zmq.ZMQError:
             fd = -1
-        uid = None if watch is None or fd < 0 else watch.uid_of(fd)
-        if uid is not None and watch is not None and uid in watch.trusted:
-            return ""
-        return f"{LOCAL_USER}{'?' if uid is None else uid}"
+        uid = None if self.watch is None or fd < 0 else self.watch.uid_of(fd)
+        if uid is None:
+            return f"{LOCAL_USER}?"
+        return "" if uid in self.watch.trusted else f"{LOCAL_USER}{uid}"
 
     def process(self) -> str:
         """Over ipc: the process that opened the served request's connection, as the kernel

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hicache.daemon.sessions import LOCAL_USER, MAX_SESSIONS_PER_PEER, USER_SHARE
+from hicache.daemon.sessions import MAX_SESSIONS_PER_PEER, USER_SHARE, holder
 from hicache.daemon.wire_watch import IN_ALL, PER_CONNECTION
 from hicache.protocol import MAX_FRAME_BYTES, ErrorCode, ProtocolError
 
@@ -88,7 +88,7 @@ class SessionLimits:
         if len(session.fellows) > 1:
             held = sum(len(s.owned) + s.pinned_pages for s in session.fellows)
             if held + new_pages > self.max_owned_pages:
-                who = "local user" if session.user.startswith(LOCAL_USER) else "client key"
+                who = holder(session.user)
                 raise ProtocolError(
                     ErrorCode.QUOTA_EXCEEDED,
                     f"the {len(session.fellows)} sessions of this {who} would hold "

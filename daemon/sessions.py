@@ -42,6 +42,11 @@ USER_SHARE = 4  # one CurveZMQ client key holds at most this share (1/4) of max_
 # so do one local user on tcp without keys and one process over ipc (however many connections)
 
 
+def holder(user: str) -> str:
+    """What a session's ``user`` names, for a message: a local user or a CurveZMQ key."""
+    return "local user" if user.startswith(LOCAL_USER) else "client key"
+
+
 def process_pid(process: str) -> int:
     """The pid in a session's ``process`` ("<pid>@<start time>"); 0 for "" (none)."""
     return int(process.split("@")[0]) if process else 0
@@ -211,7 +216,7 @@ class SessionTable:
                 f"this connection opened {MAX_SESSIONS_PER_PEER} sessions already (one per "
                 "HiCacheClient): close some first",
             )
-        key_or_uid = "this local user" if user.startswith(LOCAL_USER) else "this client key"
+        key_or_uid = f"this {holder(user)}"
         for who, count, name in (
             (user, self._per_user, key_or_uid),
             (process, self._per_process, f"this process (pid {process_pid(process)})"),

@@ -639,8 +639,8 @@ MUTATIONS = [
     Mutation(
         "the-daemons-own-user-held-to-a-share-of-sessions",
         "daemon/inbox.py",
-        "        if uid is not None and watch is not None and uid in watch.trusted:",
-        "        if False:",
+        '        return "" if uid in self.watch.trusted else f"{LOCAL_USER}{uid}"',
+        '        return f"{LOCAL_USER}{uid}"',
         ("tests/test_trust.py",),
     ),
     Mutation(
