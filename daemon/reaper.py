@@ -4,12 +4,14 @@ Every daemon starts one (``spawn``), a small process of its own session that hol
 no descriptor of the daemon's: it opens the daemon's instance lock and waits for it. When the
 daemon ends, however it ends (a clean stop, SIGKILL, the OOM killer), the lock is free:
 
-- nothing kept (no keep marker): the instance's leftovers (a crash's pools) are removed, and
-  the reaper exits;
-- a host pool kept for a successor: it waits until the marker's grace time runs out. A daemon
-  that adopts the pool renames it (the reaper sees it gone and exits); ``hicache kept --free``
-  removes it earlier; else at the deadline the reaper removes the pool, its marker and its
-  snapshot, and exits.
+- nothing kept (no keep marker, or none whose snapshot is there: a daemon that died before its
+  first snapshot): the instance's leftovers (a crash's pools) are removed, and the reaper
+  exits;
+- a host pool kept for a successor: what cannot be adopted (the device pool, the progress
+  table, the lock) goes at once, and the host pool and its marker wait until the marker's
+  grace time runs out. A daemon that adopts the pool renames it (the reaper sees it gone and
+  exits); ``hicache kept --free`` removes it earlier; else at the deadline the reaper removes
+  the pool, its marker and its snapshot, and exits.
 
 So a stopped daemon's memory comes back within its grace time without counting on another
 daemon. Imports the standard library only: ``python -m hicache.daemon.reaper LOCK INSTANCE``.
@@ -24,7 +26,16 @@ import subprocess
 import sys
 import time
 
-from hicache.memory import HOST, KEEP, KeptPool, expired, free_kept, own_name, read_marker
+from hicache.memory import (
+    HOST,
+    KEEP,
+    KeptPool,
+    expired,
+    free_kept,
+    names_snapshot,
+    own_name,
+    read_marker,
+)
 
 POLL_S = 1.0  # how often a waiting reaper looks whether the pool was adopted or freed
 
@@ -44,13 +55,14 @@ def spawn(lock_path: str, instance: str) -> subprocess.Popen:
     )
 
 
-def _remove_leftovers(directory: str, instance: str) -> None:
-    """The instance's files that are ours (a crash's pools, a progress table, and what it was
-    writing under a temporary name when it died: only the daemon writes its own files)."""
+def _remove_leftovers(directory: str, instance: str, spare: tuple[str, ...] = ()) -> None:
+    """The instance's files that are ours (a crash's pools, a progress table, its lock, and
+    what it was writing under a temporary name when it died: only the daemon writes its own
+    files), but those named in ``spare``."""
     prefix = own_name(instance, "")
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
-        if name.startswith(prefix):
+        if name.startswith(prefix) and name not in spare:
             with contextlib.suppress(FileNotFoundError, PermissionError):
                 st = os.lstat(path)
                 if st.st_uid == os.geteuid():
@@ -58,7 +70,9 @@ def _remove_leftovers(directory: str, instance: str) -> None:
 
 
 def reap(lock_path: str, instance: str, directory: str) -> str:
-    """Wait for the daemon to end, then give back what nobody adopts; returns what happened."""
+    """Wait for the daemon to end, then give back what nobody adopts; returns what happened.
+    A kept host pool (its marker names a snapshot that is there) waits for its successor
+    until its grace time is over; everything else of the instance goes at once."""
     try:
         fd = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -70,15 +84,19 @@ def reap(lock_path: str, instance: str, directory: str) -> str:
     marker_path = os.path.join(directory, own_name(instance, KEEP))
     host = os.path.join(directory, own_name(instance, HOST))
     marker = read_marker(marker_path)
-    if marker is None or not os.path.exists(host):
-        _remove_leftovers(directory, instance)
+    if marker is None or not os.path.exists(host) or not names_snapshot(marker):
+        _remove_leftovers(directory, instance)  # nothing a successor could adopt
         return "nothing kept"
+    # only the host pool and its marker wait: the device pool, the progress table and the
+    # lock cannot be adopted
+    spare = (own_name(instance, HOST), own_name(instance, KEEP))
+    _remove_leftovers(directory, instance, spare)
     while True:
         marker = read_marker(marker_path)
         if marker is None or not os.path.exists(host):
             _remove_leftovers(directory, instance)  # adopted (renamed) or freed meanwhile
             return "adopted or freed"
-        if expired(marker):
+        if expired(marker) or not names_snapshot(marker):
             free_kept(KeptPool(instance, host, 0, marker), directory)
             _remove_leftovers(directory, instance)
             return "grace time over: freed"

@@ -36,6 +36,7 @@ from hicache.memory import (  # noqa: F401  (names of the files, shared with the
     PREFIX,
     expired,
     instance_alive,
+    names_snapshot,
     open_own,
     own_name,
     parse_name,
@@ -99,7 +100,7 @@ def _kept(directory: str, instance: str, names: list[str]) -> set[str]:
     if marker not in names or host not in names:
         return set()
     kept = read_marker(os.path.join(directory, marker))
-    if kept is None or expired(kept) or not os.path.exists(kept.snapshot):
+    if kept is None or expired(kept) or not names_snapshot(kept):
         return set()
     return {marker, host}
 

@@ -12,9 +12,11 @@ but what this user's dead daemon kept for this endpoint: the snapshot must be a 
 regular file of ours, the segment a private file of ours of the pool's size whose daemon's
 instance lock is free and whose keep marker names this snapshot (``claim``, ``_unfit``).
 
-After a crash (SIGKILL) the segment stays too (its marker was made at start), and the last
-periodic snapshot (every ``snapshot_seconds``) is adopted the same way: pages reused since it
-was taken fail their checksums and are dropped, the rest is served. Under ``verify_pages`` the
+After a crash (SIGKILL) the segment stays too (its marker is written with each snapshot),
+and the last periodic snapshot (every ``snapshot_seconds``) is adopted the same way: pages
+reused since it was taken fail their checksums and are dropped, the rest is served. A daemon
+that dies before its first snapshot has no marker: nothing of it can be adopted, and its
+reaper frees its pools at once. Under ``verify_pages`` the
 checksums are maintained and a periodic snapshot is written at once; without it the nodes are
 listed on the control thread and their pages summed on the keeper's own thread (the C helper
 drops the GIL), so that reading a large pool does not stall requests; nodes whose pages were
@@ -101,7 +103,6 @@ class HostKeeper:
         else None. Call with this instance's lock held and before stale segments are removed.
         A snapshot that does not fit is removed (its segment is left to the clean-up), unless
         it is not ours."""
-        self._mark()  # a crash keeps the host pool too
         self._remove_temps()
         try:
             data = self._read(host_snapshot.max_bytes(config))
@@ -290,12 +291,12 @@ class HostKeeper:
         try:
             with open(fd, "wb") as fh:
                 fh.write(msgpack.packb(data))
+            self._mark()  # (before the snapshot is there: a crash between keeps the last one)
             os.replace(tmp, self.path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        self._mark()
         self.written += 1
 
     def discard_previous(self) -> None:

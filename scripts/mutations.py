@@ -19,6 +19,7 @@ JSON object; exits 1 when any survived.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -665,6 +666,20 @@ MUTATIONS = [
         ("tests/test_wire_watch.py",),
     ),
     Mutation(
+        "a-crash-holds-its-device-pool-with-a-kept-one",
+        "daemon/reaper.py",
+        "    _remove_leftovers(directory, instance, spare)\n",
+        "",
+        ("tests/test_kept.py", "-k", "at_once_what_cannot"),
+    ),
+    Mutation(
+        "a-marker-without-its-snapshot-keeps-the-pool",
+        "hicache/memory/kept.py",
+        "    try:\n        st = os.lstat(marker.snapshot)",
+        "    return True\n    try:\n        st = os.lstat(marker.snapshot)",
+        ("tests/test_kept.py", "-k", "snapshot"),
+    ),
+    Mutation(
         "start-up-objects-not-frozen",
         "daemon/gc_pauses.py",
         "        gc.freeze()\n",
@@ -723,6 +738,9 @@ def run(mutation: Mutation | None, tests: tuple[str, ...], base: Path) -> tuple[
         done = subprocess.run(
             [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
             cwd=work, capture_output=True, text=True, timeout=1800,
+            # the copy first for every process the tests start, wherever it runs (the reaper
+            # runs in / with -P, out of reach of the working folder)
+            env={**os.environ, "PYTHONPATH": str(work)},
         )  # fmt: skip
         lines = [line for line in done.stdout.splitlines() if line.strip()]
         return done.returncode != 0, time.monotonic() - started, (lines or [""])[-1]

@@ -104,6 +104,61 @@ def test_a_killed_daemon_leaves_nothing_once_its_grace_time_is_over(tmp_path):
         stop_daemon(proc)  # (the output thread, and a socket file left behind)
 
 
+def test_a_crash_gives_back_at_once_what_cannot_be_adopted(tmp_path):
+    """SIGKILL after a snapshot: the host pool and its marker wait for a successor, but the
+    device pool, the progress table and the lock (nothing adopts them) go at once, long
+    before the grace time is over."""
+    ep = f"ipc://{tmp_path}/k.sock"
+    proc = start_daemon(ep, "--keep-host", "true", "--keep-host-seconds", "3600",
+                        "--snapshot-seconds", "0.2")  # fmt: skip
+    warm(ep)
+    snapshot = f"{tmp_path}/k.sock.snapshot"
+    wait_until(lambda: os.path.exists(snapshot), what="a periodic snapshot")
+    assert {n.rsplit("-", 1)[1] for n in shm_of(proc.pid)} >= {"device", "host", "lock", "keep"}
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    wait_until(lambda: {n.rsplit("-", 1)[1] for n in shm_of(proc.pid)} == {"host", "keep"},
+               timeout=30, what="the device pool, progress table and lock freed")  # fmt: skip
+    listed = [p for p in kept()["kept"] if p["endpoint"] == ep]
+    assert len(listed) == 1 and listed[0]["left_s"] > 3000  # the host pool still waits
+    assert [p["endpoint"] for p in kept("--free", ep)["freed"]] == [ep]
+    assert not shm_of(proc.pid)
+    wait_until(lambda: not [r for r in reapers() if str(proc.pid) in r], what="reaper gone")
+    stop_daemon(proc)
+
+
+def test_a_crash_before_the_first_snapshot_keeps_nothing(tmp_path):
+    """No snapshot names the host pool, so nobody could adopt it: everything goes at once,
+    and ``hicache kept`` never lists it."""
+    ep = f"ipc://{tmp_path}/k.sock"
+    proc = start_daemon(ep, "--keep-host", "true", "--keep-host-seconds", "3600",
+                        "--snapshot-seconds", "3600")  # fmt: skip
+    warm(ep)
+    assert not os.path.exists(f"{tmp_path}/k.sock.snapshot")
+    assert not [p for p in kept()["kept"] if p["endpoint"] == ep]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    wait_until(lambda: not shm_of(proc.pid), timeout=30, what="everything freed")
+    assert not [p for p in kept()["kept"] if p["endpoint"] == ep]
+    stop_daemon(proc)
+
+
+def test_a_marker_whose_snapshot_is_gone_keeps_nothing(tmp_path):
+    """The rule the reaper, ``hicache kept`` and the clean-ups share: a pool is kept only while
+    the snapshot its marker names is there."""
+    from hicache.daemon.reaper import reap
+    from hicache.memory import HOST, KEEP, own_name, write_marker
+
+    dead = f"{os.getpid()}-{'c' * 32}"
+    for pool in (HOST, "device", "progress"):
+        (tmp_path / own_name(dead, pool)).write_bytes(b"x")
+    write_marker(str(tmp_path / own_name(dead, KEEP)), str(tmp_path / "gone.snapshot"), 2.0)
+    lock = tmp_path / "lock"
+    lock.write_bytes(b"")
+    assert reap(str(lock), dead, str(tmp_path)) == "nothing kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lock"]
+
+
 def test_a_pool_whose_grace_ran_out_without_its_reaper_is_not_adopted(tmp_path):
     """Hostile review: the reaper killed, the grace time over: the next daemon starts cold
     (and frees the pool) instead of failing to start on a pool its clean-up removed."""

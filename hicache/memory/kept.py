@@ -133,6 +133,17 @@ class KeptPool:
     marker: Marker
 
 
+def names_snapshot(marker: Marker) -> bool:
+    """Whether the snapshot ``marker`` names is there, a regular file of this user: only then
+    can a successor adopt the pool (a daemon that died before its first snapshot kept
+    nothing anyone could adopt, whatever its marker says)."""
+    try:
+        st = os.lstat(marker.snapshot)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
 def list_kept(directory: str = SHM_DIR) -> list[KeptPool]:
     """The host pools this user's stopped daemons kept (a live daemon's marker is not listed:
     it is kept only once that daemon stops)."""
@@ -146,7 +157,7 @@ def list_kept(directory: str = SHM_DIR) -> list[KeptPool]:
         marker = read_marker(os.path.join(directory, name))
         host = os.path.join(directory, own_name(instance, HOST))
         fd = open_own(host)
-        if marker is None or fd is None:
+        if marker is None or fd is None or not names_snapshot(marker):
             if fd is not None:
                 os.close(fd)
             continue
