@@ -97,13 +97,15 @@ def throughput(args, endpoint: str, shm: str) -> dict:
     s_idx, d_idx = src.alloc(n_max * page), dst.alloc(n_max * page)
     extra = rig.extra_config(endpoint, **{"hicache.timeout_s": 30})
     hc_src, hc_dst = make_backend("dynamic", src, extra), make_backend("dynamic", dst, extra)
+    chained = rig.extra_config(endpoint, chains=True, **{"hicache.timeout_s": 30})
+    ch_src, ch_dst = make_backend("dynamic", src, chained), make_backend("dynamic", dst, chained)
     file_cfg = {"file_storage_path": shm}
     f_src, f_dst = make_backend("file", src, file_cfg), make_backend("file", dst, file_cfg)
     sides = {
         "hicache": (page_paths(hc_src, src, page, True), page_paths(hc_dst, dst, page, True)),
         "chain": (
-            page_paths(hc_src, src, page, True, chain=True),
-            page_paths(hc_dst, dst, page, True, chain=True),
+            page_paths(ch_src, src, page, True, chain=True),
+            page_paths(ch_dst, dst, page, True, chain=True),
         ),
         "file": (page_paths(f_src, src, page, False), page_paths(f_dst, dst, page, False)),
     }
@@ -138,7 +140,7 @@ def throughput(args, endpoint: str, shm: str) -> dict:
                     if name == "hicache":
                         assert hc_dst.batch_exists(keys) == n
                     elif name == "chain":
-                        assert hc_dst.batch_exists(keys, after([])) == n
+                        assert ch_dst.batch_exists(keys, after([])) == n
                     else:
                         assert f_dst.batch_exists(keys) == n
                     assert get(keys, di) == n, f"{name}: get failed"
@@ -159,8 +161,8 @@ def throughput(args, endpoint: str, shm: str) -> dict:
             out[f"pages_{n}"] = row
             print(f"pages per call {n:3d}: " + " ".join(f"{k} {v}" for k, v in row.items()))
     finally:
-        hc_src.close()
-        hc_dst.close()
+        for be in (hc_src, hc_dst, ch_src, ch_dst):
+            be.close()
     return out
 
 
@@ -265,7 +267,9 @@ def doc_qa(args, endpoint: str) -> dict:
                 instances.append(Instance(quarter))
                 continue
             host = host_pool(1, 1, 64, page, 64, "page_first")
-            extra = rig.extra_config(endpoint, **{"hicache.namespace": f"docqa-{args.seed}"})
+            extra = rig.extra_config(
+                endpoint, chains=mode == "chain", **{"hicache.namespace": f"docqa-{args.seed}"}
+            )
             backend = make_backend("dynamic", host, extra)
             instances.append(Instance(quarter, backend, host, chain=mode == "chain"))
         recomputed = 0

@@ -680,6 +680,13 @@ MUTATIONS = [
         ("tests/test_kept.py", "-k", "snapshot"),
     ),
     Mutation(
+        "a-chain-lookup-without-a-prefix-takes-one-page-keys",
+        "client/sglang/backend.py",
+        "        return [] if keys is None else keys",
+        "        return keys",
+        ("tests/test_sglang_chains.py", "-k", "prompts_start"),
+    ),
+    Mutation(
         "start-up-objects-not-frozen",
         "daemon/gc_pauses.py",
         "        gc.freeze()\n",

@@ -95,13 +95,16 @@ def storage_config(extra: dict, mla: bool = False, tp_rank: int = 0, tp_size: in
     )  # fmt: skip
 
 
-def extra_config(endpoint: str, v1: bool = True, **more) -> dict:
-    """What a user passes as --hicache-storage-backend-extra-config."""
+def extra_config(endpoint: str, v1: bool = True, chains: bool = False, **more) -> dict:
+    """What a user passes as --hicache-storage-backend-extra-config (``chains``: with
+    ``hicache_storage_pass_prefix_keys``, which SGLang's cache controller passes on to the
+    backend when used as a library)."""
     return {
         "backend_name": "hicache",
         "module_path": "hicache.client.sglang",
         "class_name": "HiCacheStore",
         "interface_v1": 1 if v1 else 0,
+        **({"hicache_storage_pass_prefix_keys": True} if chains else {}),
         "hicache.endpoint": endpoint,
         **more,
     }
@@ -218,7 +221,7 @@ def write_through(
     write path); returns the tokens it acknowledged and the pages it wrote. ``chain``: the
     calls carry prefix keys (SGLang's ``hicache_storage_pass_prefix_keys``)."""
     dev, host = host_pool(layout, mla)
-    c = controller(dev, host, extra_config(endpoint, v1, **more))
+    c = controller(dev, host, extra_config(endpoint, v1, chain, **more))
     try:
         fill(host, seed)
         src = host.alloc(len(tokens))
@@ -239,7 +242,7 @@ def read_through(
     page ``skip`` on (its host holds the pages before: it asks mid-chain): returns the tokens
     found and the pages it read. ``chain``: the calls carry prefix keys."""
     dev, host = host_pool(layout, mla)
-    c = controller(dev, host, extra_config(endpoint, v1, **more))
+    c = controller(dev, host, extra_config(endpoint, v1, chain, **more))
     try:
         keys = chain_hashes(tokens)[:skip]
         last = keys[-1] if keys else None

@@ -477,6 +477,12 @@ def test_pages_stored_on_one_machine_come_back_on_another_through_the_third_tier
                 )
             # chains (prefix keys): the second machine asks mid-chain, the store has it all
             info = HiCacheStorageExtraInfo
+            a.close()
+            b.close()
+            a = rig.backend(host_a, rig.extra_config(eps[0], chains=True))
+            b = rig.backend(
+                host_b, rig.extra_config(eps[1], chains=True, **{"hicache.timeout_s": 30})
+            )
             chain = rig.chain_hashes(tokens(5, seed=22))
             assert a.batch_set_v1(chain, src[: 5 * rig.PAGE], info([])) == [True] * 5
             with HiCacheClient(eps[0], name="probe") as hc:

@@ -59,7 +59,7 @@ def ep(tmp_path):
 def store(ep):
     _, host = rig.host_pool("page_first")
     rig.fill(host, seed=40)
-    be = rig.backend(host, rig.extra_config(ep, **{"hicache.pin_s": 600}))
+    be = rig.backend(host, rig.extra_config(ep, chains=True, **{"hicache.pin_s": 600}))
     try:
         yield be, host
     finally:
@@ -150,7 +150,7 @@ def test_the_daemon_keeps_a_chain_prefix_closed_under_pressure(tmp_path):
     endpoint = f"ipc://{tmp_path}/h.sock"
     proc = start_daemon(endpoint, "--device-tier", "engine", "--host-tokens", str(10 * P))
     _, host = rig.host_pool("page_first")
-    be = rig.backend(host, rig.extra_config(endpoint))
+    be = rig.backend(host, rig.extra_config(endpoint, chains=True))
     try:
         chains = [rig.chain_hashes(tokens(6, seed=60 + i)) for i in range(5)]
         rng = np.random.default_rng(7)
@@ -218,7 +218,7 @@ def test_the_generic_path_keys_pages_one_by_one_even_when_sglang_passes_a_prefix
     lookup's, or its gets would never find what its sets stored."""
     _, host = rig.host_pool("page_first")
     rig.fill(host, seed=45)
-    be = rig.backend(host, rig.extra_config(ep, v1=False))
+    be = rig.backend(host, rig.extra_config(ep, chains=True, v1=False))
     try:
         keys = rig.chain_hashes(tokens(3, seed=45))
         src = host.alloc(3 * P)
@@ -248,7 +248,7 @@ def test_kv_events_name_sglangs_page_hashes_and_a_chain_links_its_pages(tmp_path
     )  # fmt: skip
     page = 9  # (from 9 tokens on a page's words hold its whole hash)
     _, host = rig.host_pool("page_first", pages=8, page=page)
-    be = rig.backend(host, rig.extra_config(ep))
+    be = rig.backend(host, rig.extra_config(ep, chains=True))
     try:
         keys = [os.urandom(32).hex() for _ in range(3)]
         assert be.batch_set_v1(keys, host.alloc(3 * page), after([])) == [True] * 3
@@ -283,7 +283,7 @@ def test_a_daemon_killed_during_a_chain_get_or_set_fails_that_call_only(tmp_path
     start = ("--device-tier", "engine", "--host-bytes", "1MiB")
     proc = start_daemon(endpoint, *start)
     _, host = rig.host_pool("page_first")
-    be = rig.backend(host, rig.extra_config(endpoint, **{"hicache.retry_s": 0}))
+    be = rig.backend(host, rig.extra_config(endpoint, chains=True, **{"hicache.retry_s": 0}))
     try:
         rig.fill(host, seed=46)
         keys = rig.chain_hashes(tokens(4, seed=46))
@@ -323,7 +323,7 @@ def test_a_long_chain_is_stored_in_batches_without_its_prefix_charged_to_the_ran
     endpoint = f"ipc://{tmp_path}/h.sock"
     proc = start_daemon(endpoint, "--device-tier", "engine", "--host-tokens", str(120 * P))
     _, host = rig.host_pool("page_first", pages=160)
-    be = rig.backend(host, rig.extra_config(endpoint))
+    be = rig.backend(host, rig.extra_config(endpoint, chains=True))
     try:
         keys = rig.chain_hashes(tokens(100, seed=47))
         src = host.alloc(100 * P)
@@ -421,7 +421,7 @@ def test_no_allocation_of_the_backend_falls_between_a_chain_sets_match_and_inser
 
     def one_page_set() -> None:
         in_window.wait(10)
-        assert be.batch_set_v1(other, host.alloc(P)) == [True]
+        assert be.batch_set(other, [host.get_data_page(int(host.alloc(P)[0]))])  # (generic)
         other_allocated.set()
 
     thread = threading.Thread(target=one_page_set, name="other")
@@ -433,3 +433,60 @@ def test_no_allocation_of_the_backend_falls_between_a_chain_sets_match_and_inser
         threading.current_thread().name = name
         thread.join(10)
     assert order == ["chain:alloc", "chain:insert", "other:alloc", "other:insert_batch"]
+
+
+def test_a_lookup_from_the_prompts_start_without_a_prefix_finds_the_chain_sets_stored(ep, store):
+    """SGLang 0.5.23's served server asks ``batch_exists`` with ``prefix_keys=None`` when
+    nothing precedes the keys, and passes ``[]`` to the get and the sets of the same pages: a
+    chain backend takes both as the prompt's start (the mode is the configuration's)."""
+    be, host = store
+    keys = rig.chain_hashes(tokens(4, seed=61))
+    src = host.alloc(4 * P)
+    assert be.batch_set_v1(keys, src, after([])) == [True] * 4
+    assert be.batch_exists(keys, None) == 4
+    dst = host.alloc(4 * P)
+    assert be.batch_get_v1(keys, dst, after([])) == [True] * 4
+    for i in range(4):
+        assert torch.equal(page(host, dst[i * P]), page(host, src[i * P]))
+    assert be.batch_exists(keys[2:], after(keys[:2])) == 2  # mid-chain, as before
+
+
+def test_one_page_keys_never_use_a_prefix_sglang_passes(ep):
+    """Without ``hicache_storage_pass_prefix_keys`` every call keys pages one by one, whatever
+    a call passes: what a set stored is found by a lookup with or without a prefix."""
+    _, host = rig.host_pool("page_first")
+    rig.fill(host, seed=62)
+    be = rig.backend(host, rig.extra_config(ep))
+    try:
+        keys = rig.chain_hashes(tokens(3, seed=62))
+        assert be.batch_set_v1(keys, host.alloc(3 * P), after([])) == [True] * 3
+        assert be.batch_exists(keys, None) == 3
+        assert be.batch_exists(keys[1:], after(keys[:1])) == 2
+        assert be.batch_get_v1(keys[1:], host.alloc(2 * P), None) == [True] * 2
+    finally:
+        be.close()
+
+
+def test_the_key_mode_is_read_from_the_configuration(monkeypatch):
+    """Where SGLang leaves the setting in the extra config (its cache controller as a library)
+    it is read there; else from the server's own extra config, which SGLang's server strips
+    before it builds the backend; neither: one-page keys."""
+    from types import SimpleNamespace
+
+    from hicache.client.sglang import key_mode as km
+
+    chains, pages = km.KeyMode.CHAINS, km.KeyMode.PAGE_KEYS
+    on = {"interface_v1": 1, km.SETTING: True}
+    assert km.key_mode(on)[0] is chains
+    assert km.key_mode({**on, km.SETTING: False})[0] is pages
+    assert km.key_mode({**on, "interface_v1": 0})[0] is pages  # (generic calls: no prefix)
+    with pytest.raises(ValueError, match="true or false"):
+        km.key_mode({**on, km.SETTING: "yes"})
+    assert km.key_mode({"interface_v1": 1})[0] is pages  # no server in this process
+    import sglang.srt.runtime_context as rc
+
+    for raw, want in (('{"hicache_storage_pass_prefix_keys": true}', chains), ("{}", pages)):
+        bag = SimpleNamespace(hicache_storage_backend_extra_config=raw)
+        monkeypatch.setattr(rc, "get_memory", lambda bag=bag: bag)
+        mode, where = km.key_mode({"interface_v1": 1})
+        assert mode is want and "server" in where

@@ -40,6 +40,7 @@ from hicache.client.connection import DaemonError
 from hicache.client.daemon_link import DaemonLink, Unavailable
 from hicache.client.sglang.chains import Chains, prefix_keys
 from hicache.client.sglang.figures import StoreFigures
+from hicache.client.sglang.key_mode import KeyMode, key_mode
 from hicache.client.sglang.page_keys import PageKeys
 from hicache.client.sglang.pages import (
     PageFormat,
@@ -86,7 +87,7 @@ class HiCacheStore(HiCacheStorage):
         self._said: set[str] = set()  # problems logged once
         self.figures = StoreFigures()  # for SGLang's storage metrics (get_stats)
         extra = getattr(storage_config, "extra_config", None) or {}
-        self.v1 = bool(extra.get("interface_v1", 0))  # SGLang calls the zero-copy path
+        self.keys, self._keys_from = key_mode(extra)  # chains or one-page keys (key_mode.py)
         self.writing = threading.Lock()  # every allocation (a set's, from match to insert)
         parts = (self.link, self.pins, self.figures, self._say_once, self._note, self.writing)
         self.chains = Chains(*parts)  # zero-copy calls that pass prefix keys (chains.py)
@@ -121,12 +122,14 @@ class HiCacheStore(HiCacheStorage):
         )
         log.info(
             "hicache: SGLang %s pages of %d tokens (%d bytes per rank page, host layout %s) "
-            "stored in hicache-daemon at %s",
+            "stored in hicache-daemon at %s; keys: %s, from %s",
             "MLA" if self.mla else "MHA",
             fmt.page_size,
             page_bytes(fmt),
             self._layout,
             self.settings.endpoint,
+            self.keys.value,
+            self._keys_from,
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -278,16 +281,18 @@ class HiCacheStore(HiCacheStorage):
 
     # ---- helpers ------------------------------------------------------------------------------
     def _chain(self, extra_info: Any) -> list[str] | None:
-        """The keys before the call's (chains.py), or None: one-page keys (SGLang passes no
-        prefix, or calls the generic path, whose gets and sets never carry one). A prefix
-        that is not a list is logged, and the call is a miss on an empty chain's keys."""
-        if not self.v1:
+        """The keys before the call's (chains.py), or None: one-page keys. The mode is the
+        configuration's (key_mode.py): with chains a call without a prefix starts at the
+        prompt's first page; with one-page keys a prefix is never used. A prefix that is not a
+        list is logged, and the call is a miss on an empty chain's keys."""
+        if self.keys is not KeyMode.CHAINS:
             return None
         try:
-            return prefix_keys(extra_info)
+            keys = prefix_keys(extra_info)
         except ValueError as exc:
             self._say_once("keys", exc)
             return ["not a page hash"]  # (fails key_words: the call is a miss)
+        return [] if keys is None else keys
 
     def _flat_view(self, flat: Any) -> torch.Tensor:
         fmt = self.format
