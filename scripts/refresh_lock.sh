@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Renews scripts/constraints.txt, the exact versions scripts/setup.sh installs: sets up a fresh
+# Renews scripts/constraints.txt, the exact versions scripts/setup.sh installs (and
+# scripts/constraints-sglang.txt, SGLang's served environment's): sets up a fresh
 # venv with the newest of everything (empty pip cache), runs the demo and the tests there, and
 # says which versions changed and what broke. The lock is replaced only when both pass
 # (--force: replace it anyway, to commit with fixes). About 20 minutes on two cores.
@@ -13,8 +14,10 @@ trap 'rm -rf "$work"' EXIT
 say() { echo "refresh: $*" >&2; }
 
 say "installing the newest versions in $work/venv"
+export HICACHE_SGLANG_VENV=$work/venv-sglang  # (SGLang's served environment: its own lock)
 if ! PIP_NO_CACHE_DIR=1 HICACHE_VENV=$work/venv HICACHE_LOCK=none \
-  HICACHE_FREEZE=$work/new.txt ./scripts/setup.sh; then
+  HICACHE_FREEZE=$work/new.txt HICACHE_SGLANG_LOCK=none \
+  HICACHE_SGLANG_FREEZE=$work/new-sglang.txt ./scripts/setup.sh; then
   say "setup failed with the newest versions (above); the lock is unchanged"
   exit 1
 fi
@@ -67,4 +70,9 @@ if $failed && ! $force; then
 fi
 cp "$work/lock.txt" "$lock"
 rm -f "$lock.new"
+{
+  head -n 2 scripts/constraints-sglang.txt
+  cat "$work/new-sglang.txt"
+} >"$work/lock-sglang.txt"
+cp "$work/lock-sglang.txt" scripts/constraints-sglang.txt
 say "$lock renewed: run .ci/run on a clean clone, then commit it"

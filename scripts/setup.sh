@@ -103,6 +103,13 @@ fi
 if ! $gpu; then
   pip uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
 fi
+# SGLang's served environment (its own venv: SGLang pins another torch), for the tests of
+# SGLang's real server; HICACHE_SGLANG_VENV=none leaves it out (its tests are then not run).
+if [ "${HICACHE_SGLANG_VENV:-}" = none ]; then
+  echo sglang-server >>"$venv/hicache-tests-without"
+else
+  ./scripts/setup_sglang.sh
+fi
 "$py" -c "import hicache, hicache.kernels" # fails loudly if the install did not work
 if ! "$py" -c "import hicache.client.vllm.compat" >/dev/null 2>&1; then
   echo "setup: vLLM did not install or does not load; see: $py -c 'import vllm'" >&2
