@@ -282,6 +282,30 @@ class HiCacheClient:
         rest is asked again. A part that fails releases what the parts before it locked; parts
         answered in two sessions (another thread reconnected between them) raise LeaseLost, the
         new session's locks released, as one request's answer is never split that way."""
+        return self._match_parts(batch, namespaces, lock, None)
+
+    def match_and_alloc(self, token_ids: Any, namespace: Any = None) -> tuple[Match, torch.Tensor]:
+        """A store's first step in one round trip: ``match_prefix`` without a lock, and the
+        slots for the tokens of ``token_ids`` past its device hit (whole pages, this session's
+        as ``alloc`` gives them). Write their KV, then ``insert`` the sequence with the match's
+        device slots and these (a prefix evicted meanwhile fails that insert: free the slots).
+        Raises as ``alloc`` does (OUT_OF_MEMORY, QUOTA_EXCEEDED), with nothing allocated."""
+        return self.match_and_alloc_batch([token_ids], [namespace])[0]
+
+    def match_and_alloc_batch(
+        self, batch: list, namespaces: list | None = None
+    ) -> list[tuple[Match, torch.Tensor]]:
+        """``match_and_alloc`` for many sequences (``match_batch``'s rules); a part that fails
+        frees the slots the parts before it got."""
+        rests: list[torch.Tensor] = []
+        matches = self._match_parts(batch, namespaces, False, rests)
+        return list(zip(matches, rests, strict=True))
+
+    def _match_parts(
+        self, batch: list, namespaces: list | None, lock: bool, rests: list | None
+    ) -> list[Match]:
+        """MATCH over ``batch`` in as many parts as the daemon answers; ``rests`` (a list):
+        with ``alloc_rest``, each sequence's new slots are appended to it."""
         arrays = [as_tokens(t) for t in batch]
         spaces = namespaces or [None] * len(arrays)
         lengths = [len(a) for a in arrays]
@@ -294,7 +318,12 @@ class HiCacheClient:
                 fields = {"lengths": lengths[start:], "lock": lock, "namespaces": spaces[start:]}
                 if any(shared[start + 1 :]):
                     fields["shared"] = [0, *shared[start + 1 :]]
-                got = self._matches(fields, [part])[1]
+                if rests is not None:
+                    fields["alloc_rest"] = True
+                reply, got, out = self._matches_and_frames(fields, [part])
+                if rests is not None:
+                    rests += _rest_slots(out[1], reply["rest_pages"], got, lengths[start:],
+                                         self._page_size)  # fmt: skip
                 matches += got
                 if matches and got and got[0].generation != matches[0].generation:
                     raise LeaseLost(
@@ -314,10 +343,18 @@ class HiCacheClient:
         except BaseException:
             with contextlib.suppress(Exception):  # (a daemon gone took its locks with it)
                 self.release(*[m for m in matches if m.lock_id])
+                if rests:
+                    self.free(torch.cat(rests))
             raise
 
     def _matches(self, fields: dict, frames: list, op: Op = Op.MATCH) -> tuple[dict, list]:
         """A request answered in MATCH's form: (the reply's fields, its Matches)."""
+        reply, matches, _ = self._matches_and_frames(fields, frames, op)
+        return reply, matches
+
+    def _matches_and_frames(
+        self, fields: dict, frames: list, op: Op = Op.MATCH
+    ) -> tuple[dict, list[Match], list]:
         reply, out = self._call(op, fields, frames)
         frame = PageFrame(out[0], reply.fields["chunk_pages"], self._page_size)
         gen = self._link.generation
@@ -327,7 +364,7 @@ class HiCacheClient:
         ]
         for i in reply.fields.get("l3_pending") or ():
             matches[i].l3_pending = True
-        return reply.fields, matches
+        return reply.fields, matches, out
 
     def load_back(self, match: Match) -> torch.Tensor | None:
         """Load the host part of a locked match onto the device and wait for it. Returns the
@@ -483,14 +520,19 @@ class HiCacheClient:
             replaces.mark_released()
         return Inserted(reply["prefix_lens"][0], matches[0])
 
-    def release(self, *matches: Match) -> None:
+    def release(self, *matches: Match, wait: bool = True) -> None:
         """Unlock matches (their slots may be reused at once: a released Match refuses to hand
         out its slots). Matches without a lock are skipped; releasing one twice raises
-        NOT_OWNED."""
+        NOT_OWNED. ``wait=False``: after reading under the lock, when the session's lease
+        surely still holds (what was read was locked all along), the request is sent and not
+        waited for, and an error it meets is not raised; otherwise it is waited for as usual,
+        and LeaseLost then says that the lock may have lapsed during the read."""
         live = [m for m in matches if m.generation == self._link.generation]  # others: void
         ids = [m.lock_id for m in live if m.lock_id]
-        if ids:
+        if ids and (wait or not self._link.lease_holds()):
             self._call(Op.RELEASE, {"lock_ids": ids})
+        elif ids:
+            self._link.post(Op.RELEASE, {"lock_ids": ids})
         for m in matches:
             m.mark_released()
 
@@ -562,6 +604,22 @@ class HiCacheClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _rest_slots(
+    frame: Any, counts: list[int], matches: list[Match], lengths: list[int], page_size: int
+) -> list[torch.Tensor]:
+    """Each answered sequence's new slots from an ``alloc_rest`` reply: its pages expanded,
+    the last one cut to the sequence's end."""
+    pages = np.frombuffer(frame.buffer, dtype=np.int64) if counts and sum(counts) else None
+    out, at = [], 0
+    offsets = np.arange(page_size, dtype=np.int64)
+    for m, n, count in zip(matches, lengths, counts, strict=False):
+        run = pages[at : at + count] if count else np.empty(0, np.int64)
+        at += count
+        slots = (run[:, None] * page_size + offsets).reshape(-1)[: n - m.device_hit_length]
+        out.append(torch.from_numpy(slots))
+    return out
 
 
 def _named(prefix_lens: Any, seq_lens: Any, last_loc: Any) -> list[tuple[Any, str]]:

@@ -165,18 +165,7 @@ class Connection:
         """Send one request and wait for its reply (``timeout_s``: longer than this
         connection's timeout for this call). Raises DaemonError, EpochChanged, LeaseLost,
         DaemonTimeout."""
-        if os.getpid() != self._pid:
-            raise RuntimeError("a Connection cannot be used after fork; make a new one")
-        for frame in frames:
-            if _nbytes(frame) > MAX_FRAME_BYTES:
-                raise DaemonError(
-                    ErrorCode.TOO_LARGE,
-                    f"{op.name}: a frame of {_nbytes(frame)} bytes is over the "
-                    f"{MAX_FRAME_BYTES} limit (16M token ids or 8M slots); split the request",
-                )
-        request_id = next(self._ids)
-        request = Request(op, request_id, self.session, self.epoch, fields or {})
-        self._send(encode_request(request), frames)
+        request_id = self.post(op, fields, frames)
         wait = self.timeout_ms / 1000 if timeout_s is None else max(timeout_s, 0.001)
         deadline = time.monotonic() + wait
         while True:
@@ -207,6 +196,25 @@ class Connection:
             if late is not None and self.on_late is not None and reply.ok:
                 self.on_late(late, reply, parts[1:])
         return self._check(reply), parts[1:]
+
+    def post(self, op: Op, fields: dict | None = None, frames: Sequence[Any] = ()) -> int:
+        """Send one request without waiting for its reply (its id is returned): the daemon
+        serves a connection's requests in order, and the next ``call`` reads past this one's
+        reply, unread. For requests whose answer nobody needs (a release after the copy that
+        needed the lock)."""
+        if os.getpid() != self._pid:
+            raise RuntimeError("a Connection cannot be used after fork; make a new one")
+        for frame in frames:
+            if _nbytes(frame) > MAX_FRAME_BYTES:
+                raise DaemonError(
+                    ErrorCode.TOO_LARGE,
+                    f"{op.name}: a frame of {_nbytes(frame)} bytes is over the "
+                    f"{MAX_FRAME_BYTES} limit (16M token ids or 8M slots); split the request",
+                )
+        request_id = next(self._ids)
+        request = Request(op, request_id, self.session, self.epoch, fields or {})
+        self._send(encode_request(request), frames)
+        return request_id
 
     def _check(self, reply: Reply) -> Reply:
         if reply.status is ErrorCode.EPOCH_MISMATCH or (

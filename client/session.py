@@ -91,6 +91,7 @@ class SessionLink:
             self._stop_beat.set()  # the old session's heartbeat ends before the new one starts
             self._beat.join()
         conn = self._new_conn()
+        sent = time.monotonic()
         reply, _ = conn.call(Op.HELLO, hello_fields(self.name, self.admin, self.endpoint))
         self.daemon_uid = conn.daemon_uid
         self.info = reply.fields
@@ -99,6 +100,9 @@ class SessionLink:
         self.lease_s = float(self.info["lease_s"])
         self.lost: DaemonError | None = None
         self.heard = time.monotonic()  # when the daemon last answered this session
+        # when the latest request the daemon answered was sent: the session lives (its locks
+        # and pages are held) at least until this plus lease_s
+        self.renewed = sent
         self.generation += 1
         self._install(conn)  # (another thread's old connection is closed by that thread)
         if self._beat_wanted:
@@ -178,6 +182,7 @@ class SessionLink:
                 raise ClientClosed("this HiCacheClient was closed; open a new one")
             if self._owed:
                 self._give_back_late(conn)
+            sent = time.monotonic()
             reply, out = conn.call(op, fields, frames, timeout_s)
         except (EpochChanged, LeaseLost) as exc:
             self._lose(exc, generation)
@@ -185,7 +190,30 @@ class SessionLink:
         finally:
             conn.busy = False
         self.heard = time.monotonic()
+        if generation == self.generation:
+            self.renewed = max(self.renewed, sent)
         return reply, out
+
+    def lease_holds(self) -> bool:
+        """Whether the session surely still holds its locks and pages: its lease, renewed by
+        the latest request the daemon answered, cannot have run out yet (the daemon's clock
+        counts no faster than this one)."""
+        return self.lost is None and time.monotonic() - self.renewed < self.lease_s
+
+    def post(self, op: Op, fields: dict | None = None, frames: list | tuple = ()) -> None:
+        """One request of the session on this thread's connection, not waited for (see
+        Connection.post): what it fails of is not known. Raises what ``call`` raises before
+        sending."""
+        if self.lost is not None or self.closed:
+            self.raise_if_lost()
+        conn = self.conn()
+        conn.busy = True
+        try:
+            if self.closed:
+                raise ClientClosed("this HiCacheClient was closed; open a new one")
+            conn.post(op, fields, frames)
+        finally:
+            conn.busy = False
 
     def raise_if_lost(self) -> None:
         if self.closed:
@@ -323,8 +351,11 @@ def _heartbeat(link: SessionLink, stop: threading.Event, generation: int) -> Non
     try:
         while not stop.wait(interval) and link.lost is None:
             try:
+                sent = time.monotonic()
                 reply, _ = conn.call(Op.HEARTBEAT, link._report())
                 link.heard = time.monotonic()
+                if generation == link.generation:
+                    link.renewed = max(link.renewed, sent)
                 if reply.fields.get("draining") and not link.draining:
                     link.draining = True
                     if link.on_draining is not None:

@@ -40,6 +40,7 @@ from hicache.tree import TreeNode, check_token_bytes
 from hicache.types import MatchResult
 
 Frames = list[Any]
+_OWNED, _TREE = int(OWNED), int(TREE)  # (plain ints: numpy compares them without enum lookups)
 # A batched match answers what it matched in this long once another request waits (the client
 # asks again for the rest): one client's heavy batches delay another's request by one turn.
 TURN_S = 0.0002
@@ -170,6 +171,9 @@ class CacheOps:
         lock = bool_field(fields, "lock", True)
         if lock:
             self.limits.check_locks(session, len(batch))
+        alloc_rest = bool_field(fields, "alloc_rest", False)
+        if alloc_rest and lock:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "match: alloc_rest needs lock false")
         l3_wait = bool_field(fields, "l3_wait", True)
         # a turn at least twice what checking the request took: a client asking again for the
         # rest pays for its checks and its bytes once per part, so parts stay few
@@ -201,11 +205,32 @@ class CacheOps:
             self._undo_locks(session, results)  # a failed request holds nothing
             raise
         out, frames = self._match_reply(results, state[0])
+        if alloc_rest:
+            out["rest_pages"], rest = self._alloc_rest(session, fields["lengths"], results)
+            frames.append(rest)
         if fetches:  # still coming: an engine that did not wait may ask again later
             pending = [i for i, f in fetches if not f.done and i < len(results)]
             if pending:
                 out["l3_pending"] = pending
         return out, frames
+
+    def _alloc_rest(self, session: Session, lengths: list, results: list) -> tuple[list, bytes]:
+        """A store's allocation in its match's round trip: for each sequence answered, pages
+        for its tokens past the device hit (as ALLOC would give), this session's. Returns the
+        pages per sequence and their page ids (int64, in sequence order); OUT_OF_MEMORY or
+        QUOTA_EXCEEDED as ALLOC, with nothing allocated (the match took no lock)."""
+        size = self.cache.page_size
+        counts = [-(-(n - entry[0]) // size) for n, entry in zip(lengths, results, strict=False)]
+        total = sum(counts)
+        if not total:
+            return counts, b""
+        self.limits.check_owned(session, total)
+        slots = self.cache.alloc(total * size)
+        if slots is None:
+            raise out_of_memory(self.cache, self.sessions.holders(), total)
+        pages = slots.numpy()[::size] // size
+        session.owned.update(pages.tolist())
+        return counts, pages.astype(np.int64).tobytes()
 
     def _prefetch(
         self, batch: list, spaces: list, wait: bool, turn_ends: float
@@ -351,6 +376,10 @@ class CacheOps:
         spaces = namespaces_field(fields, len(tokens))
         if lock:
             self.limits.check_locks(session, len(tokens))
+        elif len(tokens) > 1 and not releases:
+            fast = self._insert_many(session, tokens, slots, spaces)
+            if fast is not None:
+                return {"prefix_lens": fast}, []
         prefix_lens, results, state = [], [], ([], {})
         try:
             for seq, seq_slots, space in zip(tokens, slots, spaces, strict=True):
@@ -368,6 +397,31 @@ class CacheOps:
         fields, out = self._match_reply(results, state[0])
         return {**fields, "prefix_lens": prefix_lens}, out
 
+    def _insert_many(
+        self, session: Session, tokens: list, slots: list, spaces: list
+    ) -> list[int] | None:
+        """A batch of sequences (no lock) with the ownership of all their pages checked once
+        (a batch of SGLang's one-page keys is 64 inserts): None, inserting nothing, when some
+        page is not the session's or the tree's (the batch then goes sequence by sequence, to
+        fail where ``insert`` fails). Returns each sequence's prefix already cached."""
+        every = np.concatenate(slots) if slots else np.empty(0, np.int64)
+        state = self.cache.device_alloc.state
+        pages = np.asarray(self._pages(every), dtype=np.int64)
+        kinds = state[pages] if len(pages) else pages
+        mine = pages[kinds == _OWNED]
+        if not session.owns_all(mine.tolist()) or not (kinds[kinds != _OWNED] == _TREE).all():
+            return None
+        insert, feed = self.cache.insert, self.capacity
+        prefix_lens = []
+        try:
+            for seq, seq_slots, space in zip(tokens, slots, spaces, strict=True):
+                prefix_lens.append(insert(seq, seq_slots, namespace=space))
+                if feed is not None:
+                    feed.saw(False, seq, space)
+        finally:  # (what is no longer OWNED joined the tree or was freed as a duplicate)
+            session.owned.difference_update(mine[state[mine] != _OWNED].tolist())
+        return prefix_lens
+
     def _insert_one(
         self, session: Session, seq: np.ndarray, slots: np.ndarray, space: Any, whole: bool
     ) -> tuple[int, int]:
@@ -379,15 +433,15 @@ class CacheOps:
             seq, slots = seq[:aligned], slots[:aligned]
         state = self.cache.device_alloc.state
         pages = np.asarray(self._pages(slots), dtype=np.int64)
-        mine = pages[state[pages] == OWNED] if len(pages) else pages
+        mine = pages[state[pages] == _OWNED] if len(pages) else pages
         session.check_owned(mine.tolist())  # never another session's pages
         prefix_len = self.cache.insert(seq, slots, namespace=space)
         if self.capacity is not None:
             self.capacity.saw(False, seq, space)
         # what is no longer OWNED joined the tree or was freed as a duplicate
-        gone = mine[state[mine] != OWNED]
+        gone = mine[state[mine] != _OWNED]
         session.owned.difference_update(gone.tolist())
-        return prefix_len, int(np.count_nonzero(state[gone] == TREE))
+        return prefix_len, int(np.count_nonzero(state[gone] == _TREE))
 
     def _settled(self, seq: np.ndarray, space: Any) -> MatchResult:
         """The cached whole-page prefix of ``seq`` (a look-up, not a request), loads landed."""

@@ -127,6 +127,9 @@ class Session:
         self.tally[0] -= len(records)
         return records
 
+    def owns_all(self, pages: Iterable[int]) -> bool:
+        return self.owned.issuperset(pages)
+
     def check_owned(self, pages: Iterable[int]) -> None:
         """Raise NOT_OWNED unless every page is this session's."""
         missing = [p for p in pages if p not in self.owned]

@@ -62,6 +62,9 @@ class Op(IntEnum):
     # fetch from the third tier still runs; absent when none). Slot = page * page_size + offset.
     # l3_wait (default true): under a waiting prefetch policy the reply waits for those fetches,
     # at most the policy's bound; false: it never waits (ask again once they have landed).
+    # alloc_rest (default false; lock false only): a store's allocation in the same round trip:
+    # pages, this session's as ALLOC's, for each answered sequence's tokens past its device hit
+    # -> fields: rest_pages (pages per sequence); a second frame: their page ids (int64).
     LOAD_BACK = 5  # fields: lock_id (from a match), wait (default true) -> frame: slots of the
     # loaded part; fields: loaded, ticket (wait=false: read layers once the progress table
     # shows them; 0: complete), events (CUDA pools: one IPC event handle per layer)

@@ -687,6 +687,28 @@ MUTATIONS = [
         ("tests/test_sglang_chains.py", "-k", "prompts_start"),
     ),
     Mutation(
+        "a-release-after-a-lapse-not-waited-for",
+        "client/client.py",
+        "        if ids and (wait or not self._link.lease_holds()):",
+        "        if ids and wait:",
+        ("tests/test_store_calls.py", "-k", "lapse"),
+    ),
+    Mutation(
+        "a-batch-of-inserts-takes-another-sessions-pages",
+        "daemon/cache_ops.py",
+        "        if not session.owns_all(mine.tolist()) or not (kinds[kinds != _OWNED] == _TREE)"
+        ".all():",
+        "        if False:",
+        ("tests/test_store_calls.py", "-k", "fails_where"),
+    ),
+    Mutation(
+        "a-store-match-allocates-under-a-lock",
+        "daemon/cache_ops.py",
+        "        if alloc_rest and lock:",
+        "        if False:",
+        ("tests/test_store_calls.py", "-k", "holds_nothing"),
+    ),
+    Mutation(
         "start-up-objects-not-frozen",
         "daemon/gc_pauses.py",
         "        gc.freeze()\n",

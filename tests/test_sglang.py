@@ -424,8 +424,12 @@ def test_a_daemon_killed_during_a_get_or_a_set_fails_that_call_only(tmp_path, mo
             state["proc"].wait()
 
         monkeypatch.setattr("hicache.client.sglang.page_keys.copy_pages", copy_then_die)
-        dst = host.alloc(3 * rig.PAGE)
-        assert be.batch_get_v1(keys, dst) == [False] * 3  # the release never came back
+        dst = host.alloc(3 * rig.PAGE)  # pinned, with the session surely alive, all along:
+        assert be.batch_get_v1(keys, dst) == [True] * 3  # read (the release is not waited for)
+        assert torch.equal(
+            rig.canonical_page(host, int(dst[0])), rig.canonical_page(host, int(src[0]))
+        )
+        assert be.batch_exists(keys) == 0  # down: a miss
         state["proc"] = proc = daemon(endpoint)
         assert be.batch_set_v1(keys, src) == [False] * 3  # killed before its insert
         monkeypatch.setattr("hicache.client.sglang.page_keys.copy_pages", real)

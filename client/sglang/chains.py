@@ -8,9 +8,9 @@ root: the daemon keeps a prompt's pages as one sequence in its radix tree (the k
 
 - the index is **prefix-closed by structure**: a page is held only below its whole prefix, and
   eviction takes leaves (a chain's last pages) first, as for token prompts;
-- a call is **one tree operation**: one match for a lookup or a get, and for a set a match,
-  an allocation and one insert of the pages the daemon lacks (one-page keys take an insert per
-  page).
+- a call is **one tree operation**: one match for a lookup or a get, and for a set a match
+  that also allocates the pages the daemon lacks (one round trip) and one insert of them
+  (one-page keys take an insert per page).
 
 Since SGLang's page hash is chained, the path to a page is a function of the page's own key:
 two calls that end at the same key name the same path, whatever prefix split they use.
@@ -114,7 +114,7 @@ class Chains(KeyCalls):
                 return count
             finally:
                 if m is not None and m.lock_id:
-                    c.release(m)
+                    c.release(m, wait=False)  # (the copy is done: nobody waits on the release)
 
         return self.run_get(read, generation, start)
 
@@ -139,9 +139,10 @@ class Chains(KeyCalls):
         ps, start = fmt.page_size, time.perf_counter()
 
         def write(c: HiCacheClient) -> int:
-            m = c.match_prefix(tokens, ns, lock=False)
+            m, slots = c.match_and_alloc(tokens, ns)  # (pages for what the daemon lacks)
             held = m.device_hit_length // ps
             if held < skip:  # the prefix is gone: nothing may hang below it
+                free_quietly(c, slots)
                 if not self.orphans:
                     log.info(
                         "hicache: a chain set below pages the daemon no longer holds stores "
@@ -152,7 +153,6 @@ class Chains(KeyCalls):
             first = held - skip  # the first page the daemon lacks
             if first >= len(keys):
                 return 0
-            slots = c.alloc((len(keys) - first) * ps)
             try:
                 pages = (slots[::ps] // ps).numpy()
                 pool = daemon_view(fmt, self.layout, c.attach().layers)

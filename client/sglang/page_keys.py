@@ -8,8 +8,8 @@ every page is a one-page key of the daemon's tree here:
   stay pinned (locked) for the get that follows.
 - ``get``: the pinned pages (or a MATCH for keys nobody pinned), copied, then released in one
   RELEASE; the leading run copied counts.
-- ``set``: a MATCH (which pages the daemon lacks), an ALLOC for those, the copy, an INSERT in
-  the keys' order; pages the daemon holds already are not copied again.
+- ``set``: a MATCH that also allocates a page for each key the daemon lacks (one round trip),
+  the copy, an INSERT in the keys' order; pages the daemon holds already are not copied again.
 
 Keys are matched and inserted last first: the daemon's LRU clock ticks per key, so a chain's
 first pages are its most recent and are evicted last (a chain that lost its head is lost whole
@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from hicache.client.client import HiCacheClient
 from hicache.client.connection import DaemonError
@@ -87,8 +88,8 @@ class PageKeys(KeyCalls):
                     for page, view in zip(src, dst[:count], strict=True):
                         copy_pages(pool, view, np.array([page]), np.zeros(1, np.int64))
                 return count
-            finally:
-                c.release(*(m for m in matches if m is not None and m.lock_id))
+            finally:  # (the copy is done: nobody waits on the release)
+                c.release(*(m for m in matches if m is not None and m.lock_id), wait=False)
 
         return self.run_get(read, generation, start)
 
@@ -102,11 +103,11 @@ class PageKeys(KeyCalls):
         fmt, ns, start = self.format, self.namespace, time.perf_counter()
 
         def write(c: HiCacheClient) -> int:
-            have = self._match(c, words, lock=False)
-            lacking = [i for i, m in enumerate(have) if m.device_hit_length < fmt.page_size]
+            have = self._match_and_alloc(c, words)  # (a page for each key the daemon lacks)
+            lacking = [i for i, (m, _) in enumerate(have) if m.device_hit_length < fmt.page_size]
             if not lacking:
                 return 0
-            slots = c.alloc(len(lacking) * fmt.page_size)
+            slots = torch.cat([have[i][1] for i in lacking])
             try:
                 pages = (slots[:: fmt.page_size] // fmt.page_size).numpy()
                 pool = daemon_view(fmt, self.layout, c.attach().layers)
@@ -151,6 +152,21 @@ class PageKeys(KeyCalls):
         for end in range(len(words), 0, -MAX_BATCH):
             part = list(words[max(0, end - MAX_BATCH) : end][::-1])
             out += c.match_batch(part, [self.namespace] * len(part), lock=lock)
+        return out[::-1]
+
+    def _match_and_alloc(self, c: HiCacheClient, words: np.ndarray) -> list[tuple[Match, Any]]:
+        """``_match`` without a lock, each key's page allocated in the same round trip where
+        the daemon lacks it (last key first, as ``_match``)."""
+        out: list[tuple[Match, Any]] = []
+        try:
+            for end in range(len(words), 0, -MAX_BATCH):
+                part = list(words[max(0, end - MAX_BATCH) : end][::-1])
+                out += c.match_and_alloc_batch(part, [self.namespace] * len(part))
+        except BaseException:  # (the parts before hold pages of this session's)
+            got = [slots for _, slots in out if len(slots)]
+            if got:
+                free_quietly(c, torch.cat(got))
+            raise
         return out[::-1]
 
 
