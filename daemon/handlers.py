@@ -264,7 +264,10 @@ class Handlers:
             if (
                 self.admin_token is None
                 or not isinstance(token, str)
-                or not hmac.compare_digest(token, self.admin_token)
+                # (as bytes: compare_digest takes only ASCII strs, and a token is any str)
+                or not hmac.compare_digest(
+                    token.encode("utf-8", "surrogatepass"), self.admin_token.encode()
+                )
             ):
                 raise ProtocolError(
                     ErrorCode.FORBIDDEN,

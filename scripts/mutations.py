@@ -709,6 +709,15 @@ MUTATIONS = [
         ("tests/test_store_calls.py", "-k", "holds_nothing"),
     ),
     Mutation(
+        "any-admin-token-accepted",
+        "daemon/handlers.py",
+        "                or not hmac.compare_digest(\n"
+        '                    token.encode("utf-8", "surrogatepass"), self.admin_token.encode()\n'
+        "                )\n",
+        "",
+        ("tests/test_auth.py", "-k", "any_token"),
+    ),
+    Mutation(
         "start-up-objects-not-frozen",
         "daemon/gc_pauses.py",
         "        gc.freeze()\n",

@@ -177,3 +177,56 @@ def test_one_client_key_holds_one_share_of_the_pool_over_its_sessions(keys, monk
             b.alloc(64)  # what one session gave back, another of the key may take
     finally:
         stop_daemon(proc)
+
+
+def _hello(endpoint: str, fields: dict) -> tuple[int, str]:
+    """A raw HELLO on a socket of its own: (status, message)."""
+    import msgpack
+    import zmq
+
+    from hicache.protocol import PROTOCOL_VERSION, Op, decode_reply
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)
+    try:
+        sock.connect(endpoint)
+        sock.send(msgpack.packb([PROTOCOL_VERSION, int(Op.HELLO), 1, 0, 0, fields]))
+        reply = decode_reply(sock.recv())
+        return int(reply.status), str(reply.fields.get("message", ""))
+    finally:
+        sock.close()
+
+
+def test_an_admin_hello_with_any_token_but_the_daemons_is_refused(tmp_path):
+    """Wrong tokens of every length (empty, one off, one longer, huge), non-ASCII ones, the
+    right one changed in one character, and what is not a string: each is refused with
+    FORBIDDEN and a clear message, never admitted, never an error inside the daemon; the
+    daemon's own token still opens an admin session, and a plain hello needs none."""
+    from hicache.endpoints import admin_token_path
+
+    ep = f"ipc://{tmp_path}/d.sock"
+    proc = start_daemon(ep)
+    try:
+        token = open(admin_token_path(ep)).read().strip()
+        flipped = token[:-1] + ("a" if token[-1] != "a" else "b")
+        wrong = [
+            "", "x", token[:-1], token + "0", flipped, flipped.upper(), token * 2, "é" * len(token),
+            token[:-1] + "é", "\x00" * len(token), "🔑" * 40, "a" * 100_000, " " + token,
+        ]  # fmt: skip
+        for bad in [*wrong, None, 7, b"bytes", [token], {"token": token}]:
+            fields = {"client": "ops", "pid": 1, "admin": True, "admin_token": bad}
+            status, message = _hello(ep, fields)
+            assert status == ErrorCode.FORBIDDEN, (bad, status, message)
+            assert "admin token" in message
+        status, _ = _hello(ep, {"client": "ops", "pid": 1, "admin": True})  # (none at all)
+        assert status == ErrorCode.FORBIDDEN
+        status, _ = _hello(ep, {"client": "ops", "pid": 1, "admin": True, "admin_token": token})
+        assert status == ErrorCode.OK
+        with HiCacheClient(ep, name="after") as hc:
+            stats = hc.stats()
+        assert [s["admin"] for s in stats["session_list"] if s["client"] == "ops"] == [True]
+        assert stats["errors_by_code"].get("INTERNAL", 0) == 0
+        assert proc.poll() is None
+    finally:
+        stop_daemon(proc)

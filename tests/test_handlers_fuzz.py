@@ -227,3 +227,22 @@ def test_every_op_was_reached_with_success():
     """(Runs after the test above.) A fuzz whose every request is refused tests nothing."""
     missing = [op.name for op in WELL_FORMED_OPS if not OPS_REACHED.get(op.name)]
     assert not missing, f"never succeeded: {missing} (reached: {OPS_REACHED})"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    token=st.one_of(
+        st.text(max_size=80), st.binary(max_size=40), st.integers(-(2**63), 2**63 - 1), st.none()
+    )
+)
+def test_an_admin_hello_is_admitted_with_the_daemons_token_only(token):
+    """Any other value, of any length or alphabet, is FORBIDDEN (never INTERNAL: _call
+    checks), and changes nothing."""
+    _, handlers = _client_world()
+    hello = {"client": "ops", "pid": 1, "admin": True, "admin_token": token}
+    reply, _ = _call(handlers, Op.HELLO, 0, hello, count=False)
+    if token == "t":
+        assert reply.ok
+    else:
+        assert reply.status is ErrorCode.FORBIDDEN and "admin token" in reply.fields["message"]
+        assert len(handlers.sessions) == 0

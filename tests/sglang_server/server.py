@@ -46,14 +46,23 @@ def readme_args() -> list[str]:
     return shlex.split(line)[3:]
 
 
-def server_args(model: str, endpoint: str, prefix_keys: bool = True) -> list[str]:
-    """The README's arguments for ``model`` and ``endpoint`` on the CPU."""
+def server_args(
+    model: str, endpoint: str, prefix_keys: bool = True, storage: str = "hicache"
+) -> list[str]:
+    """The README's arguments for ``model`` and ``endpoint`` on the CPU. ``storage``:
+    "hicache" (the README's), "file" (SGLang's own file backend instead) or "none" (SGLang's
+    hierarchical cache without a storage tier), for the served benchmark's comparisons."""
     args = readme_args()
     out: list[str] = []
     i = 0
     while i < len(args):
         flag = args[i]
         value = args[i + 1] if i + 1 < len(args) and not args[i + 1].startswith("--") else None
+        if storage != "hicache" and flag.startswith("--hicache-storage-backend"):
+            i += 1 if value is None else 2
+            if storage == "file" and flag == "--hicache-storage-backend":
+                out += [flag, "file"]
+            continue
         if flag == "--model-path":
             value = model
         elif flag in CPU_FLAGS:
@@ -157,7 +166,8 @@ def _quiet() -> Iterator[None]:
 
 
 def start(model: Path, endpoint: str, folder: Path, *extra: str, prefix_keys: bool = True,
-          port: int | None = None) -> Server:  # fmt: skip
+          port: int | None = None, storage: str = "hicache",
+          env: dict[str, str] | None = None) -> Server:  # fmt: skip
     """Start SGLang's server with the README's config (see ``server_args``) in ``folder``;
     returns once it answers, else stops it and raises with its log's end."""
     from tests.l3_servers import free_port
@@ -165,14 +175,15 @@ def start(model: Path, endpoint: str, folder: Path, *extra: str, prefix_keys: bo
     folder.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     log = folder / f"sglang-{port}.log"
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1",
-           "TORCH_EXTENSIONS_DIR": str(VENV / "torch-extensions")}  # fmt: skip
-    env.pop("PYTHONPATH", None)  # (the SGLang venv has hicache installed: nothing else)
+    environ = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1",
+               "TORCH_EXTENSIONS_DIR": str(VENV / "torch-extensions"), **(env or {})}  # fmt: skip
+    environ.pop("PYTHONPATH", None)  # (the SGLang venv has hicache installed: nothing else)
     cmd = [str(PYTHON), "-m", "sglang.launch_server", *server_args(str(model), endpoint,
-           prefix_keys), "--host", "127.0.0.1", "--port", str(port), *SMALL, *extra]  # fmt: skip
+           prefix_keys, storage), "--host", "127.0.0.1", "--port", str(port), *SMALL,
+           *extra]  # fmt: skip
     with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=folder, env=environ, stdout=fh,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     server = Server(proc, port, log)
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
