@@ -37,7 +37,7 @@ from hicache.daemon.tier_names import TierNames
 from hicache.daemon.view_budget import ViewBudget
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
 from hicache.memory import OWNED
-from hicache.observe import tree_shape
+from hicache.observe import CacheStats, tree_shape
 from hicache.protocol import (
     MAX_MATCH_TOKENS,
     PROTOCOL_VERSION,
@@ -417,11 +417,14 @@ class Handlers:
     def report(self, check: bool = False) -> dict[str, Any]:
         """What STATS answers (the metrics' snapshot too, which no budget holds back)."""
         cache = self.cache
-        out: dict[str, Any] = {} if cache is None else self.tiers.fields(cache.stats().as_dict())
+        # (before a daemon for engines has a layout, no pool yet: its figures are all 0)
+        stats = CacheStats.zero() if cache is None else cache.stats()
+        out: dict[str, Any] = self.tiers.fields(stats.as_dict())
         out.update(self.engine_counts.as_dict())
-        if self.tiers.engine and cache is not None:  # the engines load from the pool themselves
+        if self.tiers.engine:  # the engines load from the pool themselves
+            token_bytes = 0 if cache is None else cache.config.token_bytes
             out["load_tokens"] = self.engine_counts.loaded
-            out["load_bytes"] = min(SATURATED, self.engine_counts.loaded * cache.config.token_bytes)
+            out["load_bytes"] = min(SATURATED, self.engine_counts.loaded * token_bytes)
         if cache is not None and cache.l3 is not None:
             out["l3"] = cache.l3.stats()
         if cache is not None:

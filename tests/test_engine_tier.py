@@ -106,6 +106,10 @@ def test_the_first_layout_makes_the_pool_and_others_are_refused(ep):
             hc.match_prefix(list(range(64)))
         assert err.value.code is ErrorCode.NO_LAYOUT
         assert hc.layout is None and hc.stats()["layout"] is None
+        # every figure is there before the pool is, as 0, as /metrics shows it
+        stats = hc.stats()
+        for name in ("hit_host_tokens", "load_tokens", "miss_tokens", "host_capacity_tokens"):
+            assert stats[name] == 0, name
         held = hc.holdings()  # nothing can be held yet, and asking is no error
         assert held.lock_ids == [] and len(held.owned_slots) == 0
         served = hc.register_layout(layout(num_kv_heads=1, block_shape=(1, 32, 64), tp_size=2))

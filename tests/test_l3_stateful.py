@@ -20,6 +20,7 @@ from hicache.l3.tier import MISS_TTL_S, L3Tier
 from hicache.observe import TierEvents
 from tests.conftest import make_cache, settle
 from tests.event_model import TierModel, tree_blocks
+from tests.reach import run_until_reached
 from tests.reference import expected_kv, read_kv, write_kv
 
 PS = 2
@@ -81,8 +82,8 @@ class TwoMachines(RuleBasedStateMachine):
         cache, tokens = self.caches[m], SEQS[s]
         hit = cache.match_prefix(tokens)
         f = cache.l3.prefetch(tokens.tobytes(), None, hit.device_hit_length + hit.host_hit_length)
-        if f is not None and wait:
-            assert cache.l3.wait(f, timeout=10)
+        if f is not None and wait:  # (a bound, not a pace: a loaded machine takes longer)
+            assert cache.l3.wait(f, timeout=120)
 
     @rule(m=st.integers(0, 1), s=st.integers(0, len(SEQS) - 1))
     def serve(self, m: int, s: int) -> None:
@@ -179,14 +180,14 @@ SETTINGS = settings(
 )  # fmt: skip
 TwoMachines.TestCase.settings = WithWriteBack.TestCase.settings = SETTINGS
 UnderTheOnlyPool.TestCase.settings = settings(SETTINGS, max_examples=80)
-test_two_machines_on_one_faulty_store = TwoMachines.TestCase
 test_with_write_back = WithWriteBack.TestCase
-test_under_the_only_pool = UnderTheOnlyPool.TestCase
 
 
-@pytest.mark.parametrize("machines", [TwoMachines, UnderTheOnlyPool])
-def test_the_runs_above_went_through_every_path(machines):
-    """The random runs fetched, served, refused corrupt values, survived a down store and
-    wrote back what eviction gave up (runs after the state machines in this module)."""
-    seen = machines.seen
-    assert all(seen.values()), seen
+@pytest.mark.parametrize("machines", [TwoMachines, UnderTheOnlyPool], ids=["two", "only_pool"])
+def test_random_runs_on_a_faulty_store_went_through_every_path(machines):
+    """The random runs (each rule checked after every step) fetched, served, refused corrupt
+    values, survived a down store and wrote back what eviction gave up: rounds of runs until
+    each was reached (at most three), whatever ran before this test."""
+    for name in machines.seen:
+        machines.seen[name] = 0
+    run_until_reached(machines)

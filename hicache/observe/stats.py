@@ -77,3 +77,10 @@ class CacheStats:
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def zero(cls, page_size: int = 0) -> CacheStats:
+        """The figures of a cache that does not exist yet (a daemon for engines before the
+        first layout): every size and count 0."""
+        values = {f.name: 0 for f in dataclasses.fields(cls)}
+        return cls(**{**values, "page_size": page_size})
