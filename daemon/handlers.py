@@ -27,6 +27,7 @@ from hicache.daemon.cache_ops import CacheOps
 from hicache.daemon.capacity_feed import CapacityFeed
 from hicache.daemon.engine_counts import SATURATED, EngineCounts, reported
 from hicache.daemon.engine_tier import EngineTier, no_layout
+from hicache.daemon.inbox import process_alive
 from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import SessionLimits
 from hicache.daemon.request_context import RequestContext
@@ -59,6 +60,7 @@ ADMIN_OPS = {Op.EVICT, Op.FLUSH}
 NO_CACHE_OPS = NO_SESSION_OPS | {Op.HEARTBEAT, Op.GOODBYE, Op.REGISTER, Op.HOLDINGS}
 MAX_SESSION_LIST = 1000  # sessions listed by stats (the count is always exact)
 CHEAP_SESSION_LIST = 64  # a stats report listing no more live sessions is no view (no budget)
+PROCESS_CHECK_S = 1.0  # how often housekeeping looks whether sessions' engine processes live
 
 
 def printable(name: str) -> str:
@@ -96,6 +98,7 @@ class Handlers:
         )
         self.admin_token = admin_token  # what an admin hello must show (None: no admins)
         self.started = self.clock()
+        self._processes_seen = self.started  # when housekeeping last looked for ended engines
         self.housekeep_errors = 0  # exceptions caught in housekeeping (each one is a bug)
         self.draining = False  # shutting down: hello is refused, heartbeats say so
         self.context = RequestContext()  # the request being handled (the server sets a part)
@@ -216,7 +219,11 @@ class Handlers:
                 self.cache.poll()
                 if self.cache.l3 is not None:  # (never inside a cache operation: it may evict)
                     self.cache.l3.poll()
-            ended = self.sessions.expire(self.clock())
+            now = self.clock()
+            if now - self._processes_seen >= PROCESS_CHECK_S:
+                self._processes_seen = now
+                self._orphans(now)
+            ended = self.sessions.expire(now)
             if estimate and self.capacity is not None:
                 self.capacity.run()
         except Exception:
@@ -230,6 +237,19 @@ class Handlers:
                 self.housekeep_errors += 1
                 log.exception("giving back session %d failed", gone.session.id)
         return ended
+
+    def _orphans(self, now: float) -> None:
+        """Sessions whose engine process is gone go to quarantine now (sessions.orphaned)."""
+        for session in self.sessions.orphaned(now, process_alive):
+            log.info(
+                "session %d (%s) %s: its %d pages and %d locks are given back in %g s",
+                session.id,
+                session.client,
+                session.ending,
+                len(session.owned),
+                len(session.locks),
+                self.sessions.quarantine_s,
+            )
 
     def give_back(self, ended: Ended) -> None:
         """Release every lock and free every page an ended session still held. Only pages the

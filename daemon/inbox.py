@@ -202,6 +202,27 @@ def peer_pid(address: str) -> int:
     return int(parts[3])
 
 
+def process_alive(process: str) -> bool:
+    """Whether the process a session's ``process`` names ("<pid>@<start time>") still runs:
+    its pid exists and started then (a pid given again names another process). A process
+    whose start time was not readable when its session opened (a /proc that does not show
+    it) is never judged: it answers alive."""
+    pid, _, start = process.partition("@")
+    if start in ("", "?"):
+        return True
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except (OSError, ValueError):
+        return True
+    try:
+        return stat[stat.rindex(b")") + 2 :].split()[19].decode() == start
+    except (ValueError, IndexError):
+        return True
+
+
 def process_of(pid: int) -> str:
     """``pid`` with its start time ("<pid>@<clock ticks since boot>", from /proc), so that a
     pid the kernel gives again later names another process; "" for pid 0."""

@@ -312,6 +312,21 @@ class SessionTable:
             self._lapsed.popitem(last=False)
         return session
 
+    def orphaned(self, now: float, alive: Callable[[str], bool]) -> list[Session]:
+        """Put in quarantine at once, as a stopping goodbye would, every live session whose
+        connection's process (ipc) is gone: an engine killed before it could say goodbye
+        (SIGKILL, the OOM killer) holds nothing for its lease's length. Returns them."""
+        gone = []
+        for process in {s.process for s in self._sessions.values() if s.process}:
+            if alive(process):
+                continue
+            for key in [k for k, s in self._sessions.items() if s.process == process]:
+                session = self.stop(key, now)
+                if session is not None:
+                    session.ending = f"its process (pid {process_pid(process)}) ended"
+                    gone.append(session)
+        return gone
+
     def expire(self, now: float) -> list[Ended]:
         """Move every session whose lease ran out before ``now`` to quarantine, and return the
         quarantined ones whose grace period is over (to give back now)."""

@@ -718,6 +718,20 @@ MUTATIONS = [
         ("tests/test_auth.py", "-k", "any_token"),
     ),
     Mutation(
+        "an-engine-killed-waits-out-its-lease",
+        "daemon/handlers.py",
+        "            if now - self._processes_seen >= PROCESS_CHECK_S:",
+        "            if False:",
+        ("tests/test_daemon.py", "-k", "noticed"),
+    ),
+    Mutation(
+        "a-reused-pid-keeps-a-session-alive",
+        "daemon/inbox.py",
+        '        return stat[stat.rindex(b")") + 2 :].split()[19].decode() == start',
+        "        return True",
+        ("tests/test_sessions.py", "-k", "ended_go_to"),
+    ),
+    Mutation(
         "start-up-objects-not-frozen",
         "daemon/gc_pauses.py",
         "        gc.freeze()\n",

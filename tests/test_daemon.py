@@ -8,6 +8,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 
 import msgpack
 import numpy as np
@@ -312,3 +313,33 @@ def test_namespaces_keep_engines_apart_through_the_client(endpoint):
         assert ma.device_hit_length == mb.device_hit_length == 32
         assert not set(ma.device_indices.tolist()) & set(mb.device_indices.tolist())
         assert a.stats()["device_cached_tokens"] == 64
+
+
+def test_an_engine_killed_without_a_goodbye_is_noticed_before_its_lease_runs_out(tmp_path):
+    """SIGKILL (vLLM's front end force-kills its engine core): no code of the engine runs, but
+    the daemon sees its process is gone within about a second and quarantines its session as
+    a stopping goodbye would, instead of waiting out a lease of a minute."""
+    ep = f"ipc://{tmp_path}/d.sock"
+    proc = start_daemon(ep, lease=60.0, quarantine=1.0)
+    try:
+        ready = tmp_path / "ready"
+        engine = mp.get_context("spawn").Process(target=hold_and_wait, args=(ep, str(ready)))
+        engine.start()
+        wait_until(ready.exists, what="the engine's pages and lock")
+        with HiCacheClient(ep, name="probe") as hc:
+            victim = [s for s in hc.stats()["session_list"] if s["client"] == "victim"]
+            assert victim and victim[0]["owned_pages"]
+            engine.kill()
+            engine.join()
+            t0 = time.monotonic()
+            wait_until(
+                lambda: not [s for s in hc.stats()["session_list"] if s["client"] == "victim"],
+                timeout=30,
+                what="the session given back",
+            )
+            assert time.monotonic() - t0 < 30  # (the lease is 60 s)
+            assert hc.stats()["device_owned_tokens"] == 0
+            assert hc.stats(check=True)["integrity"] == "ok"
+    finally:
+        log = stop_daemon(proc)
+    assert f"ended: its process (pid {engine.pid}) ended" in log, log[-2000:]

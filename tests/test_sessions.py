@@ -1,5 +1,9 @@
 """Session bookkeeping: leases, quarantine, owned pages and locks given back, the service clock."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from hicache.daemon.sessions import ServiceClock, SessionTable
@@ -318,3 +322,24 @@ def test_the_daemon_counts_ipc_sessions_by_the_kernels_pid(tmp_path):
         for sock in socks:
             sock.close()
         stop_daemon(proc)
+
+
+def test_sessions_of_a_process_that_ended_go_to_quarantine_and_others_stay():
+    from hicache.daemon.inbox import process_alive, process_of
+
+    table = SessionTable(lease_s=60.0, quarantine_s=5.0)
+    mine = process_of(os.getpid())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    theirs = process_of(dead.pid)
+    dead.wait()
+    a = table.open("live", 1, 0.0, process=mine)
+    b = table.open("killed", 2, 0.0, process=theirs)
+    c = table.open("unknown", 3, 0.0, process=f"{dead.pid}@?")  # (/proc did not show it)
+    assert process_alive(mine) and not process_alive(theirs) and process_alive(f"{dead.pid}@?")
+    assert not process_alive(mine.split("@")[0] + "@1")  # the pid, another start: another one
+    gone = table.orphaned(1.0, process_alive)
+    assert [s.id for s in gone] == [b.id] and b.ending == f"its process (pid {dead.pid}) ended"
+    assert table.live(a.key, 1.0) is a and table.live(c.key, 1.0) is c
+    assert table.live(b.key, 1.0) is None and table.quarantined() == [b]
+    assert [e.session.id for e in table.expire(6.5)] == [b.id]  # after its quarantine
+    table.check_integrity()

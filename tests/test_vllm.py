@@ -7,6 +7,7 @@ the hits must be what the prompt lengths say.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -24,6 +26,7 @@ require_module("vllm", what="real vLLM engines (tests/test_vllm.py)")
 from hicache.client import HiCacheClient  # noqa: E402
 from hicache.daemon.launch import start_daemon, stop_daemon  # noqa: E402
 from hicache.memory import EngineLayout  # noqa: E402
+from tests.daemon_helpers import wait_until  # noqa: E402
 from tests.l3_servers import l3_settled, mooncake_master  # noqa: E402
 from tests.vllm_runner import BLOCK, daemon_stats, make_model, prompts  # noqa: E402
 
@@ -195,3 +198,40 @@ def test_engines_on_two_machines_share_kv_through_a_store(model, tmp_path):
         finally:
             for _, proc in daemons:
                 stop_daemon(proc)
+
+
+def test_a_vllm_engine_killed_before_its_goodbye_holds_nothing_for_its_lease(model, tmp_path):
+    """vLLM's front end may SIGKILL its engine core before the connector's stopping goodbye
+    goes out: the daemon sees the process gone and gives its session back after the
+    quarantine, long before a lease of two minutes would run out."""
+    ep = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(ep, "--device-tier", "engine", "--host-bytes", "16MiB",
+                        "--lease-seconds", "120", "--quarantine-seconds", "1")  # fmt: skip
+    tmp = tempfile.mkdtemp(prefix="hicache-vllm-")
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "tests.vllm_runner", "serve_then_hang",
+         json.dumps({"model": model, "endpoint": ep})],
+        cwd=ROOT, env={**os.environ, "TMPDIR": tmp}, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        for line in engine.stdout:  # (until it served, or it ended)
+            if line.startswith("SERVED"):
+                break
+        assert engine.poll() is None, "the engine did not serve"
+        vllm = [s for s in daemon_stats(ep)["session_list"] if s["client"].startswith("vllm")]
+        assert vllm and any(s["owned_pages"] for s in vllm)  # (its pages held ahead)
+        os.killpg(engine.pid, signal.SIGKILL)  # the engine core and its workers: no goodbye
+        engine.wait()
+        t0 = time.monotonic()
+        wait_until(lambda: not [s for s in daemon_stats(ep)["session_list"]
+                                if s["client"].startswith("vllm")], timeout=60,
+                   what="the killed engine's sessions given back")  # fmt: skip
+        assert time.monotonic() - t0 < 60 and daemon_stats(ep)["host_owned_tokens"] == 0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(engine.pid, signal.SIGKILL)
+        engine.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+        log = stop_daemon(proc)
+    assert "ended: lease expired" not in log and "(pid " in log and ") ended:" in log, log[-3000:]

@@ -231,6 +231,16 @@ def scenario_generate(args: dict) -> dict:
     return out
 
 
+def scenario_serve_then_hang(args: dict) -> dict:
+    """An engine that served (its session holds pages ahead for its next stores), says so,
+    and waits to be killed: no goodbye ever goes out."""
+    llm = make_llm(args)
+    generate(llm, prompts())
+    print("SERVED", flush=True)
+    while True:
+        time.sleep(60)
+
+
 def scenario_plain(args: dict) -> dict:
     """The same prompts without the connector (the reference outputs)."""
     llm = make_llm(args, connector=False)
@@ -267,6 +277,7 @@ SCENARIOS = {
     "generate": scenario_generate,
     "plain": scenario_plain,
     "mismatch": scenario_mismatch,
+    "serve_then_hang": scenario_serve_then_hang,
 }
 
 if __name__ == "__main__":
