@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hicache.lazy import lazy_exports
+from hicache._checkout import defer
+
+defer(__file__)  # (a checkout's folder stands aside for the installed hicache: _checkout.py)
+
+from hicache.lazy import lazy_exports  # noqa: E402
 
 _EXPORTS = {
     "HiRadixCache": "hicache.cache",

@@ -67,19 +67,27 @@ def test_in_this_process_kernels_is_the_installed_package():
     assert Path(sys.modules["kernels"].__file__) == Path(kernels.__file__)
 
 
-def test_a_bare_name_with_nothing_installed_is_not_found():
+def test_a_bare_name_with_nothing_installed_is_an_empty_namespace():
+    """What Python makes of a folder without an ``__init__``: no file, no version, nothing in
+    it (what transformers takes for "not installed"); any name asked of it says why."""
     code = (
-        "import importlib\n"
+        "import importlib, sys\n"
         "for name in ('client', 'daemon'):\n"
+        "    m = importlib.import_module(name)\n"
+        "    print(name, getattr(m, '__file__', None), getattr(m, '__version__', 'N/A'))\n"
         "    try:\n"
-        "        importlib.import_module(name)\n"
-        "    except ModuleNotFoundError as e:\n"
-        "        print(name, e.name)\n"
-        "import sys\n"
+        "        m.HiCacheClient\n"
+        "    except AttributeError as e:\n"
+        "        print('hicache.' + name in str(e))\n"
+        "    try:\n"
+        "        importlib.import_module(name + '.client')\n"
+        "    except ModuleNotFoundError:\n"
+        "        print('no submodule')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('client', 'daemon')))\n"
     )
     out = run_python(code, ROOT).splitlines()
-    assert out == ["client client", "daemon daemon", "[]"]
+    assert out == ["client None N/A", "True", "no submodule", "daemon None N/A", "True",
+                   "no submodule", "['client', 'daemon']"]  # fmt: skip
 
 
 def test_a_bare_name_is_the_installed_distribution_of_that_name(tmp_path):
@@ -122,3 +130,81 @@ def test_no_installed_distribution_claims_the_scripts_and_tests_names(name):
     shadowed there. A refresh of the lock that brings one in fails here, naming it."""
     claims = importlib.metadata.packages_distributions().get(name, [])
     assert claims == [], f"{claims} install a top-level {name!r} package"
+
+
+# ---- environments a user already has: no Hugging Face kernels, hicache installed as a wheel ---
+def _filtered_site(dest: Path, drop: tuple[str, ...]) -> Path:
+    """This venv's site-packages as links, less the entries whose names start with ``drop``."""
+    site = Path(next(p for p in sys.path if p.endswith("site-packages")))
+    dest.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.startswith(drop):
+            (dest / entry.name).symlink_to(entry)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def user_envs(tmp_path_factory):
+    """A venv that sees this one's packages but hicache (installed into it from the clone as
+    a regular wheel, as docs/sglang.md says), with and without Hugging Face's ``kernels``."""
+    top = tmp_path_factory.mktemp("user-envs")
+    ours = ("hicache", "__editable__", "__editable___hicache")
+    sites = {
+        "with": _filtered_site(top / "with", ours),
+        "without": _filtered_site(top / "without", (*ours, "kernels")),
+    }
+    venv = top / "venv"
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv",
+                    "--without-pip", str(venv)], check=True, timeout=120)  # fmt: skip
+    python = venv / "bin" / "python"
+    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig."
+                                   "get_paths()['purelib'])"], capture_output=True, text=True,
+                                  check=True).stdout.strip())  # fmt: skip
+    pth = purelib / "user-site.pth"
+
+    def use(which: str) -> Path:
+        pth.write_text(f"import site; site.addsitedir({str(sites[which])!r})\n")
+        return python
+
+    use("with")
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+         "--no-index", str(ROOT)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PIP_NO_CACHE_DIR": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return use, purelib
+
+
+TRANSFORMERS_CHECK = (
+    "import importlib.util\n"
+    "from transformers import LlamaConfig\n"
+    "from transformers.utils import import_utils\n"
+    "print(import_utils._is_package_available('kernels', return_version=True)[0])\n"
+    "import hicache, hicache.client, hicache.kernels, hicache.daemon.settings\n"
+    "print(hicache.__file__)\n"
+    "print(hicache.client.HiCacheClient.__module__)\n"
+)
+
+
+@pytest.mark.parametrize("kernels", ["with", "without"])
+def test_from_the_clone_a_user_env_imports_transformers_and_the_installed_hicache(
+    user_envs, kernels
+):
+    """From the clone's root (first on sys.path), in an environment with hicache installed as
+    a wheel: transformers' own check of Hugging Face's ``kernels`` and its models import,
+    and ``hicache`` is the installed one, with and without Hugging Face's package."""
+    use, purelib = user_envs
+    python = use(kernels)
+    for cwd in (ROOT, ROOT / "tests"):
+        done = subprocess.run([str(python), "-c", TRANSFORMERS_CHECK], cwd=cwd,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        available, where, client = done.stdout.split()
+        assert available == ("True" if kernels == "with" else "False")
+        assert Path(where).resolve().is_relative_to(purelib.resolve())
+        assert client == "hicache.client.client"
+    # a project script run as the README runs them, from the clone
+    done = subprocess.run([str(python), "-m", "scripts.bench_vllm", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "usage" in done.stdout, done.stderr[-3000:]
