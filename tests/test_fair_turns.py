@@ -149,7 +149,7 @@ def test_the_client_asks_again_for_the_rest_and_releases_all_when_a_part_fails(t
 
                 # another thread reconnects between two parts: the answer would mix two
                 # sessions (the first part's locks void), so the batch is refused
-                parts_of, reconnected = hc._matches, []
+                parts_of, reconnected = hc._matches_and_frames, []
 
                 def reconnect_after_first(*a, **k):  # noqa: ANN002, ANN003, ANN202
                     out = parts_of(*a, **k)
@@ -158,10 +158,10 @@ def test_the_client_asks_again_for_the_rest_and_releases_all_when_a_part_fails(t
                         reconnected.append(True)
                     return out
 
-                hc._matches = reconnect_after_first
+                hc._matches_and_frames = reconnect_after_first
                 with pytest.raises(LeaseLost, match="answered in parts"):
                     hc.match_batch(PROMPTS, lock=True)
-                hc._matches = parts_of
+                hc._matches_and_frames = parts_of
                 assert reconnected == [True] and hc.holdings().lock_ids == []
             finally:
                 cache_ops.TURN_S, cache_ops.TURN_PER_CHECK = old_turn
