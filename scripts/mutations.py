@@ -14,8 +14,9 @@ tests/test_shadowing.py, run from the repository.)
 
 First runs each mutation's tests on the copy as it is (they must pass: a test that fails anyway
 would catch everything; ``--no-control`` skips that where the suite just passed on the same
-tree). Every process the tests start imports the copy (PYTHONPATH), the reaper too. Prints one line per mutation (caught or SURVIVED, the time), then one
-JSON object; exits 1 when any survived.
+tree). Every process the tests start imports the copy (PYTHONPATH), the reaper too. Prints one
+line per mutation (caught or SURVIVED, the time), then one JSON object; exits 1 when any
+survived.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ MUTATIONS = [
     Mutation(
         "kept-pools-never-freed",
         "daemon/reaper.py",
-        "        if expired(marker):",
+        "        if expired(marker) or not names_snapshot(marker):",
         "        if False:",
         ("tests/test_kept.py",),
     ),
@@ -214,7 +215,8 @@ MUTATIONS = [
     Mutation(
         "sglang-pins-kept-after-the-get",
         "client/sglang/page_keys.py",
-        "                c.release(*(m for m in matches if m is not None and m.lock_id))",
+        "                c.release(*(m for m in matches if m is not None and m.lock_id), "
+        "wait=False)",
         "                pass",
         ("tests/test_sglang.py::test_exists_pins_pages_until_the_get_and_releases_the_rest",),
     ),
@@ -238,7 +240,7 @@ MUTATIONS = [
     Mutation(
         "sglang-set-stores-what-the-daemon-has",
         "client/sglang/page_keys.py",
-        "lacking = [i for i, m in enumerate(have) if m.device_hit_length < fmt.page_size]",
+        "lacking = [i for i, (m, _) in enumerate(have) if m.device_hit_length < fmt.page_size]",
         "lacking = list(range(len(have)))",
         (
             "tests/test_sglang.py::"
@@ -265,7 +267,8 @@ MUTATIONS = [
     Mutation(
         "sglang-chain-pin-kept-after-the-get",
         "client/sglang/chains.py",
-        "                if m is not None and m.lock_id:\n                    c.release(m)",
+        "                if m is not None and m.lock_id:\n"
+        "                    c.release(m, wait=False)",
         "                pass",
         ("tests/test_sglang_chains.py::test_a_lookup_pins_its_chain_until_the_get",),
     ),
@@ -307,9 +310,9 @@ MUTATIONS = [
     ),
     Mutation(
         "sglang-chain-set-locks-its-prefix",
-        "client/sglang/chains.py",
-        "            m = c.match_prefix(tokens, ns, lock=False)",
-        "            m = c.match_prefix(tokens, ns, lock=True)",
+        "client/client.py",
+        "        matches = self._match_parts(batch, namespaces, False, rests)",
+        "        matches = self._match_parts(batch, namespaces, True, rests)",
         (
             "tests/test_sglang_chains.py::"
             "test_a_long_chain_is_stored_in_batches_without_its_prefix_charged_to_the_rank",
@@ -370,8 +373,8 @@ MUTATIONS = [
     Mutation(
         "reaper-leaves-half-written-files",
         "daemon/reaper.py",
-        "        if name.startswith(prefix):",
-        '        if name.startswith(prefix) and not name.endswith(".tmp"):',
+        "        if name.startswith(prefix) and name not in spare:",
+        '        if name.startswith(prefix) and name not in spare and not name.endswith(".tmp"):',
         ("tests/test_kept.py::test_the_reaper_removes_a_dead_instances_half_written_files",),
     ),
     Mutation(
@@ -811,6 +814,12 @@ def main() -> int:
     results = {}
     try:
         installed_copy(base)
+        stale = [m for m in chosen if (base / installed_path(m.path)).read_text().count(m.old) != 1]
+        for m in stale:  # (all of them said before anything runs)
+            print(f"{m.name}: the text to replace is not in {m.path} exactly once (the rule "
+                  "moved: update this mutation)")  # fmt: skip
+        if stale:
+            return 2
         for tests in dict.fromkeys(m.tests for m in chosen if control):  # they pass unmutated
             failed, seconds, last = run(None, tests, base)
             if failed:
