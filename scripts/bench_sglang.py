@@ -41,7 +41,6 @@ from hicache.daemon.launch import start_daemon, stop_daemon
 from scripts import traces
 from tests import sglang_rig as rig
 
-
 POOL_CALLS = 3  # the daemon's pool (and the ceiling's store) holds this many calls' pages
 
 

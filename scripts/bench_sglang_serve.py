@@ -1,5 +1,6 @@
-"""SGLang's own server on a multi-turn chat trace, restarted halfway: hicache under it, against
-SGLang alone and against SGLang's own ``file`` storage backend on /dev/shm.
+"""SGLang's own server on a multi-turn chat trace, restarted halfway: hicache under it (the
+README's one-page keys, and chains), against SGLang alone and against SGLang's own ``file``
+storage backend on /dev/shm.
 
 The served model is the tiny random Llama of the SGLang server tests, on SGLang's CPU engine
 (the README's line with the CPU flags; scripts/setup_sglang.sh makes the venv). Its answers are
@@ -14,7 +15,7 @@ the server is stopped and started again (the daemon, and the file backend's fold
 Per side: prompt tokens computed (SGLang's ``prompt_tokens - cached_tokens``) and the time to
 the first token (streamed), in all and for the first round after the restart, with what one
 unbounded cache would have computed (the ceiling: every whole page of every earlier request's
-tokens kept). Three sides, one after the other, each on a fresh server (and a fresh daemon);
+tokens kept). The sides one after the other, each on a fresh server (and a fresh daemon);
 the last line is one JSON object.
 
     .venv/bin/python -m scripts.bench_sglang_serve [--convs 16] [--turns 4] [--seed 3]
@@ -36,7 +37,7 @@ from scripts import traces
 from tests.sglang_server import server as sglang
 
 PAGE = 64  # the README's --page-size
-SIDES = ("alone", "file", "hicache")
+SIDES = ("alone", "file", "hicache", "hicache_chains")
 
 
 def stream(server: sglang.Server, ids: list[int], answer: int) -> dict:
@@ -99,10 +100,10 @@ def serve_side(side: str, args, model: Path, folder: Path) -> dict:  # noqa: ANN
     endpoint = f"ipc://{folder}/hicache.sock"
     env = {"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(args.shm / side)}
     daemon = None
-    if side == "hicache":
+    if side.startswith("hicache"):
         daemon = start_daemon(endpoint, "--device-tier", "engine", "--host-bytes", "1GiB",
                               "--keep-host", "false")  # fmt: skip
-    storage = {"alone": "none", "file": "file", "hicache": "hicache"}[side]
+    storage = {"alone": "none", "file": "file"}.get(side, "hicache")
     history: dict[int, list[int]] = {}
     prompts, finished, rows = [], [], []
     restart_at = len(turns) // 2
@@ -114,7 +115,8 @@ def serve_side(side: str, args, model: Path, folder: Path) -> dict:  # noqa: ANN
                     server.flush()  # (waits for SGLang's backups to storage to finish)
                     server.stop()
                 server = sglang.start(model, endpoint, folder / f"{side}-{i}", *extra,
-                                      storage=storage, env=env)  # fmt: skip
+                                      storage=storage, env=env,
+                                      prefix_keys=side == "hicache_chains")  # fmt: skip
             conv = turn["conv"]
             prompt = (turn["system"] or history[conv]) + turn["user"]
             got = stream(server, prompt, turn["answer_len"])
@@ -140,6 +142,7 @@ def serve_side(side: str, args, model: Path, folder: Path) -> dict:  # noqa: ANN
         "ceiling_after_restart": sum(best[after]),
         "ttft_p50_ms": round(statistics.median(ttft) * 1e3, 1),
         "ttft_mean_ms": round(statistics.fmean(ttft) * 1e3, 1),
+        "ttft_max_ms": round(max(ttft) * 1e3, 1),
         "ttft_after_restart_mean_ms": round(statistics.fmean(ttft[after]) * 1e3, 1),
     }
 
@@ -169,7 +172,8 @@ def main() -> None:
                       f"prompt tokens (ceiling {got['ceiling']}), after the restart "
                       f"{got['computed_after_restart']} (ceiling "
                       f"{got['ceiling_after_restart']}); TTFT p50 {got['ttft_p50_ms']} ms, "
-                      f"mean {got['ttft_mean_ms']} ms, after the restart "
+                      f"mean {got['ttft_mean_ms']} ms, max {got['ttft_max_ms']} ms, after the "
+                      "restart "
                       f"{got['ttft_after_restart_mean_ms']} ms", flush=True)  # fmt: skip
         finally:
             shutil.rmtree(args.shm, ignore_errors=True)
@@ -178,10 +182,11 @@ def main() -> None:
             out[f"computed_hicache_vs_{side}"] = round(
                 out["hicache"]["computed"] / max(1, out[side]["computed"]), 3
             )
-    if "hicache" in out:
-        out["computed_hicache_vs_ceiling"] = round(
-            out["hicache"]["computed"] / max(1, out["hicache"]["ceiling"]), 3
-        )
+    for side in ("hicache", "hicache_chains"):
+        if side in out:
+            out[f"computed_{side}_vs_ceiling"] = round(
+                out[side]["computed"] / max(1, out[side]["ceiling"]), 3
+            )
     print(json.dumps(out))
 
 

@@ -4,8 +4,9 @@ config, on the CPU engine, on a loopback port, in a folder of its own, and alway
 PID (its process group: the tokenizer, scheduler and detokenizer processes).
 
 The command is the README's own line: its flags, with the model, the daemon's endpoint and the
-flags a CPU server needs (``CPU_FLAGS``, which the README names) put in. ``prefix_keys=False``
-drops ``hicache_storage_pass_prefix_keys`` from the README's extra config (one-page keys).
+flags a CPU server needs (``CPU_FLAGS``, which the README names) put in. ``prefix_keys=True``
+adds ``hicache_storage_pass_prefix_keys`` to the README's extra config (chains instead of the
+README's one-page keys).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def readme_args() -> list[str]:
 
 
 def server_args(
-    model: str, endpoint: str, prefix_keys: bool = True, storage: str = "hicache"
+    model: str, endpoint: str, prefix_keys: bool = False, storage: str = "hicache"
 ) -> list[str]:
     """The README's arguments for ``model`` and ``endpoint`` on the CPU. ``storage``:
     "hicache" (the README's), "file" (SGLang's own file backend instead) or "none" (SGLang's
@@ -70,8 +71,8 @@ def server_args(
         elif flag == "--hicache-storage-backend-extra-config":
             extra = json.loads(value)
             extra["hicache.endpoint"] = endpoint
-            if not prefix_keys:
-                extra.pop("hicache_storage_pass_prefix_keys")
+            if prefix_keys:
+                extra["hicache_storage_pass_prefix_keys"] = True
             value = json.dumps(extra)
         out += [flag] if value is None else [flag, value]
         i += 1 if value is None else 2
@@ -165,7 +166,7 @@ def _quiet() -> Iterator[None]:
         pass
 
 
-def start(model: Path, endpoint: str, folder: Path, *extra: str, prefix_keys: bool = True,
+def start(model: Path, endpoint: str, folder: Path, *extra: str, prefix_keys: bool = False,
           port: int | None = None, storage: str = "hicache",
           env: dict[str, str] | None = None) -> Server:  # fmt: skip
     """Start SGLang's server with the README's config (see ``server_args``) in ``folder``;
