@@ -737,6 +737,13 @@ MUTATIONS = [
         ("tests/test_sessions.py", "-k", "ended_go_to"),
     ),
     Mutation(
+        "sglang-pool-made-in-the-first-request",
+        "client/sglang/backend.py",
+        '        threading.Thread(target=self._warm, name="hicache-warm-up", daemon=True).start()\n',
+        "",
+        ("tests/test_sglang.py", "-k", "mapped_while"),
+    ),
+    Mutation(
         "start-up-objects-not-frozen",
         "daemon/gc_pauses.py",
         "        gc.freeze()\n",
