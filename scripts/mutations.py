@@ -739,7 +739,7 @@ MUTATIONS = [
     Mutation(
         "sglang-pool-made-in-the-first-request",
         "client/sglang/backend.py",
-        '        threading.Thread(target=self._warm, name="hicache-warm-up", daemon=True).start()\n',
+        "        warm.join(WARM_WAIT_S)\n",
         "",
         ("tests/test_sglang.py", "-k", "mapped_while"),
     ),

@@ -248,13 +248,12 @@ def test_exists_pins_pages_until_the_get_and_releases_the_rest(ep):
 
 def test_the_daemons_pool_is_made_and_mapped_while_sglang_starts_not_in_a_request(ep):
     """Registering SGLang's host pool connects, registers the layout (the daemon's first
-    registration makes its pool) and maps the pool in the background: the first requests do
-    not wait for it."""
+    registration makes its pool) and maps the pool before it returns (SGLang's start), so
+    the first requests' lookups do not wait for it on a thread SGLang's loop starves."""
     _, host = rig.host_pool("page_first")
     be = rig.backend(host, rig.extra_config(ep))
     try:
-        wait_until(lambda: be.link.client is not None and be.link.client.pools is not None,
-                   timeout=30, what="the pool mapped with no call made")  # fmt: skip
+        assert be.link.client is not None and be.link.client.pools is not None
         with HiCacheClient(ep, name="probe") as hc:
             sessions = hc.stats()["session_list"]
             assert [s for s in sessions if s["client"].startswith("sglang")], sessions

@@ -55,6 +55,9 @@ from hicache.client.sglang.settings import StoreSettings
 log = logging.getLogger("hicache.sglang")
 
 
+WARM_WAIT_S = 10.0  # registration waits this long for the connection to the daemon (_warm)
+
+
 class _Link(DaemonLink):
     log = log
 
@@ -131,13 +134,18 @@ class HiCacheStore(HiCacheStorage):
             self.keys.value,
             self._keys_from,
         )
-        threading.Thread(target=self._warm, name="hicache-warm-up", daemon=True).start()
+        warm = threading.Thread(target=self._warm, name="hicache-warm-up", daemon=True)
+        warm.start()
+        warm.join(WARM_WAIT_S)
 
     def _warm(self) -> None:
         """Connect, register this rank's layout and map the daemon's pool now, while SGLang
-        starts, not in its first requests' time (a daemon's first registration makes its pool:
-        a 1 GiB one took 2 s here, twice, in the first requests' TTFT). Failures are the
-        link's to log; the first call tries again."""
+        starts, not in its first requests' time. Registration waits for it (up to WARM_WAIT_S:
+        a daemon's first registration makes its pool, 0.8 s for 1 GiB here): left to a thread
+        of its own once SGLang's scheduler loop runs, the same work took 12 s (the loop holds
+        the interpreter; each of the thread's system calls waits for it again), and the first
+        requests' lookups waited for it (2.2 s TTFT, twice). Failures are the link's to log;
+        the first call tries again."""
         try:
             self.link.call(lambda c: c.attach())
         except (Unavailable, DaemonError):
