@@ -204,9 +204,10 @@ def peer_pid(address: str) -> int:
 
 def process_alive(process: str) -> bool:
     """Whether the process a session's ``process`` names ("<pid>@<start time>") still runs:
-    its pid exists and started then (a pid given again names another process). A process
-    whose start time was not readable when its session opened (a /proc that does not show
-    it) is never judged: it answers alive."""
+    its pid exists, started then (a pid given again names another process) and is not a
+    zombie (killed, not yet waited for by its parent: its /proc entry stays). A process whose
+    start time was not readable when its session opened (a /proc that does not show it) is
+    never judged: it answers alive."""
     pid, _, start = process.partition("@")
     if start in ("", "?"):
         return True
@@ -218,7 +219,8 @@ def process_alive(process: str) -> bool:
     except (OSError, ValueError):
         return True
     try:
-        return stat[stat.rindex(b")") + 2 :].split()[19].decode() == start
+        fields = stat[stat.rindex(b")") + 2 :].split()  # state, ppid, ...: man 5 proc
+        return fields[0] not in (b"Z", b"X") and fields[19].decode() == start
     except (ValueError, IndexError):
         return True
 

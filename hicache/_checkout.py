@@ -8,8 +8,8 @@ finds the clone's ``hicache/`` before the installed one, and that folder alone h
 answers for them); a regular install (``pip install /path/to/clone``, as docs/sglang.md says)
 does not. So, imported from a checkout that this environment did not install as editable,
 ``hicache/__init__`` loads the installed distribution in its place (``defer``), and with
-none installed it stays what it is (the core imports; ``hicache.client`` then says it is
-missing).
+none installed it maps the checkout's folders itself (the repository root on its
+``__path__``), so that a bare ``import kernels`` there is still an empty namespace.
 
 Imports the standard library only: it runs before anything of hicache.
 """
@@ -45,7 +45,12 @@ def defer(init_file: str) -> None:
     path = [p for p in sys.path if not _is_folder(p, root)]
     spec = importlib.machinery.PathFinder.find_spec("hicache", path)
     if spec is None or spec.loader is None or spec.origin == os.path.abspath(init_file):
-        return  # nothing installed elsewhere: the checkout's core, without client or daemon
+        # nothing installed elsewhere: the checkout maps its own folders as pyproject's
+        # package-dir does (hicache.kernels is kernels/, which every folder's bare name uses)
+        module = sys.modules.get("hicache")
+        if module is not None and root not in module.__path__:
+            module.__path__.append(root)
+        return
     module = importlib.util.module_from_spec(spec)
     sys.modules["hicache"] = module
     try:

@@ -732,9 +732,16 @@ MUTATIONS = [
     Mutation(
         "a-reused-pid-keeps-a-session-alive",
         "daemon/inbox.py",
-        '        return stat[stat.rindex(b")") + 2 :].split()[19].decode() == start',
-        "        return True",
+        '        return fields[0] not in (b"Z", b"X") and fields[19].decode() == start',
+        '        return fields[0] not in (b"Z", b"X")',
         ("tests/test_sessions.py", "-k", "ended_go_to"),
+    ),
+    Mutation(
+        "a-zombie-engine-keeps-its-session",
+        "daemon/inbox.py",
+        '        return fields[0] not in (b"Z", b"X") and fields[19].decode() == start\n',
+        "        return fields[19].decode() == start\n",
+        ("tests/test_sessions.py", "-k", "not_waited_for"),
     ),
     Mutation(
         "sglang-pool-made-in-the-first-request",

@@ -3,11 +3,13 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from hicache.daemon.sessions import ServiceClock, SessionTable
 from hicache.protocol import ErrorCode, ProtocolError
+from tests.daemon_helpers import wait_until
 
 
 def test_messages_renew_the_lease_and_silence_lapses_it_into_quarantine():
@@ -322,6 +324,23 @@ def test_the_daemon_counts_ipc_sessions_by_the_kernels_pid(tmp_path):
         for sock in socks:
             sock.close()
         stop_daemon(proc)
+
+
+def test_a_killed_process_its_parent_has_not_waited_for_is_gone():
+    """A zombie keeps its /proc entry and start time: it is still gone."""
+    from hicache.daemon.inbox import process_alive, process_of
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        named = process_of(child.pid)
+        assert process_alive(named)
+        child.kill()
+        stat = Path(f"/proc/{child.pid}/stat")
+        wait_until(lambda: b") Z " in stat.read_bytes(), timeout=30, what="a zombie")
+        assert not process_alive(named)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_sessions_of_a_process_that_ended_go_to_quarantine_and_others_stay():

@@ -90,6 +90,23 @@ def test_a_bare_name_with_nothing_installed_is_an_empty_namespace():
                    "no submodule", "['client', 'daemon']"]  # fmt: skip
 
 
+def test_a_bare_name_from_a_clone_nothing_installed_is_an_empty_namespace():
+    """No hicache installed (``-S``: no site-packages, no editable install's finder): the
+    clone's folders still import under their bare names as empty namespaces (the clone's
+    hicache/ maps them), so transformers' check says "not installed" instead of raising."""
+    code = (
+        "import importlib, importlib.util, sys\n"
+        "for name in ('kernels', 'client', 'daemon'):\n"
+        "    assert importlib.util.find_spec(name) is not None\n"
+        "    m = importlib.import_module(name)\n"
+        "    print(name, getattr(m, '__file__', None), m.__spec__.origin)\n"
+    )
+    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["kernels None None", "client None None", "daemon None None"]
+
+
 def test_a_bare_name_is_the_installed_distribution_of_that_name(tmp_path):
     """An installed ``daemon`` or ``client`` (python-daemon, say) is found past the root."""
     for name in BARE[1:]:
