@@ -74,7 +74,11 @@ class EngineTier:
         try:
             cache, pools = self.make_cache(cfg, layout)
         except InsufficientMemoryError as exc:
-            raise ProtocolError(ErrorCode.OUT_OF_MEMORY, str(exc)) from None
+            message = f"the engines' pool: {exc}"
+            if message != self._refused:  # (an engine asks again every few seconds)
+                log.warning("an engine's registration refused: %s", message)
+                self._refused = message
+            raise ProtocolError(ErrorCode.OUT_OF_MEMORY, message) from None
         self.layout = layout
         self.registrations += 1
         limits = SessionLimits.for_pool(

@@ -26,6 +26,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import threading
 import time
 import urllib.request
@@ -64,6 +65,10 @@ def model_name(url: str) -> str:
         return json.load(r)["data"][0]["id"]
 
 
+class RequestFailed(Exception):
+    """The server answered a request with an error (inside the stream)."""
+
+
 def one(url: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
     """One streamed completion: its time to first token and in all (seconds)."""
     body = json.dumps(
@@ -83,7 +88,12 @@ def one(url: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, f
     first = None
     with urllib.request.urlopen(req, timeout=600) as r:
         for line in r:
-            if first is None and line.startswith(b"data:") and b"[DONE]" not in line:
+            if not line.startswith(b"data:") or b"[DONE]" in line:
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk or chunk.get("object") == "error":  # (vLLM answers 200 first)
+                raise RequestFailed(str(chunk.get("error", chunk.get("message", chunk))))
+            if first is None:
                 first = time.perf_counter() - started
     return {
         "ttft": first if first is not None else float("nan"),
@@ -144,14 +154,26 @@ def main() -> int:
     done, lock = [], threading.Lock()
     started = time.perf_counter()
 
+    failed: list[str] = []
+
     def run(prompt: list[int]) -> None:
-        r = one(args.url, model, prompt, args.max_tokens)
+        try:
+            r = one(args.url, model, prompt, args.max_tokens)
+        except RequestFailed as exc:
+            with lock:
+                failed.append(str(exc))
+            return
         with lock:
             done.append(r)
 
     with ThreadPoolExecutor(args.concurrency) as pool:
         list(pool.map(run, prompts))
     wall = time.perf_counter() - started
+    if failed:  # (no figure of a run whose requests failed is worth printing)
+        print(f"bench_serve: {len(failed)} of {len(prompts)} requests failed; the first: "
+              f"{failed[0]} (--vocab: token ids must be below the model's vocabulary size)",
+              file=sys.stderr)  # fmt: skip
+        return 1
     # the engine's figures reach the daemon with its heartbeat (every 2 s at most): read
     # until both stayed the same for longer than that, or --settle-s passed
     deadline = time.monotonic() + args.settle_s

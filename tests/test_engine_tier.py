@@ -146,6 +146,25 @@ def test_a_pool_too_small_for_one_block_is_out_of_memory(tmp_path):
         stop_daemon(proc)
 
 
+def test_a_pool_larger_than_the_ram_is_refused_naming_the_flag_and_logged_once(tmp_path):
+    """A --host-bytes the machine cannot give: the daemon starts (engines bring the layout),
+    the first registration is refused naming --host-bytes, and the daemon's log says so once
+    (an engine asks again every few seconds)."""
+    endpoint = f"ipc://{tmp_path}/h.sock"
+    proc = start_daemon(endpoint, "--device-tier", "engine", "--host-bytes", "1000000GiB")
+    try:
+        with HiCacheClient(endpoint) as hc:
+            for _ in range(2):
+                with pytest.raises(DaemonError) as err:
+                    hc.register_layout(layout())
+                assert err.value.code is ErrorCode.OUT_OF_MEMORY
+                assert "--host-bytes" in err.value.message
+    finally:
+        output = stop_daemon(proc)
+    said = [ln for ln in output.splitlines() if "registration refused" in ln]
+    assert len(said) == 1 and "the engines' pool" in said[0], said
+
+
 def test_a_daemon_that_owns_its_device_pool_refuses_layouts(tmp_path):
     endpoint = f"ipc://{tmp_path}/h.sock"
     proc = start_daemon(endpoint, *SMALL, "--keep-host", "false")

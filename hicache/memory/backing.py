@@ -45,7 +45,8 @@ def check_ram(nbytes: int, what: str) -> None:
         raise InsufficientMemoryError(
             f"{what} needs {_gib(nbytes)} but only {_gib(max(usable, 0))} of RAM is available "
             f"(available {_gib(vm.available)} minus {RAM_HEADROOM_FRACTION:.0%} headroom); "
-            "lower host_tokens / host_ratio or device_tokens"
+            "lower --host-bytes / --host-tokens / --host-ratio or --device-tokens (with "
+            "--device-tier engine, --host-bytes sizes the pool the engines share)"
         )
 
 

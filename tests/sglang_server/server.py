@@ -11,6 +11,7 @@ README's one-page keys).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -93,9 +94,10 @@ def make_model(folder: Path) -> Path:
 class Server:
     """One running SGLang server: its port, log and HTTP API."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path, shm_before: set[str]):
         self.proc, self.port, self.log = proc, port, log
         self.base = f"http://127.0.0.1:{port}"
+        self.shm_before = shm_before  # SGLang's kind of /dev/shm files before it started
 
     def post(self, path: str, body: dict | None = None, timeout: float = 300) -> Any:
         data = None if body is None else json.dumps(body).encode()
@@ -140,7 +142,40 @@ class Server:
         return self.log.read_text(errors="replace")
 
     def stop(self) -> None:
+        """Stop it (``stop``), then remove the /dev/shm files it left (SGLang's load slots
+        and multiprocessing semaphores outlive a stopped server): those new since it started
+        that no running process maps (another server's stay)."""
         stop(self.proc)
+        left = _shm_names() - self.shm_before
+        for name in left - _mapped(left):
+            with contextlib.suppress(FileNotFoundError):
+                (SHM / name).unlink()
+
+
+SHM = Path("/dev/shm")
+LEFT_BY_SGLANG = ("sglang_loads_", "sem.mp-")  # what a stopped SGLang server leaves there
+
+
+def _shm_names() -> set[str]:
+    return {p.name for p in SHM.iterdir() if p.name.startswith(LEFT_BY_SGLANG)}
+
+
+def _mapped(names: set[str]) -> set[str]:
+    """Of ``names`` (in /dev/shm), those some process maps or holds open."""
+    used: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            text = (proc / "maps").read_text(errors="replace")
+            used |= {n for n in names if f"/dev/shm/{n}" in text}
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/") and target[9:] in names:
+                        used.add(target[9:])
+    return used
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -182,10 +217,11 @@ def start(model: Path, endpoint: str, folder: Path, *extra: str, prefix_keys: bo
     cmd = [str(PYTHON), "-m", "sglang.launch_server", *server_args(str(model), endpoint,
            prefix_keys, storage), "--host", "127.0.0.1", "--port", str(port), *SMALL,
            *extra]  # fmt: skip
+    before = _shm_names()
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=folder, env=environ, stdout=fh,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    server = Server(proc, port, log)
+    server = Server(proc, port, log, before)
     deadline = time.monotonic() + START_TIMEOUT_S
     try:
         while True:
