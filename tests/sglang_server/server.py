@@ -211,7 +211,8 @@ def start(model: Path, endpoint: str, folder: Path, *extra: str, prefix_keys: bo
     folder.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     log = folder / f"sglang-{port}.log"
-    environ = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1",
+    # TMPDIR: SGLang names its ipc sockets by temp files it never removes: in ``folder``
+    environ = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "TMPDIR": str(folder),
                "TORCH_EXTENSIONS_DIR": str(VENV / "torch-extensions"), **(env or {})}  # fmt: skip
     environ.pop("PYTHONPATH", None)  # (the SGLang venv has hicache installed: nothing else)
     cmd = [str(PYTHON), "-m", "sglang.launch_server", *server_args(str(model), endpoint,
