@@ -46,6 +46,14 @@ class EngineTier:
         self.registrations = 0  # REGISTER requests accepted (every engine rank sends one)
         self._refused = ""  # the last refusal logged
 
+    def _refuse(self, code: ErrorCode, message: str) -> ProtocolError:
+        """The error refusing a registration, logged once per distinct message (an engine
+        asks again every few seconds)."""
+        if message != self._refused:
+            log.warning("an engine's registration refused: %s", message)
+            self._refused = message
+        return ProtocolError(code, message)
+
     def register(self, raw: Any) -> tuple[EngineLayout, Made | None]:
         """Check an engine's layout. Returns the served layout and, when this registration made
         the pool, what it made; raises ProtocolError (nothing changed)."""
@@ -56,16 +64,13 @@ class EngineTier:
         if self.layout is not None:
             message = self.layout.mismatch(layout)
             if message:
-                if message != self._refused:  # (an engine asks again every few seconds)
-                    log.warning("an engine's registration refused: %s", message)
-                    self._refused = message
-                raise ProtocolError(ErrorCode.LAYOUT_MISMATCH, message)
+                raise self._refuse(ErrorCode.LAYOUT_MISMATCH, message)
             self.registrations += 1
             return self.layout, None
         s = self.settings
         tokens = s.engine_pool_tokens(layout.page_bytes, layout.block_size)
         if tokens < layout.block_size:
-            raise ProtocolError(
+            raise self._refuse(
                 ErrorCode.OUT_OF_MEMORY,
                 f"the host pool ({s.host_bytes or s.engine_tokens}) holds no whole "
                 f"block of this layout ({layout.page_bytes} bytes per block)",
@@ -74,11 +79,7 @@ class EngineTier:
         try:
             cache, pools = self.make_cache(cfg, layout)
         except InsufficientMemoryError as exc:
-            message = f"the engines' pool: {exc}"
-            if message != self._refused:  # (an engine asks again every few seconds)
-                log.warning("an engine's registration refused: %s", message)
-                self._refused = message
-            raise ProtocolError(ErrorCode.OUT_OF_MEMORY, message) from None
+            raise self._refuse(ErrorCode.OUT_OF_MEMORY, f"the engines' pool: {exc}") from None
         self.layout = layout
         self.registrations += 1
         limits = SessionLimits.for_pool(

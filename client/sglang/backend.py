@@ -149,7 +149,7 @@ class HiCacheStore(HiCacheStorage):
         try:
             self.link.call(lambda c: c.attach())
         except (Unavailable, DaemonError):
-            pass
+            pass  # (the link logged it and stays down for retry_s: lookups are misses)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """Sidecar pools (SWA, Mamba, DSA indexer, draft) of hybrid models: not supported.
