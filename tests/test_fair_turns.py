@@ -295,7 +295,7 @@ def test_a_long_turn_yields_the_core_now_and_then_for_zmqs_io_thread(tmp_path, m
         assert asked > 10 * len(yields)
         assert 1 <= len(yields) <= took / inbox_module.YIELD_EVERY_S + 1
         gaps = np.diff(yields)
-        assert (gaps >= inbox_module.YIELD_EVERY_S * (1 - 1e-9)).all()
+        assert (gaps >= inbox_module.YIELD_EVERY_S - 1e-9).all()  # (clock readings: 1e-11 s apart)
     finally:
         daemon.close()
 
