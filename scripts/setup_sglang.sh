@@ -57,5 +57,15 @@ if [ -n "${HICACHE_SGLANG_FREEZE:-}" ]; then
   "$py" -m pip freeze --all --exclude-editable --disable-pip-version-check 2>/dev/null \
     | grep -vE '^(#|sgl-kernel-cpu-standin|hicache)' >"$HICACHE_SGLANG_FREEZE"
 fi
+# SGLang hashes a storage tier's pages with a C++ extension it compiles at its first lookup
+# (11 s here, more on a loaded machine); compiled now, in the folder the tests' servers use.
+# Left to the first prefetch, a /flush_cache within 10 s of it finds the prefetch thread still
+# compiling and SGLang 0.5.23's scheduler dies ("Failed to stop HiCache storage threads").
+step "SGLang's page hasher (a C++ extension)"
+TORCH_EXTENSIONS_DIR="$venv/torch-extensions" "$py" -c "
+from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
+_load_native_hash_module()" 2>&1 | grep -v "No CUDA runtime is found" || true
+[ -f "$venv/torch-extensions/hicache_hash_cpp/hicache_hash_cpp.so" ] \
+  || { echo "setup: SGLang's page hasher did not build (above)" >&2; exit 1; }
 "$py" -c "import sglang.srt.server_args, sgl_kernel, hicache.client.sglang" \
   || { echo "setup: SGLang's server environment does not load (above)" >&2; exit 1; }

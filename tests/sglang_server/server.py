@@ -12,6 +12,7 @@ README's one-page keys).
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -31,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("HICACHE_SGLANG_VENV", ROOT / ".venv-sglang"))
 PYTHON = VENV / "bin" / "python"
 HERE = Path(__file__).resolve().parent
+# SGLang's page hasher, compiled by scripts/setup_sglang.sh where the servers look for it
+HASHER = VENV / "torch-extensions" / "hicache_hash_cpp" / "hicache_hash_cpp.so"
 # what a CPU server needs beyond the README's line (the README says so): SGLang's CPU engine,
 # the direct io backend and a page_first layout it can copy without CUDA kernels
 CPU_FLAGS = {"--device": "cpu", "--hicache-io-backend": "direct",
@@ -103,8 +106,15 @@ class Server:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.base + path, data=data, method="POST",
                                      headers={"Content-Type": "application/json"})  # fmt: skip
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError:
+            raise  # an answer (a refusal): the caller decides
+        except (OSError, http.client.HTTPException) as exc:  # no answer: say why from its log
+            state = "running" if self.proc.poll() is None else f"exited ({self.proc.returncode})"
+            tail = "\n".join(self.output().splitlines()[-60:])
+            raise RuntimeError(f"{path}: {exc!r}; the server is {state}, its log ends:\n{tail}")
         try:
             return json.loads(raw)
         except ValueError:
@@ -208,6 +218,8 @@ def start(model: Path, endpoint: str, folder: Path, *extra: str, prefix_keys: bo
     returns once it answers, else stops it and raises with its log's end."""
     from tests.l3_servers import free_port
 
+    if not HASHER.exists():  # (else the first prefetch compiles it, and a flush kills SGLang)
+        raise RuntimeError(f"{HASHER} is missing: run scripts/setup_sglang.sh")
     folder.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     log = folder / f"sglang-{port}.log"
