@@ -52,6 +52,13 @@ MUTATIONS = [
         ("tests/test_vllm_sides.py",),
     ),
     Mutation(
+        "a-split-leaves-the-upper-half-unlocked",
+        "hicache/tree/radix_tree.py",
+        "for field in TreeNode.SHARED:",
+        "for field in TreeNode.SHARED[1:]:",
+        ("tests/test_tree.py", "-k", "split"),
+    ),
+    Mutation(
         "daemon-ignores-namespaces",
         "daemon/request_fields.py",
         'spaces = fields.get("namespaces")',

@@ -50,6 +50,38 @@ def test_split_carries_locks_hits_and_host_pages():
     cache.check_integrity()
 
 
+def test_split_gives_the_upper_half_every_shared_field_and_cuts_every_paged_one():
+    """Every field of a node is classified (TreeNode.OWN, SHARED, PAGED): a split copies each
+    shared one to the upper half, cuts each paged one at the split point, and a transfer or an
+    L3 write in flight learns of the new half."""
+    from hicache.tree import RadixTree, TreeNode
+
+    assert set(TreeNode.__slots__) == {*TreeNode.OWN, *TreeNode.SHARED, *TreeNode.PAGED}
+
+    class Work:
+        def __init__(self):
+            self.nodes: list = []
+
+    tree = RadixTree(page_size=2)
+    key = np.arange(6, dtype=np.int32).tobytes()  # three pages
+    node = tree.add_leaf(tree.default_root, key, np.arange(3, dtype=np.int64).tobytes())
+    node.host_pages = np.array([10, 11, 12])
+    node.ev_hashes = np.array([20, 21, 22])
+    values = {}
+    for i, field in enumerate(TreeNode.SHARED):
+        values[field] = Work() if field in ("transfer", "l3") else 100 + i
+        setattr(node, field, values[field])
+    upper = tree.split(node, 16)  # after two pages (of two int32 tokens)
+    for field in TreeNode.SHARED:
+        assert getattr(upper, field) is values[field], field
+    assert upper.device_pages == np.arange(2, dtype=np.int64).tobytes()
+    assert node.device_pages == np.array([2], dtype=np.int64).tobytes()
+    assert upper.host_pages.tolist() == [10, 11] and node.host_pages.tolist() == [12]
+    assert upper.ev_hashes.tolist() == [20, 21] and node.ev_hashes.tolist() == [22]
+    assert values["transfer"].nodes == [upper] and values["l3"].nodes == [upper]
+    assert node.parent is upper and upper.parent is tree.default_root
+
+
 def test_namespaces_never_share_a_prefix():
     cache = make_cache()
     put(cache, [1, 2, 3], namespace="a")

@@ -39,25 +39,15 @@ IO_NONE, IO_BACKUP, IO_LOAD = IOState.NONE, IOState.BACKUP, IOState.LOAD
 class TreeNode:
     """A node of the radix tree. Fields are mutated only by HiRadixCache and RadixTree."""
 
-    __slots__ = (
-        "id",
-        "key",
-        "children",
-        "parent",
-        "namespace",
-        "device_pages",
-        "host_pages",
-        "lock_ref",
-        "host_ref",
-        "hit_count",
-        "last_access",
-        "created",
-        "io",
-        "transfer",
-        "l3",
-        "ev",
-        "ev_hashes",
-    )
+    # Every field, by what RadixTree.split does with it when it cuts off an upper half (the one
+    # list ``__slots__`` is made of, so a new field is classified or does not exist):
+    OWN = ("id", "key", "children", "parent", "namespace")  # the upper half gets its own
+    # copied: whatever covered the node (locks, protection, hits, times, a transfer or an L3
+    # write in flight, announced tiers) covers both halves
+    SHARED = ("lock_ref", "host_ref", "hit_count", "last_access", "created", "io", "transfer",
+              "l3", "ev")  # fmt: skip
+    PAGED = {"device_pages": 8, "host_pages": 1, "ev_hashes": 1}  # cut: elements per page
+    __slots__ = OWN + SHARED + tuple(PAGED)
 
     def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: object):
         self.id = node_id  # unique per cache; also the heap tie-breaker

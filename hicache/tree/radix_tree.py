@@ -119,31 +119,17 @@ class RadixTree:
         assert 0 < nbytes < len(node.key) and nbytes % self.page_bytes == 0
         pages = nbytes // self.page_bytes
         upper = self._new_node(node.key[:nbytes], node.parent, node.namespace)
-        for field in (
-            "lock_ref",
-            "host_ref",
-            "hit_count",
-            "last_access",
-            "created",
-            "io",
-            "l3",
-            "ev",
-        ):
+        for field in TreeNode.SHARED:
             setattr(upper, field, getattr(node, field))
-        if node.ev_hashes is not None:
-            upper.ev_hashes, node.ev_hashes = node.ev_hashes[:pages], node.ev_hashes[pages:]
-        if node.device_pages is not None:
-            upper.device_pages, node.device_pages = (
-                node.device_pages[: 8 * pages],
-                node.device_pages[8 * pages :],
-            )
-        if node.host_pages is not None:
-            upper.host_pages, node.host_pages = node.host_pages[:pages], node.host_pages[pages:]
-        if node.transfer is not None:
-            upper.transfer = node.transfer
-            node.transfer.nodes.append(upper)  # type: ignore[attr-defined]
-        if hasattr(node.l3, "nodes"):  # an L3 write reads both halves' pages
-            node.l3.nodes.append(upper)  # type: ignore[union-attr]
+        for field, per_page in TreeNode.PAGED.items():
+            whole = getattr(node, field)
+            if whole is not None:
+                cut = per_page * pages
+                setattr(upper, field, whole[:cut])
+                setattr(node, field, whole[cut:])
+        for work in (node.transfer, node.l3):  # a transfer or an L3 write reads both halves
+            if hasattr(work, "nodes"):
+                work.nodes.append(upper)
         upper.parent.children[node.key[: self.page_bytes]] = upper  # type: ignore[union-attr]
         node.key = node.key[nbytes:]
         node.parent = upper
