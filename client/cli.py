@@ -28,6 +28,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from hicache import __version__
 from hicache.client import kept_view
@@ -63,149 +64,67 @@ def _count(raw: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="hicache", description="Command-line client of hicache-daemon (no torch import)."
-    )
-    ap.add_argument("--version", action="version", version=f"hicache {__version__}")
-    ap.add_argument(
-        "--endpoint", default=None, help="default: $HICACHE_ENDPOINT or the ipc default"
-    )
-    ap.add_argument(
-        "--timeout", type=_seconds(0.001), default=5.0, help="seconds to wait for a reply"
-    )
-    sub = ap.add_subparsers(dest="command", required=True)
-    ping = sub.add_parser("ping", help="check that the daemon answers")
-    ping.add_argument("--json", action="store_true", help="as one JSON object")
-    health = sub.add_parser(
-        "health", help="readiness (exit 0 when ready, 1 when draining or not answering)"
-    )
-    health.add_argument("--live", action="store_true", help="liveness: exit 0 if it answers")
-    health.add_argument("--json", action="store_true", help="as one JSON object")
-    info = sub.add_parser("info", help="human-readable stats by section")
-    info.add_argument("section", nargs="?", help="one section only (e.g. hits, DevicePool)")
-    info.add_argument("--json", action="store_true", help="the sections as one JSON object")
-    stats = sub.add_parser("stats", help="all stats")
-    stats.add_argument("--json", action="store_true", help="as one JSON object")
-    stats.add_argument(
-        "--watch", type=_seconds(0.1), metavar="S", help="print again every S (>= 0.1) seconds"
-    )
-    stats.add_argument("-n", "--count", type=_count, help="with --watch: this many times")
-    top = sub.add_parser("top", help="live view: hit ratios, tiers, transfers, sessions")
-    top.add_argument(
-        "-i", "--interval", type=_seconds(0.1), default=1.0, help="seconds between samples"
-    )
-    top.add_argument("-n", "--count", type=_count, help="samples to show (default: until ^C)")
-    top.add_argument("--json", action="store_true", help="one JSON object per sample")
-    cap = sub.add_parser("capacity", help="hit ratio against tier size, and a recommendation")
-    cap.add_argument("--json", action="store_true", help="as one JSON object")
-    cap.add_argument("--plot", metavar="FILE", help="draw the curve to a PNG (matplotlib)")
-    tree = sub.add_parser("tree", help="the tree's shape: heaviest shared prefixes per namespace")
-    tree.add_argument("--top", type=int, default=10, help="prefixes per namespace")
-    tree.add_argument("--nodes", action="store_true", help="list nodes instead (--max-nodes)")
-    tree.add_argument("--max-nodes", type=int, default=100)
-    tree.add_argument("--json", action="store_true", help="as one JSON object")
-    evict = sub.add_parser("evict", help="admin: evict unlocked tokens")
-    evict.add_argument("--device-tokens", type=int, default=0)
-    evict.add_argument("--host-tokens", type=int, default=0)
-    sub.add_parser("flush", help="admin: evict every unlocked token from both tiers")
-    kept_view.add_parser(sub)
-    keygen = sub.add_parser("keygen", help="write a CurveZMQ key pair (for tcp endpoints)")
-    keygen.add_argument("--dir", required=True, help="folder for NAME.key and NAME.key_secret")
-    keygen.add_argument("--name", required=True, help="e.g. server, or an engine's name")
-    return ap
+# ---- the commands ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its arguments and what it does."""
+
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]  # adds its own arguments
+    run: Callable[[argparse.Namespace, Connection], int]  # its exit status
+    refuse: Callable[[argparse.Namespace], str | None] = lambda args: None  # before connecting
 
 
-def _in_session(conn: Connection, op: Op, fields: dict) -> dict:
-    """One operation in an admin session of its own (the CLI is an operator's tool), ended at
-    once."""
-    hello = hello_fields("hicache-cli", True, conn.endpoint)
-    conn.session = conn.call(Op.HELLO, hello)[0].fields["session"]
+@dataclass(frozen=True)
+class LocalCommand:
+    """A subcommand that needs no daemon."""
+
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _json_flag(p: argparse.ArgumentParser, help: str = "as one JSON object") -> None:
+    p.add_argument("--json", action="store_true", help=help)
+
+
+def _ping(args: argparse.Namespace, conn: Connection) -> int:
+    reply, _ = conn.call(Op.PING)
+    pid, epoch = reply.fields["pid"], reply.boot_epoch
+    print(
+        json.dumps({"pid": pid, "epoch": epoch}) if args.json else f"PONG pid={pid} epoch={epoch}"
+    )
+    return 0
+
+
+def _health_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--live", action="store_true", help="liveness: exit 0 if it answers")
+    _json_flag(p)
+
+
+def _health(args: argparse.Namespace, conn: Connection) -> int:
     try:
-        return conn.call(op, fields)[0].fields
-    finally:
-        conn.call(Op.GOODBYE)
-
-
-def _run(args: argparse.Namespace, conn: Connection) -> int:
-    if args.command == "ping":
         reply, _ = conn.call(Op.PING)
-        pid, epoch = reply.fields["pid"], reply.boot_epoch
-        print(
-            json.dumps({"pid": pid, "epoch": epoch})
-            if args.json
-            else f"PONG pid={pid} epoch={epoch}"
-        )
-        return 0
-    if args.command == "health":
-        try:
-            reply, _ = conn.call(Op.PING)
-        except DaemonTimeout:
-            if args.json:  # a probe reading JSON gets JSON either way
-                print(json.dumps({"status": "down", "live": 0, "ready": 0}, sort_keys=True))
-            raise
-        state = reply.fields.get("state", "ready")
-        out = {
-            "status": state,
-            "live": 1,
-            "ready": int(state == "ready"),
-            "pid": reply.fields["pid"],
-        }
-        if args.json:
-            print(json.dumps(out, sort_keys=True))
-        else:
-            print("\n".join(f"{k}:{v}" for k, v in out.items()))
-        return 0 if args.live or state == "ready" else 1
-    if args.command in ("evict", "flush"):
-        fields = (
-            {"device_tokens": args.device_tokens, "host_tokens": args.host_tokens}
-            if args.command == "evict"
-            else {}
-        )
-        out = _in_session(conn, Op.EVICT if args.command == "evict" else Op.FLUSH, fields)
+    except DaemonTimeout:
+        if args.json:  # a probe reading JSON gets JSON either way
+            print(json.dumps({"status": "down", "live": 0, "ready": 0}, sort_keys=True))
+        raise
+    state = reply.fields.get("state", "ready")
+    out = {"status": state, "live": 1, "ready": int(state == "ready"), "pid": reply.fields["pid"]}
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+    else:
         print("\n".join(f"{k}:{v}" for k, v in out.items()))
-        return 0
-    if args.command == "capacity":
-        out = _in_session(conn, Op.CAPACITY, {})
-        print(json.dumps(out, sort_keys=True) if args.json else render_capacity(out))
-        if args.plot:
-            plot_capacity(out, args.plot)
-            print(f"plot: {args.plot}", file=sys.stderr)
-        return 0
-    if args.command == "tree" and not args.nodes:
-        out = _in_session(conn, Op.TREE, {"shape": True, "top": args.top})
-        print(json.dumps(out, sort_keys=True) if args.json else render_shape(out))
-        return 0
-    if args.command == "tree":
-        out = _in_session(conn, Op.TREE, {"max_nodes": args.max_nodes})
-        if args.json:
-            print(json.dumps(out, sort_keys=True))
-            return 0
-        print(f"# Tree\nnodes:{out['total']}\nshown:{len(out['nodes'])}")
-        for n in out["nodes"]:
-            where = ("D" if n["device"] else "-") + ("H" if n["host"] else "-")
-            print(
-                f"node_{n['id']}:parent={n['parent']},tokens={n['tokens']},at={where},"
-                f"lock_ref={n['lock_ref']},hits={n['hits']},io={n['io']}"
-            )
-        return 0
-    if args.command == "top" or (args.command == "stats" and args.watch):
-        interval = args.interval if args.command == "top" else args.watch
-        with contextlib.suppress(KeyboardInterrupt):
-            watch(
-                lambda: conn.call(Op.STATS)[0].fields,
-                interval,
-                args.count,
-                as_json=args.json,
-                screen=sys.stdout.isatty(),
-                stats_only=args.command == "stats",
-            )
-        return 0
-    data = conn.call(Op.STATS)[0].fields
-    if args.command == "stats":
-        print(json.dumps(data, indent=None if args.json else 2, sort_keys=True))
-        return 0
-    groups = sections(data)
+    return 0 if args.live or state == "ready" else 1
+
+
+def _info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("section", nargs="?", help="one section only (e.g. hits, DevicePool)")
+    _json_flag(p, "the sections as one JSON object")
+
+
+def _info(args: argparse.Namespace, conn: Connection) -> int:
+    groups = sections(conn.call(Op.STATS)[0].fields)
     if args.section:
         wanted = {normal(name): name for name in groups}.get(normal(args.section))
         if wanted is None:
@@ -224,20 +143,183 @@ def _run(args: argparse.Namespace, conn: Connection) -> int:
     return 0
 
 
+def _stats_args(p: argparse.ArgumentParser) -> None:
+    _json_flag(p)
+    p.add_argument(
+        "--watch", type=_seconds(0.1), metavar="S", help="print again every S (>= 0.1) seconds"
+    )
+    p.add_argument("-n", "--count", type=_count, help="with --watch: this many times")
+
+
+def _stats(args: argparse.Namespace, conn: Connection) -> int:
+    if args.watch:
+        return _watch(args, conn, args.watch, stats_only=True)
+    data = conn.call(Op.STATS)[0].fields
+    print(json.dumps(data, indent=None if args.json else 2, sort_keys=True))
+    return 0
+
+
+def _top_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-i", "--interval", type=_seconds(0.1), default=1.0, help="seconds between samples"
+    )
+    p.add_argument("-n", "--count", type=_count, help="samples to show (default: until ^C)")
+    _json_flag(p, "one JSON object per sample")
+
+
+def _top(args: argparse.Namespace, conn: Connection) -> int:
+    return _watch(args, conn, args.interval, stats_only=False)
+
+
+def _watch(args: argparse.Namespace, conn: Connection, interval: float, stats_only: bool) -> int:
+    with contextlib.suppress(KeyboardInterrupt):
+        watch(
+            lambda: conn.call(Op.STATS)[0].fields,
+            interval,
+            args.count,
+            as_json=args.json,
+            screen=sys.stdout.isatty(),
+            stats_only=stats_only,
+        )
+    return 0
+
+
+def _capacity_args(p: argparse.ArgumentParser) -> None:
+    _json_flag(p)
+    p.add_argument("--plot", metavar="FILE", help="draw the curve to a PNG (matplotlib)")
+
+
+def _capacity(args: argparse.Namespace, conn: Connection) -> int:
+    out = _in_session(conn, Op.CAPACITY, {})
+    print(json.dumps(out, sort_keys=True) if args.json else render_capacity(out))
+    if args.plot:
+        plot_capacity(out, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--top", type=int, default=10, help="prefixes per namespace")
+    p.add_argument("--nodes", action="store_true", help="list nodes instead (--max-nodes)")
+    p.add_argument("--max-nodes", type=int, default=100)
+    _json_flag(p)
+
+
+def _tree(args: argparse.Namespace, conn: Connection) -> int:
+    if not args.nodes:
+        out = _in_session(conn, Op.TREE, {"shape": True, "top": args.top})
+        print(json.dumps(out, sort_keys=True) if args.json else render_shape(out))
+        return 0
+    out = _in_session(conn, Op.TREE, {"max_nodes": args.max_nodes})
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+        return 0
+    print(f"# Tree\nnodes:{out['total']}\nshown:{len(out['nodes'])}")
+    for n in out["nodes"]:
+        where = ("D" if n["device"] else "-") + ("H" if n["host"] else "-")
+        print(
+            f"node_{n['id']}:parent={n['parent']},tokens={n['tokens']},at={where},"
+            f"lock_ref={n['lock_ref']},hits={n['hits']},io={n['io']}"
+        )
+    return 0
+
+
+def _evict_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device-tokens", type=int, default=0)
+    p.add_argument("--host-tokens", type=int, default=0)
+
+
+def _evict_refuse(args: argparse.Namespace) -> str | None:
+    if args.device_tokens or args.host_tokens:
+        return None
+    return "evict what? give --device-tokens N and/or --host-tokens N"
+
+
+def _evict(args: argparse.Namespace, conn: Connection) -> int:
+    fields = {"device_tokens": args.device_tokens, "host_tokens": args.host_tokens}
+    print("\n".join(f"{k}:{v}" for k, v in _in_session(conn, Op.EVICT, fields).items()))
+    return 0
+
+
+def _flush(args: argparse.Namespace, conn: Connection) -> int:
+    print("\n".join(f"{k}:{v}" for k, v in _in_session(conn, Op.FLUSH, {}).items()))
+    return 0
+
+
+def _keygen_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", required=True, help="folder for NAME.key and NAME.key_secret")
+    p.add_argument("--name", required=True, help="e.g. server, or an engine's name")
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    try:
+        public, secret = keygen(args.dir, args.name)
+    except (CurveKeyError, OSError) as exc:
+        print(f"hicache: {exc}", file=sys.stderr)
+        return 1
+    print(f"public:{public}\nsecret:{secret}")
+    return 0
+
+
+def _none(p: argparse.ArgumentParser) -> None:
+    del p  # (no arguments)
+
+
+COMMANDS: dict[str, Command | LocalCommand] = {
+    "ping": Command("check that the daemon answers", _json_flag, _ping),
+    "health": Command(
+        "readiness (exit 0 when ready, 1 when draining or not answering)", _health_args, _health
+    ),
+    "info": Command("human-readable stats by section", _info_args, _info),
+    "stats": Command("all stats", _stats_args, _stats),
+    "top": Command("live view: hit ratios, tiers, transfers, sessions", _top_args, _top),
+    "capacity": Command(
+        "hit ratio against tier size, and a recommendation", _capacity_args, _capacity
+    ),
+    "tree": Command("the tree's shape: heaviest shared prefixes per namespace", _tree_args, _tree),
+    "evict": Command("admin: evict unlocked tokens", _evict_args, _evict, _evict_refuse),
+    "flush": Command("admin: evict every unlocked token from both tiers", _none, _flush),
+    "kept": LocalCommand(kept_view.HELP, kept_view.add_arguments, kept_view.run),
+    "keygen": LocalCommand("write a CurveZMQ key pair (for tcp endpoints)", _keygen_args, _keygen),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="hicache", description="Command-line client of hicache-daemon (no torch import)."
+    )
+    ap.add_argument("--version", action="version", version=f"hicache {__version__}")
+    ap.add_argument(
+        "--endpoint", default=None, help="default: $HICACHE_ENDPOINT or the ipc default"
+    )
+    ap.add_argument(
+        "--timeout", type=_seconds(0.001), default=5.0, help="seconds to wait for a reply"
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, command in COMMANDS.items():
+        command.arguments(sub.add_parser(name, help=command.help))
+    return ap
+
+
+def _in_session(conn: Connection, op: Op, fields: dict) -> dict:
+    """One operation in an admin session of its own (the CLI is an operator's tool), ended at
+    once."""
+    hello = hello_fields("hicache-cli", True, conn.endpoint)
+    conn.session = conn.call(Op.HELLO, hello)[0].fields["session"]
+    try:
+        return conn.call(op, fields)[0].fields
+    finally:
+        conn.call(Op.GOODBYE)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "kept":  # no daemon involved
-        return kept_view.run(args)
-    if args.command == "keygen":  # no daemon involved
-        try:
-            public, secret = keygen(args.dir, args.name)
-        except (CurveKeyError, OSError) as exc:
-            print(f"hicache: {exc}", file=sys.stderr)
-            return 1
-        print(f"public:{public}\nsecret:{secret}")
-        return 0
-    if args.command == "evict" and not (args.device_tokens or args.host_tokens):
-        print("hicache: evict what? give --device-tokens N and/or --host-tokens N", file=sys.stderr)
+    command = COMMANDS[args.command]
+    if isinstance(command, LocalCommand):  # no daemon involved
+        return command.run(args)
+    problem = command.refuse(args)
+    if problem is not None:
+        print(f"hicache: {problem}", file=sys.stderr)
         return 2
     endpoint = args.endpoint or env_endpoint()
     path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else ""
@@ -260,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hicache: {exc}", file=sys.stderr)
         return 1
     try:
-        return _run(args, conn)
+        return command.run(args, conn)
     except (DaemonError, DaemonTimeout, PermissionError) as exc:
         print(f"hicache: {exc}", file=sys.stderr)
         return 1

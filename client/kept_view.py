@@ -9,11 +9,10 @@ import time
 
 from hicache.memory import KeptPool, free_kept, list_kept
 
+HELP = "host pools stopped daemons kept for the next one (no daemon needed)"
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    kept = sub.add_parser(
-        "kept", help="host pools stopped daemons kept for the next one (no daemon needed)"
-    )
+
+def add_arguments(kept: argparse.ArgumentParser) -> None:
     kept.add_argument(
         "--free",
         metavar="ENDPOINT",
