@@ -4,8 +4,6 @@ store URL (``--l3``) and the stores' own options. Off unless ``--l3`` names a st
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import re
 from typing import Any
 
 from hicache.l3 import L3Config, L3WritePolicy, PrefetchPolicy, check_url
@@ -15,13 +13,7 @@ STORE_OPTIONS = ("segment_bytes", "local_host", "redis_pipeline", "store_timeout
 _KINDS = {"str": str, "int": int, "float": float}
 
 
-def _comments() -> dict[str, str]:
-    source = inspect.getsource(L3Config)
-    return dict(re.findall(r"^\s+(\w+): [^=\n]+(?:=[^#\n]*)?#\s*(.+)$", source, re.M))
-
-
 def _fields() -> dict[str, tuple[type, Any, str]]:
-    comments = _comments()
     out: dict[str, tuple[type, Any, str]] = {
         "l3": (
             str,
@@ -42,7 +34,7 @@ def _fields() -> dict[str, tuple[type, Any, str]]:
         default = f.default.value if hasattr(f.default, "value") else f.default
         if default is dataclasses.MISSING:
             default = ""
-        help_ = comments.get(f.name, "")
+        help_ = f.metadata["help"]
         if f.name in choices:
             help_ = f"{help_} (one of: {', '.join(choices[f.name])})"
         out[f"l3_{f.name}"] = (kind, default, help_)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import inspect
 import os
 import re
 import tomllib
@@ -297,9 +296,9 @@ def _convert(name: str, raw: str) -> Any:
 
 
 def config_help() -> dict[str, str]:
-    """Each HiCacheConfig field's comment in config.py: the one place it is written."""
-    source = inspect.getsource(HiCacheConfig)
-    return dict(re.findall(r"^\s+(\w+): [^=\n]+(?:=[^#\n]*)?#\s*(.+)$", source, re.M))
+    """Each HiCacheConfig field's help (its metadata in config.py: the one place it is
+    written)."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(HiCacheConfig)}
 
 
 def _choices(field: dataclasses.Field) -> list[str] | None:

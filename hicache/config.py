@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 
 import torch
@@ -84,25 +84,60 @@ def _int(field: str, value: object, minimum: int) -> int:
 class HiCacheConfig:
     """Model KV shape, pool sizes and policies of one cache. Immutable once built."""
 
-    num_layers: int  # transformer layers whose KV is cached
-    num_kv_heads: int = 0  # KV heads per layer (MHA; ignored for MLA)
-    head_dim: int = 0  # head dimension (MHA; ignored for MLA)
-    dtype: str = "float16"  # element type of the KV pools, a key of DTYPES
-    kv_format: KVFormat | str = KVFormat.MHA  # mha: separate K and V; mla: one latent row
-    kv_lora_rank: int = 0  # MLA latent width
-    qk_rope_head_dim: int = 0  # MLA rotary part width
-    page_size: int = 1  # tokens per page; tree keys and all allocations are page multiples
-    device: str = "cpu"  # where the "device" pool lives: cpu, cuda or cuda:N
-    device_tokens: int = 65536  # device pool capacity (a page multiple, padding page not counted)
-    host_tokens: int | None = None  # host pool capacity; None: device_tokens * host_ratio; 0: off
-    host_ratio: float = 2.0  # host/device size ratio when host_tokens is None (must be > 1)
-    host_layout: HostLayout | str = HostLayout.LAYER_FIRST  # order of the host pool's dims
-    transfer_backend: TransferBackend | str = TransferBackend.AUTO  # how pages move between pools
-    write_policy: WritePolicyName | str = WritePolicyName.WRITE_THROUGH  # when KV is backed up
-    eviction_policy: EvictionPolicyName | str = EvictionPolicyName.LRU  # which leaf goes first
-    write_through_threshold: int = 2  # hits before a backup under write_through_selective
-    load_back_threshold: int = 10  # host hits shorter than this (tokens) are recomputed instead
-    verify_pages: bool = False  # checksum each host page when written, check it before reading
+    num_layers: int = field(metadata={"help": "transformer layers whose KV is cached"})
+    num_kv_heads: int = field(
+        default=0, metadata={"help": "KV heads per layer (MHA; ignored for MLA)"}
+    )
+    head_dim: int = field(default=0, metadata={"help": "head dimension (MHA; ignored for MLA)"})
+    dtype: str = field(
+        default="float16", metadata={"help": "element type of the KV pools, a key of DTYPES"}
+    )
+    kv_format: KVFormat | str = field(
+        default=KVFormat.MHA, metadata={"help": "mha: separate K and V; mla: one latent row"}
+    )
+    kv_lora_rank: int = field(default=0, metadata={"help": "MLA latent width"})
+    qk_rope_head_dim: int = field(default=0, metadata={"help": "MLA rotary part width"})
+    page_size: int = field(
+        default=1,
+        metadata={"help": "tokens per page; tree keys and all allocations are page multiples"},
+    )
+    device: str = field(
+        default="cpu", metadata={"help": 'where the "device" pool lives: cpu, cuda or cuda:N'}
+    )
+    device_tokens: int = field(
+        default=65536,
+        metadata={"help": "device pool capacity (a page multiple, padding page not counted)"},
+    )
+    host_tokens: int | None = field(
+        default=None,
+        metadata={"help": "host pool capacity; None: device_tokens * host_ratio; 0: off"},
+    )
+    host_ratio: float = field(
+        default=2.0,
+        metadata={"help": "host/device size ratio when host_tokens is None (must be > 1)"},
+    )
+    host_layout: HostLayout | str = field(
+        default=HostLayout.LAYER_FIRST, metadata={"help": "order of the host pool's dims"}
+    )
+    transfer_backend: TransferBackend | str = field(
+        default=TransferBackend.AUTO, metadata={"help": "how pages move between pools"}
+    )
+    write_policy: WritePolicyName | str = field(
+        default=WritePolicyName.WRITE_THROUGH, metadata={"help": "when KV is backed up"}
+    )
+    eviction_policy: EvictionPolicyName | str = field(
+        default=EvictionPolicyName.LRU, metadata={"help": "which leaf goes first"}
+    )
+    write_through_threshold: int = field(
+        default=2, metadata={"help": "hits before a backup under write_through_selective"}
+    )
+    load_back_threshold: int = field(
+        default=10, metadata={"help": "host hits shorter than this (tokens) are recomputed instead"}
+    )
+    verify_pages: bool = field(
+        default=False,
+        metadata={"help": "checksum each host page when written, check it before reading"},
+    )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__

@@ -59,6 +59,13 @@ MUTATIONS = [
         ("tests/test_tree.py", "-k", "split"),
     ),
     Mutation(
+        "a-third-tier-setting-loses-its-help",
+        "daemon/l3_settings.py",
+        'help_ = f.metadata["help"]',
+        'help_ = ""',
+        ("tests/test_review_gaps.py", "-k", "help_shows_every_setting"),
+    ),
+    Mutation(
         "daemon-ignores-namespaces",
         "daemon/request_fields.py",
         'spaces = fields.get("namespaces")',

@@ -6,6 +6,7 @@ slot, and the heartbeat's own socket. Each test fails when what it checks breaks
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -409,6 +410,15 @@ def test_daemon_help_shows_every_setting_with_its_default_and_the_choices():
     # the embedded default of the issue, as a new user reads it
     for flag, value in (("dtype", "float32"), ("page_size", 16), ("device_tokens", 16384)):
         assert f"[default: {value}]" in shown[flag]
+    # each field's help is its metadata, the one place it is written
+    from hicache.config import HiCacheConfig
+    from hicache.l3 import L3Config
+
+    for f in dataclasses.fields(HiCacheConfig):
+        assert f.metadata["help"] and f.metadata["help"] in shown[f.name], f.name
+    for f in dataclasses.fields(L3Config):
+        if f.name not in ("url", "options"):  # (--l3 itself; the stores' options apart)
+            assert f.metadata["help"] and f.metadata["help"] in shown[f"l3_{f.name}"], f.name
 
 
 # ---- 6. freeing the padding slot -----------------------------------------------------------------

@@ -34,22 +34,55 @@ WRITE_BACK_NEEDS_HOST = (
 
 @dataclass(frozen=True)
 class L3Config:
-    url: str  # memory://NAME, redis://HOST:PORT[,...], mooncake://HOST:PORT
-    model: str  # model identity (name and revision), part of every key: required with --l3
-    shard: str = "0"  # tensor-parallel shard of the KV this daemon holds: part of every key
-    write_policy: L3WritePolicy | str = L3WritePolicy.WRITE_THROUGH  # when pages go to it
-    write_threshold: int = 2  # write_through_selective: hits before a page is written
-    prefetch_policy: PrefetchPolicy | str = PrefetchPolicy.TIMEOUT  # how long matches wait
-    timeout_s: float = 0.5  # timeout policy: the base wait
-    timeout_per_ki_s: float = 0.1  # timeout policy: more per 1024 tokens fetched
-    timeout_max_s: float = 5.0  # no match ever waits longer (wait_complete too)
-    min_tokens: int = 0  # fetch only when at least this many tokens could come (0: one page)
-    prefill_tokens_per_s: float = 0.0  # cost model: engines recompute this fast (0: no model)
-    queue_pages: int = 8192  # pages waiting to be written; past this, writes are dropped
-    batch_pages: int = 128  # pages per store call
-    breaker_failures: int = 3  # failed calls in a row that open the breaker
-    breaker_cooldown_s: float = 2.0  # first wait before a probe (doubles up to 60 s)
-    options: dict[str, Any] = field(default_factory=dict)  # store-specific (segment_bytes, ...)
+    url: str = field(
+        metadata={"help": "memory://NAME, redis://HOST:PORT[,...], mooncake://HOST:PORT"}
+    )
+    model: str = field(
+        metadata={
+            "help": "model identity (name and revision), part of every key: required with --l3"
+        }
+    )
+    shard: str = field(
+        default="0",
+        metadata={"help": "tensor-parallel shard of the KV this daemon holds: part of every key"},
+    )
+    write_policy: L3WritePolicy | str = field(
+        default=L3WritePolicy.WRITE_THROUGH, metadata={"help": "when pages go to it"}
+    )
+    write_threshold: int = field(
+        default=2, metadata={"help": "write_through_selective: hits before a page is written"}
+    )
+    prefetch_policy: PrefetchPolicy | str = field(
+        default=PrefetchPolicy.TIMEOUT, metadata={"help": "how long matches wait"}
+    )
+    timeout_s: float = field(default=0.5, metadata={"help": "timeout policy: the base wait"})
+    timeout_per_ki_s: float = field(
+        default=0.1, metadata={"help": "timeout policy: more per 1024 tokens fetched"}
+    )
+    timeout_max_s: float = field(
+        default=5.0, metadata={"help": "no match ever waits longer (wait_complete too)"}
+    )
+    min_tokens: int = field(
+        default=0,
+        metadata={"help": "fetch only when at least this many tokens could come (0: one page)"},
+    )
+    prefill_tokens_per_s: float = field(
+        default=0.0, metadata={"help": "cost model: engines recompute this fast (0: no model)"}
+    )
+    queue_pages: int = field(
+        default=8192,
+        metadata={"help": "pages waiting to be written; past this, writes are dropped"},
+    )
+    batch_pages: int = field(default=128, metadata={"help": "pages per store call"})
+    breaker_failures: int = field(
+        default=3, metadata={"help": "failed calls in a row that open the breaker"}
+    )
+    breaker_cooldown_s: float = field(
+        default=2.0, metadata={"help": "first wait before a probe (doubles up to 60 s)"}
+    )
+    options: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "store-specific (segment_bytes, ...)"}
+    )
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
