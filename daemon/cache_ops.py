@@ -5,7 +5,8 @@ A session may pass, free or insert only pages it owns (or, for insert, the tree'
 at their place, which the cache itself checks). Every check, limits included, happens before
 the cache changes. What it may touch is what its constructor takes: the cache, the sessions'
 owned pages and locks (through the sessions it is handed, and the table for what an
-OUT_OF_MEMORY reply names), the limits, the capacity feed, and the request's context.
+OUT_OF_MEMORY reply names), the limits, the capacity feed, and whether other requests wait;
+each request's own facts come as its ``call`` argument.
 Control thread only.
 """
 
@@ -22,7 +23,7 @@ from hicache.cache import HiRadixCache
 from hicache.daemon.capacity_feed import CapacityFeed
 from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import SessionLimits, out_of_memory
-from hicache.daemon.request_context import RequestContext
+from hicache.daemon.request_context import Call
 from hicache.daemon.request_fields import bool_field, int_field, namespaces_field
 from hicache.daemon.sessions import Session, SessionTable
 from hicache.memory import OWNED, TREE
@@ -71,15 +72,18 @@ class CacheOps:
         limits: SessionLimits,
         capacity: CapacityFeed | None,
         sessions: SessionTable,
-        context: RequestContext,
+        others_waiting: Callable[[], bool] = bool,
     ):
         self.cache = cache
         self.limits = limits  # what one session may hold
         self.capacity = capacity  # the hit-ratio estimate, fed by matches and inserts
         self.sessions = sessions  # (read only: who holds the pool, for OUT_OF_MEMORY)
-        self.context = context  # the request being handled: may it wait, do others wait
+        # whether another request waits on the transport (a long batched match then answers
+        # what it has and lets it go first)
+        self.others_waiting = others_waiting
+        self.match_parts = 0  # batched matches answered in part because others waited (stats)
 
-    def table(self) -> dict[Op, Callable[[Session, dict, Frames], Result]]:
+    def table(self) -> dict[Op, Callable[[Session, dict, Frames, Call], Result]]:
         """The ops this answers, for the handlers' table."""
         return {
             Op.MATCH: self.match,
@@ -115,13 +119,13 @@ class CacheOps:
             session.check_owned(self._pages(last_loc[partial]))
 
     # ---- allocation ----
-    def alloc(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def alloc(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         n = int_field(fields, "num_tokens", 0, self.cache.config.device_tokens)
         pages = -(-n // self.cache.page_size)
         self.limits.check_owned(session, pages)
         return self._grant(session, self.cache.alloc(n), pages)
 
-    def alloc_extend(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def alloc_extend(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         _need_frames(frames, 3, "alloc_extend")
         prefix, seq, last = (decode_slots(f) for f in frames)
         if not len(prefix) == len(seq) == len(last):
@@ -135,7 +139,7 @@ class CacheOps:
         self.limits.check_owned(session, pages)
         return self._grant(session, self.cache.alloc_extend(prefix, seq, last), pages)
 
-    def alloc_decode(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def alloc_decode(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         _need_frames(frames, 2, "alloc_decode")
         seq, last = (decode_slots(f) for f in frames)
         if len(seq) != len(last):
@@ -149,7 +153,7 @@ class CacheOps:
         self.limits.check_owned(session, pages)
         return self._grant(session, self.cache.alloc_decode(seq, last), pages)
 
-    def free(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def free(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         _need_frames(frames, 1, "free")
         slots = decode_slots(frames[0])
         pages = self._pages(slots)
@@ -159,7 +163,7 @@ class CacheOps:
         return {}, []
 
     # ---- match, load, insert ----
-    def match(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def match(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """Match (and lock) each sequence of a batch in turn. Past its turn (TURN_S, or twice
         what checking the request took), while another request waits, the reply answers only
         the sequences matched so far (at least one): the client asks again for the rest."""
@@ -181,16 +185,16 @@ class CacheOps:
         turn_ends = now + max(TURN_S, TURN_PER_CHECK * (now - started))
         fetches, upto = None, len(batch)  # upto: the prompts this turn may answer
         if self.cache.l3 is not None:
-            fetches, upto = self._prefetch(batch, spaces, l3_wait, turn_ends)
+            fetches, upto = self._prefetch(batch, spaces, l3_wait and call.may_wait, turn_ends)
         match_key, feed = self.cache.match_key, self.capacity
         results, state, queried = [], ([], {}), 0
         try:
             for tokens, space in zip(batch, spaces, strict=True):
                 if results and (
                     len(results) >= upto
-                    or (time.perf_counter() > turn_ends and self.context.others_waiting())
+                    or (time.perf_counter() > turn_ends and self.others_waiting())
                 ):
-                    self.context.match_parts += 1
+                    self.match_parts += 1
                     break  # the rest is asked again: the requests waiting go first
                 m = match_key(tokens, space, True)
                 if m.loading:
@@ -236,21 +240,22 @@ class CacheOps:
         self, batch: list, spaces: list, wait: bool, turn_ends: float
     ) -> tuple[list, int]:
         """Ask the third tier for what the tree lacks of each prompt; under a waiting policy
-        (and when the request and the server allow it) raise Deferred until it arrives.
+        (and when ``wait``: the request and the server allow it) raise Deferred until it
+        arrives.
         Past the turn (``turn_ends``) while another request waits, it stops: the match then
         answers the prompts asked for so far. Returns the (index, fetch) of each prompt with
         a fetch still running, and how many prompts were asked for."""
         l3, match_key = self.cache.l3, self.cache.match_key
         waiting, upto = [], len(batch)
         for i, (tokens, space) in enumerate(zip(batch, spaces, strict=True)):
-            if i and time.perf_counter() > turn_ends and self.context.others_waiting():
+            if i and time.perf_counter() > turn_ends and self.others_waiting():
                 upto = i  # the rest is asked for when the client asks again
                 break
             m = match_key(tokens, space, True, count=False)
             fetch = l3.prefetch(tokens, space, m.device_hit_length + m.host_hit_length)
             if fetch is not None and not fetch.done:
                 waiting.append((i, fetch))
-        if waiting and wait and self.context.may_wait and l3.config.wait_bound(1) > 0:
+        if waiting and wait and l3.config.wait_bound(1) > 0:
             raise Deferred([f for _, f in waiting], max(f.deadline for _, f in waiting))
         return waiting, upto
 
@@ -306,7 +311,7 @@ class CacheOps:
         frame = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         return {"results": results, "chunk_pages": [len(c) >> 3 for c in chunks]}, [frame]
 
-    def load_back(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def load_back(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         lock_id = int_field(fields, "lock_id", 1)
         wait = bool_field(fields, "wait", True)  # False: answer at once with a ticket
         record = session.locks.get(lock_id)
@@ -357,7 +362,7 @@ class CacheOps:
         pages = np.frombuffer(b"".join(reversed(chain)), dtype=np.int64)
         return self.cache.device_alloc.slots_of_pages(pages)
 
-    def insert(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def insert(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """Insert each sequence in turn; a bad one stops the batch with an error reply, and the
         sequences before it stay inserted (their pages are the tree's now).
 
@@ -451,7 +456,7 @@ class CacheOps:
         return self._landed(key, space, m) if m.loading else m
 
     # ---- locks ----
-    def lock(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def lock(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         lock_id = int_field(fields, "lock_id", 1)
         record = session.locks.get(lock_id)
         if record is None:
@@ -460,7 +465,7 @@ class CacheOps:
         self.cache.inc_lock_ref(record.node)
         return {"lock_id": session.add_lock(LockRecord(record.node, record.host_node))}, []
 
-    def release(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def release(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         if fields.get("all") is True:  # every lock of the session (asyncio cancellations)
             fields = {"lock_ids": list(session.locks)}
         self._release_ids(session, self._held_ids(session, fields.get("lock_ids")))

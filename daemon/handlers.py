@@ -30,7 +30,7 @@ from hicache.daemon.engine_tier import EngineTier, no_layout
 from hicache.daemon.inbox import process_alive
 from hicache.daemon.l3_waits import Deferred
 from hicache.daemon.limits import SessionLimits
-from hicache.daemon.request_context import RequestContext
+from hicache.daemon.request_context import NO_CALL, Call, Transport
 from hicache.daemon.request_fields import bool_field, int_field
 from hicache.daemon.request_stats import RequestStats
 from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable, process_pid
@@ -82,6 +82,7 @@ class Handlers:
         limits: SessionLimits | None = None,
         admin_token: str | None = None,
         engine_tier: EngineTier | None = None,
+        transport: Transport | None = None,
     ):
         self.cache = cache  # None until an engine registers its layout (device_tier=engine)
         # the hit-ratio-against-capacity estimate (fed by matches and inserts)
@@ -101,17 +102,12 @@ class Handlers:
         self._processes_seen = self.started  # when housekeeping last looked for ended engines
         self.housekeep_errors = 0  # exceptions caught in housekeeping (each one is a bug)
         self.draining = False  # shutting down: hello is refused, heartbeats say so
-        self.context = RequestContext()  # the request being handled (the server sets a part)
+        self.transport = transport or Transport()  # what the server's transport tells
         self.requests = RequestStats()  # latency per op, errors by code (metrics)
         self.engine_counts = EngineCounts()  # engines' own figures, all sessions (ended too)
         self.op = "unknown"  # the op of the request being handled
-        self.peer = b""  # the connection it came on (set by the server before handle)
-        # the CurveZMQ client key it came with, "" without Curve (set by the server)
-        self.user: Callable[[], str] = str
-        self.process: Callable[[], str] = str  # the process of an ipc peer ("": unknown)
-        self.server_counters: Callable[[], dict[str, int]] = dict  # the transport's counters
         self.views = ViewBudget()  # the loop's time for whole-cache views (check, tree)
-        self.table: dict[Op, Callable[[Session | None, dict, Frames], Result]] = {
+        self.table: dict[Op, Callable[[Session | None, dict, Frames, Call], Result]] = {
             Op.HELLO: self.hello,
             Op.HEARTBEAT: self.heartbeat,
             Op.CAPACITY: self.capacity_report,
@@ -130,7 +126,9 @@ class Handlers:
     def _compose_ops(self) -> None:
         """The cache operations over the cache there is now (at start, or once an engine
         registered its layout), their ops added to the table."""
-        self.ops = CacheOps(self.cache, self.limits, self.capacity, self.sessions, self.context)
+        self.ops = CacheOps(
+            self.cache, self.limits, self.capacity, self.sessions, self.transport.others_waiting
+        )
         self.table.update(self.ops.table())
 
     # ---- transport-facing -------------------------------------------------------------------
@@ -138,21 +136,21 @@ class Handlers:
         self,
         header: bytes | memoryview,
         frames: Frames,
-        may_wait: bool = False,
-        resumed: bool = False,
+        call: Call = NO_CALL,
     ) -> tuple[bytes | None, Frames | Deferred]:
-        """The reply to one request, or ``(None, Deferred)`` for a match that should wait for
-        the third tier (only when ``may_wait``; ``resumed``: it waited, and is answered now)."""
-        self.context.may_wait = may_wait and not resumed
+        """The reply to one request that came on ``call.peer``, or ``(None, Deferred)`` for a
+        match that should wait for the third tier (only when ``call.may_wait``)."""
         started, self.op = time.perf_counter(), "unknown"
         try:
-            return self._handle(header, frames)
+            return self._handle(header, frames, call)
         except Deferred as waiting:
             return None, waiting
         finally:
             self.requests.record(self.op, time.perf_counter() - started)
 
-    def _handle(self, header: bytes | memoryview, frames: Frames) -> tuple[bytes, Frames]:
+    def _handle(
+        self, header: bytes | memoryview, frames: Frames, call: Call
+    ) -> tuple[bytes, Frames]:
         request_id = 0
         try:
             req = decode_request(header)
@@ -179,7 +177,7 @@ class Handlers:
                     session = self.sessions.live(req.session, self.clock())
             if self.cache is None and req.op not in NO_CACHE_OPS:
                 raise no_layout()
-            fields, out = self.table[req.op](session, req.fields, frames)
+            fields, out = self.table[req.op](session, req.fields, frames, call)
             return self._reply(ErrorCode.OK, request_id, fields), out
         except Deferred:
             raise  # (handle parks the request)
@@ -270,7 +268,7 @@ class Handlers:
             session.owned.clear()
 
     # ---- sessions ----
-    def hello(self, _: Session | None, fields: dict, frames: Frames) -> Result:
+    def hello(self, _: Session | None, fields: dict, frames: Frames, call: Call) -> Result:
         client = fields.get("client", "")
         pid = fields.get("pid", 0)
         if not isinstance(client, str) or len(client) > 256:
@@ -300,8 +298,9 @@ class Handlers:
                 "the daemon is shutting down (draining): no new sessions; connect to the one "
                 "that replaces it",
             )
+        where = self.transport
         session = self.sessions.open(
-            client, pid, self.clock(), admin, self.peer, self.user(), self.process()
+            client, pid, self.clock(), admin, call.peer, where.user(), where.process()
         )
         return {
             "session": session.key,  # what requests name the session by (secret)
@@ -312,13 +311,13 @@ class Handlers:
             **self.info,
         }, []
 
-    def holdings(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def holdings(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """What the session holds: its lock ids, and its owned pages as a frame (answered
         before there is a pool too: nothing)."""
         pages = np.fromiter(sorted(session.owned), dtype=np.int64, count=len(session.owned))
         return {"lock_ids": sorted(session.locks), "owned_pages": len(pages)}, [pages.tobytes()]
 
-    def heartbeat(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def heartbeat(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         return ({"draining": True} if self.draining else {}), []
 
     def _goodbye(self, req: Any) -> bytes:
@@ -362,11 +361,11 @@ class Handlers:
             self.sessions.quarantine_s,
         )
 
-    def ping(self, _: Session | None, fields: dict, frames: Frames) -> Result:
+    def ping(self, _: Session | None, fields: dict, frames: Frames, call: Call) -> Result:
         state = "draining" if self.draining else "ready"
         return {"pong": True, "pid": os.getpid(), "state": state}, []
 
-    def register(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def register(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """An engine that owns its device tier names its KV layout (engine_tier.py): the first
         one makes the pool; an equal one is accepted, another refused with both named."""
         if self.engine_tier is None:
@@ -387,7 +386,7 @@ class Handlers:
             self.cache.engine.wait(list(self.cache.records))
         self.cache.poll()
 
-    def evict(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def evict(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """Evict unlocked tokens from the tiers named as reported (tier_names.py)."""
         if self.tiers.engine and fields.get("device_tokens"):
             raise ProtocolError(
@@ -416,7 +415,7 @@ class Handlers:
                 return freed
         return freed
 
-    def flush(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def flush(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """Evict every unlocked token from both tiers (locked data stays)."""
         freed = self._evict_device(self.cache.config.device_tokens, to_l3=False)
         freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens, to_l3=False)
@@ -424,7 +423,7 @@ class Handlers:
             self.cache.events.flushed()
         return self.tiers.fields({"device_freed": freed, "host_freed": freed_host}), []
 
-    def stats(self, session: Session | None, fields: dict, frames: Frames) -> Result:
+    def stats(self, session: Session | None, fields: dict, frames: Frames, call: Call) -> Result:
         """The daemon's figures, every session listed (up to MAX_SESSION_LIST), and with
         ``check`` its integrity check: within the view budget (``_whole_cache_view``) when it
         checks or lists more than CHEAP_SESSION_LIST live sessions."""
@@ -487,11 +486,11 @@ class Handlers:
             layout=self.info.get("layout"),
             endpoint=self.info.get("endpoint", ""),
             housekeep_errors=self.housekeep_errors,
-            **self.server_counters(),
+            **self.transport.counters(),
             session_list=listed,
         )
         out["views_refused"] = self.views.refused
-        out["match_parts"] = self.context.match_parts
+        out["match_parts"] = 0 if self.ops is None else self.ops.match_parts
         if check:
             try:
                 self.check_integrity()
@@ -511,7 +510,7 @@ class Handlers:
         try:
             return run()
         finally:
-            self.views.charge(time.perf_counter() - started, self.context.others_waiting())
+            self.views.charge(time.perf_counter() - started, self.transport.others_waiting())
 
     def check_integrity(self) -> None:
         """The cache's invariants, plus the sessions' against it: every OWNED page is owned by
@@ -547,12 +546,12 @@ class Handlers:
             if not node.is_root and self.cache.lock_count(node) < count:
                 raise IntegrityError(f"{node}: sessions hold {count} locks the cache does not")
 
-    def capacity_report(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def capacity_report(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """Estimated hit ratios at other tier sizes, and what to buy (`hicache capacity`;
         within the view budget: it first feeds the estimate for up to a second)."""
         return self._whole_cache_view(session, "a capacity report", self.capacity.report), []
 
-    def tree(self, session: Session, fields: dict, frames: Frames) -> Result:
+    def tree(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """The tree's shape (``shape``: per namespace, the ``top`` heaviest shared prefixes),
         or its first ``max_nodes`` nodes (within the view budget: ``_whole_cache_view``)."""
         return self._whole_cache_view(session, "a tree view", lambda: self._tree(fields))

@@ -15,10 +15,12 @@ whatever fails, what was made so far is undone (no shared memory left behind).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import time
+from typing import TypeVar
 
 import numpy as np
 import zmq
@@ -45,6 +47,7 @@ from hicache.daemon.l3_waits import WAKE_ID, L3Waits
 from hicache.daemon.limits import SNDHWM, SessionLimits
 from hicache.daemon.memory_trim import MemoryTrim
 from hicache.daemon.metrics import MetricsServer
+from hicache.daemon.request_context import Call, Transport
 from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, segment_name
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import DaemonSettings
@@ -70,11 +73,16 @@ DEFER_AT_MOST_S = 1.0  # housekeeping's optional parts wait for others' requests
 POLL_MS = int(HOUSEKEEP_S * 1000)
 METRICS_EVERY_S = 1.0  # how often the metrics snapshot is refreshed
 DUMP_EVERY_S = 1.0  # KV event dumps are made at most this often (one serves every asker)
+T = TypeVar("T")
 
 __all__ = ["Daemon", "EndpointError", "bind_address"]
 
 
 class Daemon:
+    """Built by its constructor (each resource by a builder that registers its close on one
+    ExitStack, so a failed start undoes exactly what it made), served by ``serve``, undone by
+    ``close``: the keep-host decision, then the stack in reverse order of building."""
+
     def __init__(self, settings: DaemonSettings):
         self.settings = settings
         self.stopping = False
@@ -84,16 +92,9 @@ class Daemon:
         self.gc = GcPauses()  # the cycle collector's pauses (started by run())
         self._optional_ran = time.monotonic()  # housekeeping's optional parts last ran then
         self.drain_deadline = 0.0
-        # what close() undoes, in its order; set as each is made, so a failed start undoes
-        # exactly what it made
-        self.sock: zmq.Socket | None = None
-        self._watch: WireWatch | None = None  # tcp: what connections make zmq hold unread
-        self._claim: EndpointClaim | None = None
-        self._admin: AdminToken | None = None
-        self._lock: InstanceLock | None = None
-        self._backings: list = []
+        self._stack = contextlib.ExitStack()  # every close, in the order of building
         self.cache: HiRadixCache | None = None
-        self.progress: SharedMemoryBacking | None = None
+        self.progress: SharedMemoryBacking | None = None  # the layer-progress table engines read
         self.waits: L3Waits | None = None  # matches waiting for the third tier
         self.metrics: MetricsServer | None = None  # /metrics over a snapshot (--metrics-port)
         self.events: EventPublisher | None = None  # KV events for routers (--events-endpoint)
@@ -103,134 +104,66 @@ class Daemon:
         self._host: SharedMemoryBacking | None = None
         self._worth_keeping = False  # it served (or adopted a kept tier): a stop keeps it
         try:
-            self._start(settings)
+            raise_descriptor_limit()  # (each tcp connection takes two: zmq's, the watch's copy)
+            self._open_socket(settings)
+            self._admin = self._closing(AdminToken(admin_token_path(settings.endpoint)))
+            if settings.events_endpoint:
+                self._open_events(settings)
+            self._open_keeper(settings)
+            self.boot_epoch = secrets.randbits(62) | 1  # never 0: 0 means "no epoch yet"
+            info = {
+                "boot_epoch": self.boot_epoch,
+                "protocol": PROTOCOL_VERSION,
+                "endpoint": settings.endpoint,
+                "config": settings.as_dict(),
+                "pools": None,  # device_tier=engine: none until an engine registers its layout
+                "layout": None,
+            }
+            tier = EngineTier(settings, self._make_cache) if settings.engine_tier else None
+            if tier is None:
+                info["pools"] = self._make_cache(settings.config)[1]
+            self.handlers = self._make_handlers(settings, info, tier)
+            self._warn_plain_tcp(settings)
+            if settings.metrics_port:
+                self._open_metrics(settings)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, settings: DaemonSettings) -> None:
-        cfg = settings.config
-        raise_descriptor_limit()  # (each tcp connection takes two: zmq's, the watch's copy)
-        self._claim = EndpointClaim(settings.endpoint)
+    def _closing(self, resource: T) -> T:
+        """``resource``, its ``close`` registered on the stack."""
+        self._stack.callback(resource.close)  # type: ignore[attr-defined]
+        return resource
+
+    # ---- builders: each makes one resource and registers its close ---------------------------
+    def _open_socket(self, settings: DaemonSettings) -> None:
+        """The endpoint's claim, the ROUTER socket bound there (CurveZMQ when configured), what
+        reads it (inbox, busy poll, the tcp connections' watch) and the third tier's wake."""
+        self._closing(EndpointClaim(settings.endpoint))
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
-        self.sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
-        self.sock.setsockopt(zmq.SNDTIMEO, 0)
-        self.sock.setsockopt(zmq.SNDHWM, SNDHWM)  # bounds what a peer that never reads pins
-        self.sock.setsockopt(zmq.RCVHWM, RCVHWM)  # ... and what a flooding peer queues here
-        self.busy = BusyPoll(self.sock, settings.busy_poll_us)
+        self._stack.callback(self.ctx.term)  # (after every socket of it is closed)
+        self.sock = sock = self.ctx.socket(zmq.ROUTER)
+        self._stack.callback(sock.close, linger=0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES + 4096)
+        sock.setsockopt(zmq.RCVTIMEO, POLL_MS)
+        sock.setsockopt(zmq.SNDTIMEO, 0)
+        sock.setsockopt(zmq.SNDHWM, SNDHWM)  # bounds what a peer that never reads pins
+        sock.setsockopt(zmq.RCVHWM, RCVHWM)  # ... and what a flooding peer queues here
+        self.busy = BusyPoll(sock, settings.busy_poll_us)
         watch = None
         if settings.endpoint.startswith("tcp://"):
             most = connections_allowed(0.5, MAX_CONNECTIONS)  # (events: a quarter each)
-            watch = WireWatch(self.sock, settings.curve, "control", max_connections=most)
-            self._watch = watch
-        self.inbox = Inbox(self.sock, self.busy, WAKE_ID, watch)
+            watch = self._closing(WireWatch(sock, settings.curve, "control", max_connections=most))
+        self.inbox = Inbox(sock, self.busy, WAKE_ID, watch)
         if settings.curve:
-            self._secure(self.sock)
+            self._secure(sock)
         self._bind(settings.endpoint)
         if settings.l3 is not None:
             wake = f"inproc://hicache-l3-wake-{os.getpid()}-{id(self)}"
-            self.sock.bind(wake)
-            self.waits = L3Waits(self.ctx, wake)
-        self._admin = AdminToken(admin_token_path(settings.endpoint))
-        if settings.events_endpoint:
-            for ep in (settings.events_endpoint, settings.events_replay_endpoint):
-                if ep and ep.startswith("ipc://"):  # the control socket's rule (endpoint.py)
-                    check_folder(os.path.dirname(os.path.abspath(ep[len("ipc://") :])))
-            old = os.umask(0o177)  # ipc event sockets are born 0600, as the control socket
-            try:
-                self.events = EventPublisher(
-                    self.ctx,
-                    bind_address(settings.events_endpoint),
-                    settings.events_replay_endpoint
-                    and bind_address(settings.events_replay_endpoint),
-                    settings.events_topic,
-                    settings.events_buffer,
-                    self._secure if settings.curve else None,
-                )
-            except zmq.ZMQError as exc:
-                raise EndpointError(f"cannot publish KV events: {exc}") from None
-            finally:
-                os.umask(old)
-        self._token = instance_token()
-        self._lock = InstanceLock(self._token)  # taken before any segment exists
-        # gives the pools back once this daemon is gone, however it ends (daemon/reaper.py)
-        self._reaper = reaper.spawn(self._lock.path, f"{os.getpid()}-{self._token}")
-        l3 = settings.l3  # its model and shard say what the KV means: part of the snapshot's name
-        model = None if l3 is None else f"{l3.model}#{l3.shard}"
-        keeper = HostKeeper(
-            settings.endpoint,
-            self._token,
-            settings.snapshot_seconds,
-            model=model,
-            grace_s=settings.keep_host_seconds,
-        )
-        if settings.keep_host and not settings.engine_tier and cfg.host_enabled:
-            self.keeper = keeper
-            # the last daemon's host pool, renamed to ours before any clean-up judges it
-            self._adopt = self.keeper.claim(cfg)
-        else:  # this daemon keeps nothing: what its endpoint's last daemon kept is freed
-            keeper.discard_previous()
-        removed = remove_stale()
-        if removed:
-            log.info("removed %d stale shared-memory segments", len(removed))
-        self.boot_epoch = secrets.randbits(62) | 1  # never 0: 0 means "no epoch yet"
-        info = {
-            "boot_epoch": self.boot_epoch,
-            "protocol": PROTOCOL_VERSION,
-            "endpoint": settings.endpoint,
-            "config": settings.as_dict(),
-            "pools": None,  # device_tier=engine: none until an engine registers its layout
-            "layout": None,
-        }
-        tier = EngineTier(settings, self._make_cache) if settings.engine_tier else None
-        if tier is None:
-            info["pools"] = self._make_cache(cfg)[1]
-        sessions = SessionTable(settings.lease_seconds, settings.quarantine, settings.max_sessions)
-        self.handlers = Handlers(
-            self.cache,
-            sessions,
-            self.boot_epoch,
-            info,
-            limits=None if self.cache is None else self._limits(),
-            admin_token=self._admin.value,
-            engine_tier=tier,
-        )
-        self.handlers.server_counters = self._counters
-        self.handlers.context.others_waiting = self.inbox.others_waiting
-        if settings.curve:  # (read only by a hello: a property costs a call per message)
-            self.handlers.user = self.inbox.user
-        elif settings.endpoint.startswith("tcp://"):  # no keys: the local user behind it
-            self.handlers.user = self.inbox.local_user
-        if settings.endpoint.startswith("ipc://"):
-            self.handlers.process = self.inbox.process
-        endpoints = (settings.endpoint, settings.events_endpoint, settings.events_replay_endpoint)
-        plain = [e for e in endpoints if e and e.startswith("tcp://")]
-        if plain and not settings.curve:
-            log.warning(
-                "%s without CurveZMQ (--insecure-local-tcp): every local user can connect, "
-                "read cached prompts' token ids and insert KV",
-                ", ".join(plain),
-            )
-        if settings.metrics_port:
-            if not is_loopback(f"tcp://{settings.metrics_host}:0"):
-                log.warning(
-                    "metrics on %s:%d can be read by anyone who reaches that address (no "
-                    "authentication): cache sizes, hit rates and client names",
-                    settings.metrics_host,
-                    settings.metrics_port,
-                )
-            try:
-                self.metrics = MetricsServer(settings.metrics_host, settings.metrics_port)
-            except OSError as exc:
-                raise EndpointError(
-                    f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: "
-                    f"{exc}"
-                ) from None
-            self.metrics.publish(self._snapshot())
+            sock.bind(wake)
+            self.waits = self._closing(L3Waits(self.ctx, wake))  # (closed after the IO thread)
 
     def _secure(self, sock: zmq.Socket) -> None:
         """Make ``sock`` (before it binds) a CurveZMQ server that lets in only the clients
@@ -240,11 +173,118 @@ class Daemon:
 
             self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("hicache.auth"))
             self.auth.start()
+            self._stack.callback(self.auth.stop)
             self.auth.configure_curve(domain="*", location=self.settings.curve_clients)
         public, secret = load_secret(self.settings.curve_secret_key)
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
+
+    def _open_events(self, settings: DaemonSettings) -> None:
+        """The KV event publisher (--events-endpoint) and its replay socket."""
+        for ep in (settings.events_endpoint, settings.events_replay_endpoint):
+            if ep and ep.startswith("ipc://"):  # the control socket's rule (endpoint.py)
+                check_folder(os.path.dirname(os.path.abspath(ep[len("ipc://") :])))
+        old = os.umask(0o177)  # ipc event sockets are born 0600, as the control socket
+        try:
+            self.events = self._closing(
+                EventPublisher(
+                    self.ctx,
+                    bind_address(settings.events_endpoint),
+                    settings.events_replay_endpoint
+                    and bind_address(settings.events_replay_endpoint),
+                    settings.events_topic,
+                    settings.events_buffer,
+                    self._secure if settings.curve else None,
+                )
+            )
+        except zmq.ZMQError as exc:
+            raise EndpointError(f"cannot publish KV events: {exc}") from None
+        finally:
+            os.umask(old)
+
+    def _open_keeper(self, settings: DaemonSettings) -> None:
+        """This instance's lock (taken before any segment exists) and the reaper that gives
+        its pools back once it is gone, however it ends (daemon/reaper.py); the host keeper
+        and the last daemon's kept host pool to adopt; stale segments removed."""
+        self._token = instance_token()
+        lock = self._closing(InstanceLock(self._token))  # (closed after the segments are gone)
+        self._reaper = reaper.spawn(lock.path, f"{os.getpid()}-{self._token}")
+        l3 = settings.l3  # its model and shard say what the KV means: part of the snapshot's name
+        model = None if l3 is None else f"{l3.model}#{l3.shard}"
+        keeper = HostKeeper(
+            settings.endpoint,
+            self._token,
+            settings.snapshot_seconds,
+            model=model,
+            grace_s=settings.keep_host_seconds,
+        )
+        if settings.keep_host and not settings.engine_tier and settings.config.host_enabled:
+            self.keeper = keeper
+            # the last daemon's host pool, renamed to ours before any clean-up judges it
+            self._adopt = self.keeper.claim(settings.config)
+        else:  # this daemon keeps nothing: what its endpoint's last daemon kept is freed
+            keeper.discard_previous()
+        removed = remove_stale()
+        if removed:
+            log.info("removed %d stale shared-memory segments", len(removed))
+
+    def _make_handlers(
+        self, settings: DaemonSettings, info: dict, tier: EngineTier | None
+    ) -> Handlers:
+        """The request handlers, with what the transport tells them."""
+        inbox = self.inbox
+        if settings.curve:  # (read only by a hello: a property costs a call per message)
+            user = inbox.user
+        elif settings.endpoint.startswith("tcp://"):  # no keys: the local user behind it
+            user = inbox.local_user
+        else:
+            user = str
+        transport = Transport(
+            others_waiting=lambda: inbox.others_waiting(),
+            user=user,
+            process=inbox.process if settings.endpoint.startswith("ipc://") else str,
+            counters=self._counters,
+        )
+        return Handlers(
+            self.cache,
+            SessionTable(settings.lease_seconds, settings.quarantine, settings.max_sessions),
+            self.boot_epoch,
+            info,
+            limits=None if self.cache is None else self._limits(),
+            admin_token=self._admin.value,
+            engine_tier=tier,
+            transport=transport,
+        )
+
+    def _warn_plain_tcp(self, settings: DaemonSettings) -> None:
+        endpoints = (settings.endpoint, settings.events_endpoint, settings.events_replay_endpoint)
+        plain = [e for e in endpoints if e and e.startswith("tcp://")]
+        if plain and not settings.curve:
+            log.warning(
+                "%s without CurveZMQ (--insecure-local-tcp): every local user can connect, "
+                "read cached prompts' token ids and insert KV",
+                ", ".join(plain),
+            )
+
+    def _open_metrics(self, settings: DaemonSettings) -> None:
+        """/metrics over a snapshot of the stats (--metrics-port)."""
+        if not is_loopback(f"tcp://{settings.metrics_host}:0"):
+            log.warning(
+                "metrics on %s:%d can be read by anyone who reaches that address (no "
+                "authentication): cache sizes, hit rates and client names",
+                settings.metrics_host,
+                settings.metrics_port,
+            )
+        try:
+            self.metrics = self._closing(
+                MetricsServer(settings.metrics_host, settings.metrics_port)
+            )
+        except OSError as exc:
+            raise EndpointError(
+                f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port}: {exc}"
+            ) from None
+        self.metrics.publish(self._snapshot())
 
     def _make_cache(
         self, cfg: HiCacheConfig, layout: EngineLayout | None = None
@@ -265,6 +305,7 @@ class Daemon:
         )
         self._adopt = None
         backings = [b for b in (device, host) if b is not None]
+        self.progress = None
         try:
             self.cache = HiRadixCache(cfg, device, host)
             self._host = host
@@ -283,10 +324,15 @@ class Daemon:
                 self.cache.attach_events(TierEvents(cfg.page_size, device_medium))
         except BaseException:
             self.cache = None
-            for backing in backings:
-                backing.close()
+            for backing in (*backings, self.progress):
+                if backing is not None:
+                    backing.close()
+            self.progress = None
             raise
-        self._backings = backings
+        for backing in (*backings, self.progress):  # (closed after the cache)
+            if backing is not None:
+                self._stack.callback(backing.close)
+        self._stack.callback(self._close_cache)
         return self.cache, {
             "device": device.describe(),
             "host": host.describe() if host else None,
@@ -424,8 +470,8 @@ class Daemon:
     def _handle_resumed(
         self, identity: bytes, header: bytes | memoryview, frames: list
     ) -> tuple[bytes, list]:
-        self.handlers.peer = self.inbox.serving = identity  # (its turn is its own)
-        reply, out = self.handlers.handle(header, frames, resumed=True)
+        self.inbox.serving = identity  # (its turn is its own)
+        reply, out = self.handlers.handle(header, frames, Call(identity, may_wait=False))
         return reply, out  # type: ignore[return-value]  (a resumed match is never deferred)
 
     def _serve_one(self, frames: list[bytes | memoryview]) -> None:
@@ -435,8 +481,8 @@ class Daemon:
         header = rest[0] if rest else b""
         waits = self.waits
         may_wait = waits is not None and waits.room() and not self.draining
-        self.handlers.peer = self.inbox.serving = bytes(identity)  # (a resumed match ran)
-        reply, out = self.handlers.handle(header, rest[1:], may_wait)
+        peer = self.inbox.serving = bytes(identity)  # (a resumed match ran)
+        reply, out = self.handlers.handle(header, rest[1:], Call(peer, may_wait))
         if reply is None:  # a match that waits for the third tier
             waits.park(identity, header, rest[1:], out)  # type: ignore[union-attr, arg-type]
             return
@@ -498,8 +544,9 @@ class Daemon:
             return False
 
     def close(self) -> None:
-        """Refuse new work, finish in-flight copies, free the pools, remove the socket.
-        Undoes whatever a start made, however far it got; safe to call twice."""
+        """Refuse new work, finish in-flight copies, free the pools, remove the socket: the
+        keep-host decision, then every close on the stack (last built, first closed). Undoes
+        whatever a start made, however far it got; safe to call twice."""
         keeper, self.keeper = self.keeper, None
         if keeper is not None:
             keeper.close(self.cache)  # nothing reads the host pool behind our back from here
@@ -525,40 +572,10 @@ class Daemon:
         elif keeper is not None:  # nothing worth keeping: no marker either
             keeper.forget()
         self.gc.stop()
-        if self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
-        if self.events is not None:
-            self.events.close()
-            self.events = None
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
-        if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
-            if self.cache is not None:
-                self.cache.close()  # waits for copies; stops the third tier's IO thread
-                self.cache = None
-            if self.waits is not None:
-                self.waits.close()  # (after the IO thread: its wake socket)
-            if self.auth is not None:
-                self.auth.stop()
-                self.auth = None
-            self.ctx.term()
+        self._stack.close()
+
+    def _close_cache(self) -> None:
+        """Wait for copies (they may still publish progress), stop the third tier's IO thread."""
         if self.cache is not None:
-            self.cache.close()  # waits for copies that may still publish progress
+            self.cache.close()
             self.cache = None
-        for backing in (*self._backings, self.progress):
-            if backing is not None:
-                backing.close()  # idempotent; frees what a failed start left
-        self._backings, self.progress = [], None
-        if self._lock is not None:
-            self._lock.close()  # after the segments are gone
-            self._lock = None
-        if self._admin is not None:
-            self._admin.close()
-            self._admin = None
-        if self._claim is not None:
-            self._claim.close()
-            self._claim = None

@@ -301,7 +301,7 @@ MUTATIONS = [
     Mutation(
         "third-tier-lookups-take-no-turns",
         "daemon/cache_ops.py",
-        "            if i and time.perf_counter() > turn_ends and self.context.others_waiting():",
+        "            if i and time.perf_counter() > turn_ends and self.others_waiting():",
         "            if False:",
         ("tests/test_fair_turns.py::test_the_third_tiers_lookups_take_turns_too",),
     ),
@@ -394,7 +394,7 @@ MUTATIONS = [
     Mutation(
         "batched-match-never-yields",
         "daemon/cache_ops.py",
-        "                or (time.perf_counter() > turn_ends and self.context.others_waiting())",
+        "                or (time.perf_counter() > turn_ends and self.others_waiting())",
         "                or False",
         ("tests/test_fair_turns.py",),
     ),
@@ -521,8 +521,8 @@ MUTATIONS = [
     Mutation(
         "served-request-keeps-a-resumed-sender",
         "daemon/server.py",
-        "        self.handlers.peer = self.inbox.serving = bytes(identity)",
-        "        self.handlers.peer = bytes(identity)",
+        "        peer = self.inbox.serving = bytes(identity)",
+        "        peer = bytes(identity)",
         ("tests/test_fair_turns.py",),
     ),
     Mutation(
@@ -638,8 +638,8 @@ MUTATIONS = [
     Mutation(
         "local-users-not-told-apart-without-keys",
         "daemon/server.py",
-        "            self.handlers.user = self.inbox.local_user\n",
-        "            pass\n",
+        "            user = inbox.local_user\n",
+        "            user = str\n",
         ("tests/test_trust.py",),
     ),
     Mutation(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
@@ -21,6 +22,7 @@ from hicache.daemon import handlers as handlers_module
 from hicache.daemon import server as server_module
 from hicache.daemon.busy_poll import watch
 from hicache.daemon.handlers import Handlers
+from hicache.daemon.request_context import Transport
 from hicache.daemon.server import Daemon
 from hicache.daemon.sessions import SessionTable
 from hicache.daemon.settings import build_parser, resolve
@@ -44,11 +46,16 @@ PROMPTS = [np.concatenate([SYSTEM, np.arange(i * 1000, i * 1000 + 4 + 4 * i, dty
 PROMPTS += [PROMPTS[3].copy(), np.arange(9000, 9012, dtype=np.int32)]
 
 
-def _world(admin_token: str | None = None) -> tuple[HiRadixCache, Handlers, int]:
+def _world(
+    admin_token: str | None = None, others_waiting: Callable[[], bool] = bool
+) -> tuple[HiRadixCache, Handlers, int]:
     cache = HiRadixCache(
         HiCacheConfig(num_layers=1, num_kv_heads=1, head_dim=2, page_size=PS, device_tokens=512)
     )
-    handlers = Handlers(cache, SessionTable(lease_s=1e9), 3, {}, admin_token=admin_token)
+    handlers = Handlers(
+        cache, SessionTable(lease_s=1e9), 3, {}, admin_token=admin_token,
+        transport=Transport(others_waiting=others_waiting),
+    )  # fmt: skip
     session = handlers.sessions.open("t", 1, time.monotonic()).key
     for p in PROMPTS[:4]:  # four of six cached
         _, out = _call(handlers, session, Op.ALLOC, {"num_tokens": len(p)})
@@ -75,7 +82,8 @@ def _batch_fields(prompts: list[np.ndarray], lock: bool) -> tuple[dict, list]:
 
 
 def test_a_batch_answers_in_turns_while_others_wait_and_alone_in_one(monkeypatch):
-    cache, handlers, session = _world()
+    waiting = [False]  # whether the transport says others wait
+    cache, handlers, session = _world(others_waiting=lambda: waiting[0])
     fields, frames = _batch_fields(PROMPTS, lock=True)
     assert fields["shared"] == [0, 8, 8, 8, 24, 0]  # (what the parts must rebuild)
     whole, _ = _call(handlers, session, Op.MATCH, fields, frames)  # nobody waits: one reply
@@ -84,7 +92,7 @@ def test_a_batch_answers_in_turns_while_others_wait_and_alone_in_one(monkeypatch
 
     monkeypatch.setattr(cache_ops, "TURN_S", 0.0)
     monkeypatch.setattr(cache_ops, "TURN_PER_CHECK", 0)
-    handlers.context.others_waiting = lambda: True  # someone always waits: one prompt per turn
+    waiting[0] = True  # someone always waits: one prompt per turn
     turns, results = 0, []
     while len(results) < len(PROMPTS):
         fields, frames = _batch_fields(PROMPTS[len(results) :], lock=True)
@@ -119,7 +127,7 @@ def test_the_client_asks_again_for_the_rest_and_releases_all_when_a_part_fails(t
             asked = _matches_served(daemon)
             old_turn = cache_ops.TURN_S, cache_ops.TURN_PER_CHECK
             cache_ops.TURN_S = cache_ops.TURN_PER_CHECK = 0
-            daemon.handlers.context.others_waiting = lambda: True
+            daemon.inbox.others_waiting = lambda may_yield=True: True  # (what the handlers ask)
             try:
                 parts = hc.match_batch(PROMPTS, lock=True)
                 again = _matches_served(daemon)
@@ -165,7 +173,7 @@ def test_the_client_asks_again_for_the_rest_and_releases_all_when_a_part_fails(t
                 assert reconnected == [True] and hc.holdings().lock_ids == []
             finally:
                 cache_ops.TURN_S, cache_ops.TURN_PER_CHECK = old_turn
-                daemon.handlers.context.others_waiting = bool
+                del daemon.inbox.others_waiting  # (the inbox's own again)
             assert hc.stats(check=True)["integrity"] == "ok"
     finally:
         daemon.stop()
@@ -195,11 +203,10 @@ def test_views_that_delay_others_are_refused_past_their_share():
 def test_views_of_non_admins_are_limited_admins_are_not():
     """Integrity checks, tree views, stats reports (every session listed) and capacity reports
     (the estimate fed first) all hold the loop: past their share, non-admins are refused."""
-    cache, handlers, session = _world(admin_token="tok")
+    cache, handlers, session = _world(admin_token="tok", others_waiting=lambda: True)
     hello = {"client": "op", "pid": 2, "admin": True, "admin_token": "tok"}
     admin = _call(handlers, 0, Op.HELLO, hello)[0].fields["session"]
     handlers.views = ViewBudget(share=1e-9, burst_s=0.0)  # any view others waited for: over
-    handlers.context.others_waiting = lambda: True
     first, _ = _call(handlers, session, Op.TREE, {})
     assert first.ok
     assert _call(handlers, 0, Op.STATS, {})[0].ok  # few sessions: a cheap report, no view
@@ -250,7 +257,7 @@ def test_a_wake_of_the_third_tier_is_not_a_request_waiting_and_a_request_read_go
     daemon = Daemon(resolve(build_parser().parse_args(args), environ={}))
     peer = zmq.Context.instance().socket(zmq.DEALER)
     try:
-        others = daemon.handlers.context.others_waiting
+        others = daemon.handlers.transport.others_waiting
         daemon.waits.wake()  # what the tier's IO thread sends when a fetch lands
         assert not others() and daemon.inbox.woken  # noted, not counted
         peer.connect(daemon.settings.endpoint)
@@ -286,7 +293,7 @@ def test_a_long_turn_yields_the_core_now_and_then_for_zmqs_io_thread(tmp_path, m
         lambda: yields.append(inbox._yield_after - inbox_module.YIELD_EVERY_S),
     )
     try:
-        others, asked = daemon.handlers.context.others_waiting, 0
+        others, asked = daemon.handlers.transport.others_waiting, 0
         started = time.perf_counter()
         while time.perf_counter() - started < 0.02:
             assert not others()
@@ -305,7 +312,7 @@ def _read(daemon: Daemon, count: int) -> None:
     deadline = time.monotonic() + 30
     while len(daemon.inbox._ahead) < count:
         assert time.monotonic() < deadline, "messages did not arrive"
-        daemon.handlers.context.others_waiting()
+        daemon.handlers.transport.others_waiting()
 
 
 def _peers(daemon: Daemon, *names: bytes) -> list:
@@ -335,7 +342,7 @@ def test_the_served_peers_own_requests_do_not_end_its_turn_and_anothers_goes_fir
     heavy, light = _peers(daemon, b"heavy", b"light")
     inbox = daemon.inbox
     try:
-        others = daemon.handlers.context.others_waiting
+        others = daemon.handlers.transport.others_waiting
         heavy.send(b"heavy first")
         assert inbox.next()[-1] == b"heavy first"  # serving one of heavy's requests
         for i in range(2):
@@ -416,7 +423,7 @@ def test_the_third_tiers_lookups_take_turns_too(tmp_path, monkeypatch):
 
         monkeypatch.setattr(cache_ops, "TURN_S", 0.0)
         monkeypatch.setattr(cache_ops, "TURN_PER_CHECK", 0)
-        handlers.context.others_waiting = lambda: True
+        monkeypatch.setattr(daemon.inbox, "others_waiting", lambda may_yield=True: True)
         asked.clear()
         part, _ = _call(handlers, session, Op.MATCH, fields, frames)
         assert part.ok and len(part.fields["results"]) == 1 and len(asked) == 1
@@ -439,10 +446,12 @@ def test_a_resumed_match_between_read_and_serve_leaves_the_request_its_sender(tm
         heavy.send(b"heavy's next")
         assert watch(daemon.sock, time.perf_counter() + 30)
         daemon._handle_resumed(b"heavy", b"a parked match", [])  # (answered: an error)
-        assert inbox.serving == b"heavy" and not daemon.handlers.context.others_waiting()
+        assert inbox.serving == b"heavy" and not daemon.handlers.transport.others_waiting()
         assert inbox._first.bytes == b"light"  # its read-ahead replaced nothing
+        served, handle = [], daemon.handlers.handle
+        daemon.handlers.handle = lambda h, f, call: served.append(call.peer) or handle(h, f, call)
         daemon._serve_one(frames)
-        assert inbox.serving == daemon.handlers.peer == b"light"
+        assert inbox.serving == b"light" and served == [b"light"]
         assert inbox.next()[-1] == b"heavy's next"
     finally:
         heavy.close(linger=0)
@@ -492,7 +501,7 @@ def test_housekeeping_leaves_what_can_wait_while_another_clients_request_does(
         feed.saw(True, np.arange(64, dtype=np.int32).tobytes(), None)
         heavy.send(b"heavy again")
         assert watch(daemon.sock, time.perf_counter() + 30)
-        assert daemon.handlers.context.others_waiting()
+        assert daemon.handlers.transport.others_waiting()
         daemon._housekeep()
         assert len(feed.pending) == 1 and trims == [1]
         daemon._optional_ran -= server_module.DEFER_AT_MOST_S
