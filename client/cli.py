@@ -34,9 +34,9 @@ from hicache import __version__
 from hicache.client import kept_view
 from hicache.client.capacity_view import plot_capacity, render_capacity
 from hicache.client.connection import Connection, DaemonError, DaemonTimeout, hello_fields
-from hicache.client.curve import CurveKeyError, keygen
 from hicache.client.info_view import heading, normal, sections
 from hicache.client.top import render_shape, watch
+from hicache.curve import CurveKeyError, keygen
 from hicache.endpoints import env_endpoint
 from hicache.protocol import Op
 

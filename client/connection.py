@@ -21,8 +21,8 @@ from typing import Any
 
 import zmq
 
-from hicache.client.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, apply_client, client_keys
 from hicache.client.trust import trusted_uids, verify_endpoint
+from hicache.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, apply_client, client_keys
 from hicache.endpoints import admin_token_path
 from hicache.errors import InvalidIndicesError
 from hicache.protocol import (

@@ -7,7 +7,7 @@ import math
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from hicache.client.curve import client_keys
+from hicache.curve import client_keys
 from hicache.endpoints import env_endpoint, is_loopback
 
 PREFIX = "hicache."

@@ -26,8 +26,8 @@ import numpy as np
 import zmq
 
 from hicache.cache import HiRadixCache
-from hicache.client.curve import load_secret
 from hicache.config import HiCacheConfig
+from hicache.curve import load_secret
 from hicache.daemon import reaper
 from hicache.daemon.busy_poll import BusyPoll
 from hicache.daemon.capacity_feed import IDLE_BUDGET_S

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from hicache.client.curve import load_secret
 from hicache.config import DTYPES, HiCacheConfig
+from hicache.curve import load_secret
 from hicache.daemon.l3_settings import L3_FIELDS, l3_config
 from hicache.endpoints import env_endpoint, is_loopback
 from hicache.l3 import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy

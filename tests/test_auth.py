@@ -14,7 +14,7 @@ import pytest
 
 from hicache.client import HiCacheClient
 from hicache.client.connection import DaemonError, DaemonTimeout
-from hicache.client.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, keygen
+from hicache.curve import CLIENT_KEY_ENV, SERVER_KEY_ENV, keygen
 from hicache.protocol import ErrorCode
 from tests.daemon_helpers import start_daemon, stop_daemon
 from tests.l3_servers import free_port
@@ -120,7 +120,7 @@ def test_one_client_key_holds_at_most_its_share_of_sessions_over_connections(key
     import msgpack
     import zmq
 
-    from hicache.client.curve import apply_client, client_keys
+    from hicache.curve import apply_client, client_keys
     from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply
 
     other_pub, other_sec = keygen(keys["clients"], "other")

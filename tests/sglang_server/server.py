@@ -114,7 +114,9 @@ class Server:
         except (OSError, http.client.HTTPException) as exc:  # no answer: say why from its log
             state = "running" if self.proc.poll() is None else f"exited ({self.proc.returncode})"
             tail = "\n".join(self.output().splitlines()[-60:])
-            raise RuntimeError(f"{path}: {exc!r}; the server is {state}, its log ends:\n{tail}")
+            raise RuntimeError(
+                f"{path}: {exc!r}; the server is {state}, its log ends:\n{tail}"
+            ) from None
         try:
             return json.loads(raw)
         except ValueError:

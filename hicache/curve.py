@@ -1,5 +1,6 @@
-"""CurveZMQ keys for tcp endpoints: who may talk to a daemon over the network (the client's
-sockets, ``hicache keygen``, and the daemon's server key, which daemon/ loads from here).
+"""CurveZMQ keys for tcp endpoints: who may talk to a daemon over the network. Below both
+sides: the client's sockets and ``hicache keygen`` use it, and the daemon loads its server key
+and ZAP settings with it. Sets options on sockets it is given; opens none.
 
 An ipc socket is private by its file mode (0600 in a 0700 folder). A tcp port is open to the
 whole network, so a daemon listens on a tcp address other than loopback only with CurveZMQ:
