@@ -66,6 +66,13 @@ MUTATIONS = [
         ("tests/test_review_gaps.py", "-k", "help_shows_every_setting"),
     ),
     Mutation(
+        "the-daemon-imports-the-client",
+        "daemon/settings.py",
+        "from hicache.curve import load_secret\n",
+        "from hicache.client.connection import client_keys as load_secret\n",
+        ("tests/test_layering.py",),
+    ),
+    Mutation(
         "daemon-ignores-namespaces",
         "daemon/request_fields.py",
         'spaces = fields.get("namespaces")',
