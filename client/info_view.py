@@ -5,6 +5,8 @@ stats dict, so a test groups the sections without a daemon.
 
 from __future__ import annotations
 
+from hicache.observe import shown
+
 
 def _human(tokens: int, token_bytes: int) -> str:
     size = float(tokens * token_bytes)
@@ -20,10 +22,6 @@ def _ratio(part: int, whole: int) -> str:
 
 
 GC_SECONDS = ("gc_pause_seconds", "gc_pause_seconds_max")  # shown as 0.000086, never 8.6e-05
-
-
-def _pick(stats: dict, *keys: str) -> dict:
-    return {k: stats[k] for k in keys if k in stats}
 
 
 _EMPTY = dict.fromkeys(
@@ -91,10 +89,7 @@ def sections(stats: dict) -> dict[str, dict]:
     requested = stats["hit_device_tokens"] + stats["hit_host_tokens"] + stats["miss_tokens"]
     tb = stats.get("token_bytes", 0)
     return {
-        "server": _pick(stats, "version", "protocol", "pid", "endpoint", "boot_epoch", "uptime_s")
-        # the daemon's pauses in Python's cycle collector (what start-up made is frozen)
-        | _pick(stats, "gc_frozen_objects", "gc_collections")
-        | {k: f"{stats[k]:.6f}" for k in GC_SECONDS if k in stats},
+        "server": shown(stats, "server") | {k: f"{stats[k]:.6f}" for k in GC_SECONDS if k in stats},
         "config": _config(stats),
         "memory": {
             "device_capacity_tokens": stats["device_capacity_tokens"],
@@ -105,24 +100,8 @@ def sections(stats: dict) -> dict[str, dict]:
             # engine: the engines keep their device tier; the daemon's pool is their host tier
             "device_tier": stats.get("device_tier", "daemon"),
         },
-        "device_pool": _pick(
-            stats,
-            "device_free_tokens",
-            "device_cached_tokens",
-            "device_owned_tokens",
-            "device_protected_tokens",
-            "device_evictable_tokens",
-            "evicted_device_tokens",
-        ),
-        "host_pool": _pick(
-            stats,
-            "host_free_tokens",
-            "host_cached_tokens",
-            "host_owned_tokens",  # (these three: the pool of a daemon for engines)
-            "host_protected_tokens",
-            "host_evictable_tokens",
-            "evicted_host_tokens",
-        ),
+        "device_pool": shown(stats, "device_pool"),
+        "host_pool": shown(stats, "host_pool"),  # (owned, protected: a daemon for engines')
         "hits": {
             "hit_device_tokens": stats["hit_device_tokens"],
             "hit_host_tokens": stats["hit_host_tokens"],
@@ -140,28 +119,10 @@ def sections(stats: dict) -> dict[str, dict]:
             ),
             "engine_loaded_tokens": stats.get("engine_loaded_tokens", 0),
         },
-        "transfers": _pick(
-            stats,
-            "backup_tokens",
-            "backup_bytes",
-            "load_tokens",
-            "load_bytes",
-            "inflight_transfers",
-            "backup_failed_tokens",
-            "transfer_errors",
-        ),
+        "transfers": shown(stats, "transfers"),
         # the third tier: the store under the daemon's pool (off unless --l3)
         "l3": _l3_section(stats),
-        "sessions": _pick(
-            stats,
-            "sessions",
-            "sessions_quarantined",
-            "quarantined_tokens",
-            "replies_dropped",
-            "connections_closed",
-            "match_parts",
-            "views_refused",
-        )
+        "sessions": shown(stats, "sessions")
         | {
             f"session_{s['id']}": f"client={s['client']},pid={s['pid']},"
             + (f"peer_pid={s['peer_pid']}," if s.get("peer_pid") else "")

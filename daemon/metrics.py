@@ -19,76 +19,44 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from hicache.observe import FIGURES, L3_FIGURES, Figure
+
 log = logging.getLogger("hicache.daemon.metrics")
 LIVE_S = 10.0  # /healthz fails when the control loop has not gone round for this long
 
-# (name, help, stats key) of plain counters
-COUNTERS = [
-    ("backup_tokens", "tokens copied from the device to the host tier", "backup_tokens"),
-    ("backup_bytes", "bytes copied from the device to the host tier", "backup_bytes"),
-    ("load_tokens", "tokens loaded from the host to the device tier", "load_tokens"),
-    ("load_bytes", "bytes loaded from the host to the device tier", "load_bytes"),
-    ("backup_failed_tokens", "tokens whose backup failed or found no room", "backup_failed_tokens"),
-    (
-        "engine_queried_tokens",
-        "tokens engines asked about beyond their own prefix cache's hit, as they count them",
-        "engine_queried_tokens",
-    ),
-    (
-        "engine_hit_tokens",
-        "of the engines' queried tokens, those hicache had, as the engines count them",
-        "engine_hit_tokens",
-    ),
-    (
-        "engine_loaded_tokens",
-        "tokens engines copied from the daemon's pool into their own device tier",
-        "engine_loaded_tokens",
-    ),
-    ("transfer_errors", "copies between the tiers that failed", "transfer_errors"),
-    ("replies_dropped", "replies dropped because a peer did not read", "replies_dropped"),
-    (
-        "connections_closed",
-        "tcp connections closed: they sent more than may be held unread",
-        "connections_closed",
-    ),
-    ("leases_expired", "engine sessions whose lease ran out", "leases_expired"),
-    (
-        "match_parts",
-        "batched matches answered in part because other requests waited",
-        "match_parts",
-    ),
-    (
-        "views_refused",
-        "integrity checks and tree views refused: past their share of the control loop",
-        "views_refused",
-    ),
-    ("gc_collections", "runs of Python's cycle collector in the daemon", "gc_collections"),
-    (
-        "gc_pause_seconds",
-        "seconds in Python's cycle collector (the control loop waits meanwhile)",
-        "gc_pause_seconds",
-    ),
-    ("event_batches_published", "KV event batches published", "event_batches_published"),
-    (
-        "event_batches_dropped",
-        "KV event batches dropped: publisher behind",
-        "event_batches_dropped",
-    ),
-]
-L3_COUNTERS = [
-    ("l3_read_bytes", "bytes read from the third tier and verified", "read_bytes"),
-    ("l3_written_bytes", "bytes written to the third tier", "written_bytes"),
-    ("l3_lookup_pages", "pages asked of the third tier", "lookup_pages"),
-    ("l3_hit_pages", "pages the third tier had", "hit_pages"),
-    ("l3_dropped_pages", "writes to the third tier dropped: queue full", "dropped_pages"),
-    ("l3_corrupt_pages", "values from the third tier that failed to verify", "corrupt_pages"),
-    ("l3_errors", "third-tier jobs that failed as a whole", "errors"),
-    (
-        "l3_wait_timeouts",
-        "matches answered at their bound before their fetch ended",
-        "wait_timeouts",
-    ),
-]
+# the help of each family with a ``tier`` label (its figures' own say one tier each)
+BY_TIER = {
+    "capacity_tokens": "tokens a tier holds",
+    "cached_tokens": "tokens cached in a tier",
+    "protected_tokens": "cached tokens under a lock now, by tier",
+    "evictable_tokens": "cached tokens with no lock now, by tier",
+    "evicted_tokens": "tokens evicted, by tier",
+    "hit_tokens": "prompt tokens found cached, by tier",
+}
+
+
+def _exported(figures: tuple[Figure, ...], stats: dict[str, Any]) -> Iterator[Any]:
+    """One family per Prometheus name of ``figures`` (hicache/observe/figures.py), in the
+    table's order: a counter or a gauge, with a ``tier`` label where the table gives one."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    families: dict[str, Any] = {}
+    for f in figures:
+        if not f.metric or not (f.always or f.name in stats):
+            continue
+        value = stats.get(f.name, 0)
+        family = families.get(f.metric)
+        if family is None:
+            kind = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
+            name = f"hicache_{f.metric}"
+            if f.tier:
+                family = kind(name, BY_TIER[f.metric], labels=["tier"])
+            else:
+                family = kind(name, f.help, value=value)
+            families[f.metric] = family
+        if f.tier:
+            family.add_metric([f.tier], value)
+    yield from families.values()
 
 
 def families(stats: dict[str, Any]) -> Iterator[Any]:
@@ -101,36 +69,10 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
 
     if not stats:
         return
-    hits = CounterMetricFamily(
-        "hicache_hit_tokens", "prompt tokens found cached, by tier", labels=["tier"]
-    )
-    hits.add_metric(["device"], stats.get("hit_device_tokens", 0))
-    hits.add_metric(["host"], stats.get("hit_host_tokens", 0))
-    yield hits
+    yield from _exported(FIGURES, stats)
     queried = stats.get("hit_device_tokens", 0) + stats.get("hit_host_tokens", 0)
     queried += stats.get("miss_tokens", 0)
     yield CounterMetricFamily("hicache_query_tokens", "prompt tokens matched", value=queried)
-    capacity = GaugeMetricFamily("hicache_capacity_tokens", "tokens a tier holds", labels=["tier"])
-    used = GaugeMetricFamily("hicache_cached_tokens", "tokens cached in a tier", labels=["tier"])
-    for tier in ("device", "host"):
-        capacity.add_metric([tier], stats.get(f"{tier}_capacity_tokens", 0))
-        used.add_metric([tier], stats.get(f"{tier}_cached_tokens", 0))
-    yield capacity
-    yield used
-    for name, help_ in (("protected", "under a lock"), ("evictable", "with no lock")):
-        family = GaugeMetricFamily(
-            f"hicache_{name}_tokens", f"cached tokens {help_} now, by tier", labels=["tier"]
-        )
-        for tier in ("device", "host"):  # (the tier of the cache's device pool: tier_names.py)
-            if f"{tier}_{name}_tokens" in stats:
-                family.add_metric([tier], stats[f"{tier}_{name}_tokens"])
-        yield family
-    evicted = CounterMetricFamily(
-        "hicache_evicted_tokens", "tokens evicted, by tier", labels=["tier"]
-    )
-    evicted.add_metric(["device"], stats.get("evicted_device_tokens", 0))
-    evicted.add_metric(["host"], stats.get("evicted_host_tokens", 0))
-    yield evicted
     evicted_bytes = CounterMetricFamily(
         "hicache_evicted_bytes", "KV bytes evicted, by tier", labels=["tier"]
     )
@@ -138,24 +80,6 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
         tokens = stats.get(f"evicted_{tier}_tokens", 0)
         evicted_bytes.add_metric([tier], tokens * stats.get("token_bytes", 0))
     yield evicted_bytes
-    for name, help_, key in COUNTERS:
-        yield CounterMetricFamily(f"hicache_{name}", help_, value=stats.get(key, 0))
-    yield GaugeMetricFamily("hicache_sessions", "engine sessions", value=stats.get("sessions", 0))
-    yield GaugeMetricFamily(
-        "hicache_gc_pause_seconds_max",
-        "the longest run of Python's cycle collector since start",
-        value=stats.get("gc_pause_seconds_max", 0),
-    )
-    yield GaugeMetricFamily(
-        "hicache_gc_frozen_objects",
-        "objects start-up made, kept out of the cycle collector's sight",
-        value=stats.get("gc_frozen_objects", 0),
-    )
-    yield GaugeMetricFamily(
-        "hicache_transfers_in_flight",
-        "copies between tiers running",
-        value=stats.get("inflight_transfers", 0),
-    )
     errors = CounterMetricFamily(
         "hicache_request_errors", "error replies, by error code", labels=["code"]
     )
@@ -190,17 +114,11 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
         yield est
     l3 = stats.get("l3")
     if l3:
-        for name, help_, key in L3_COUNTERS:
-            yield CounterMetricFamily(f"hicache_{name}", help_, value=l3.get(key, 0))
+        yield from _exported(L3_FIGURES, l3)
         yield GaugeMetricFamily(
             "hicache_l3_breaker_open", "1 while the third tier's breaker is open",
             value=float(l3.get("breaker") != "closed"),
         )  # fmt: skip
-        yield GaugeMetricFamily(
-            "hicache_l3_queued_pages",
-            "pages waiting to be written",
-            value=l3.get("queued_pages", 0),
-        )
 
 
 def _buckets(h: dict[str, Any]) -> list[tuple[str, int]]:

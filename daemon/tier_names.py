@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 _SWAP = {"device": "host", "host": "device"}
-# keys that name something other than one of the cache's pools ("device_tier" is a setting)
-_KEEP = frozenset({"device_tier"})
+# keys that name something other than one of the cache's pools ("device_tier" is a setting;
+# a daemon for engines has no host pool of the cache's to verify: it reports 0 under the name)
+_KEEP = frozenset({"device_tier", "corrupt_host_tokens"})
 
 
 class TierNames:

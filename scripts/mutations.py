@@ -73,6 +73,13 @@ MUTATIONS = [
         ("tests/test_layering.py",),
     ),
     Mutation(
+        "a-figure-reported-under-a-name-the-table-lacks",
+        "daemon/handlers.py",
+        'out["views_refused"] = self.views.refused',
+        'out["refused_views"] = self.views.refused',
+        ("tests/test_figures.py",),
+    ),
+    Mutation(
         "daemon-ignores-namespaces",
         "daemon/request_fields.py",
         'spaces = fields.get("namespaces")',

@@ -2,6 +2,8 @@
 capacity estimate and the page hashes it samples, tree views, latency histograms.
 
 - ``stats.py``: ``CacheStats`` (a snapshot) and ``Counters`` (what the cache counts as it goes);
+- ``figures.py``: every figure the daemon reports, named once (``FIGURES``: key, kind, unit,
+  help, ``hicache info`` section, Prometheus family), read by STATS, /metrics, info and top;
 - ``kv_events.py``: ``TierEvents``, vLLM-format KV events (stored, removed, cleared) per tier;
 - ``capacity.py``: hit ratio against tier size (SHARDS sampling, ``ShardsEstimator``; the exact
   ``ExactCurve`` for tests), and a recommendation; ``page_hash.py``: the page hashes it samples;
@@ -19,6 +21,11 @@ from hicache.lazy import lazy_exports
 
 _EXPORTS = {
     "CacheStats": "hicache.observe.stats",
+    "FIGURES": "hicache.observe.figures",
+    "Figure": "hicache.observe.figures",
+    "L3_FIGURES": "hicache.observe.figures",
+    "STRUCTURES": "hicache.observe.figures",
+    "shown": "hicache.observe.figures",
     "Counters": "hicache.observe.stats",
     "AllBlocksCleared": "hicache.observe.kv_events",
     "BlockRemoved": "hicache.observe.kv_events",
@@ -41,6 +48,11 @@ _EXPORTS = {
 }
 __all__ = [
     "COLD",
+    "FIGURES",
+    "Figure",
+    "L3_FIGURES",
+    "STRUCTURES",
+    "shown",
     "AllBlocksCleared",
     "BYTES",
     "BlockRemoved",
@@ -72,6 +84,7 @@ if TYPE_CHECKING:
         TierPoint,
         recommend,
     )
+    from hicache.observe.figures import FIGURES, L3_FIGURES, STRUCTURES, Figure, shown
     from hicache.observe.histogram import BYTES, SECONDS, Histogram
     from hicache.observe.kv_events import (
         AllBlocksCleared,

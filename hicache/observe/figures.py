@@ -1,0 +1,177 @@
+"""The daemon's figures, named once: each one's key in the STATS reply, its kind, unit and
+help, the ``hicache info`` section that shows it and the Prometheus family it is exported as.
+
+The STATS reply (``daemon/handlers.py``) reports exactly these scalar figures, beside a few
+structures listed in ``STRUCTURES``; ``/metrics`` (``daemon/metrics.py``), ``hicache info``
+(``client/info_view.py``) and ``hicache top`` read them through this table, so a figure is
+named, described and placed in one edit. Pure data; read only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Kind = Literal["counter", "gauge", "info"]  # counters only grow; info: a fact, not a number
+
+
+@dataclass(frozen=True)
+class Figure:
+    name: str  # its key in the STATS reply (and in ``hicache stats --json``)
+    kind: Kind
+    unit: str  # tokens, bytes, seconds, objects ... ("": a count of events, or a fact)
+    help: str  # one line: what it counts
+    section: str = ""  # the ``hicache info`` section that shows it ("": only ``hicache stats``)
+    metric: str = ""  # its Prometheus family, without the ``hicache_`` prefix ("": none)
+    tier: str = ""  # the family's ``tier`` label value (a family with a figure per tier)
+    always: bool = True  # exported as 0 when the reply lacks it (else only when there)
+
+
+def _pool(tier: str) -> tuple[Figure, ...]:
+    """The figures of one of the cache's pools (a daemon for engines has only a host one)."""
+    section = f"{tier}_pool"
+    return (
+        Figure(f"{tier}_capacity_tokens", "gauge", "tokens", f"tokens the {tier} tier holds",
+               "memory", "capacity_tokens", tier),
+        Figure(f"{tier}_free_tokens", "gauge", "tokens", f"free tokens of the {tier} tier",
+               section),
+        Figure(f"{tier}_cached_tokens", "gauge", "tokens", f"tokens the tree holds on the "
+               f"{tier} tier", section, "cached_tokens", tier),
+        Figure(f"{tier}_owned_tokens", "gauge", "tokens", f"{tier} tokens sessions allocated "
+               "and have not inserted", section),
+        Figure(f"{tier}_protected_tokens", "gauge", "tokens", f"cached {tier} tokens under a "
+               "lock", section, "protected_tokens", tier, always=False),
+        Figure(f"{tier}_evictable_tokens", "gauge", "tokens", f"cached {tier} tokens with no "
+               "lock", section, "evictable_tokens", tier, always=False),
+        Figure(f"evicted_{tier}_tokens", "counter", "tokens", f"tokens evicted from the {tier} "
+               "tier", section, "evicted_tokens", tier),
+    )  # fmt: skip
+
+
+FIGURES: tuple[Figure, ...] = (
+    # ---- server
+    Figure("version", "info", "", "hicache's version", "server"),
+    Figure("protocol", "info", "", "the wire protocol's version", "server"),
+    Figure("pid", "info", "", "the daemon's process id", "server"),
+    Figure("endpoint", "info", "", "where the daemon listens", "server"),
+    Figure("boot_epoch", "info", "", "this daemon life's id: requests of another are refused",
+           "server"),
+    Figure("uptime_s", "gauge", "seconds", "time served since start", "server"),
+    Figure("gc_frozen_objects", "gauge", "objects", "objects start-up made, kept out of the "
+           "cycle collector's sight", "server", "gc_frozen_objects"),
+    Figure("gc_collections", "counter", "", "runs of Python's cycle collector in the daemon",
+           "server", "gc_collections"),
+    Figure("gc_pause_seconds", "counter", "seconds", "seconds in Python's cycle collector (the "
+           "control loop waits meanwhile)", "server", "gc_pause_seconds"),
+    Figure("gc_pause_seconds_max", "gauge", "seconds", "the longest run of Python's cycle "
+           "collector since start", "server", "gc_pause_seconds_max"),
+    # ---- memory and the pools
+    Figure("page_size", "info", "tokens", "tokens per page", "memory"),
+    Figure("device_tier", "info", "", "who owns the device tier: the daemon, or the engines",
+           "memory"),
+    Figure("token_bytes", "info", "bytes", "KV bytes of one token in the pool"),
+    *_pool("device"),
+    *_pool("host"),
+    Figure("tree_nodes", "gauge", "", "nodes of the radix tree"),
+    # ---- hits
+    Figure("hit_device_tokens", "counter", "tokens", "prompt tokens found on the device tier",
+           "hits", "hit_tokens", "device"),
+    Figure("hit_host_tokens", "counter", "tokens", "prompt tokens found on the host tier",
+           "hits", "hit_tokens", "host"),
+    Figure("miss_tokens", "counter", "tokens", "prompt tokens not found", "hits"),
+    Figure("match_calls", "counter", "", "prompts matched"),
+    Figure("insert_calls", "counter", "", "sequences inserted"),
+    Figure("load_back_calls", "counter", "", "loads from the host tier to the device tier"),
+    # ---- engines (as engines with a prefix cache of their own count)
+    Figure("engine_queried_tokens", "counter", "tokens", "tokens engines asked about beyond "
+           "their own prefix cache's hit, as they count them", "engines",
+           "engine_queried_tokens"),
+    Figure("engine_hit_tokens", "counter", "tokens", "of the engines' queried tokens, those "
+           "hicache had, as the engines count them", "engines", "engine_hit_tokens"),
+    Figure("engine_loaded_tokens", "counter", "tokens", "tokens engines copied from the "
+           "daemon's pool into their own device tier", "engines", "engine_loaded_tokens"),
+    # ---- transfers
+    Figure("backup_tokens", "counter", "tokens", "tokens copied from the device to the host "
+           "tier", "transfers", "backup_tokens"),
+    Figure("backup_bytes", "counter", "bytes", "bytes copied from the device to the host tier",
+           "transfers", "backup_bytes"),
+    Figure("load_tokens", "counter", "tokens", "tokens loaded from the host to the device tier",
+           "transfers", "load_tokens"),
+    Figure("load_bytes", "counter", "bytes", "bytes loaded from the host to the device tier",
+           "transfers", "load_bytes"),
+    Figure("inflight_transfers", "gauge", "", "copies between tiers running", "transfers",
+           "transfers_in_flight"),
+    Figure("backup_failed_tokens", "counter", "tokens", "tokens whose backup failed or found "
+           "no room", "transfers", "backup_failed_tokens"),
+    Figure("transfer_errors", "counter", "", "copies between the tiers that failed",
+           "transfers", "transfer_errors"),
+    Figure("corrupt_host_tokens", "counter", "tokens", "host tokens whose checksum failed "
+           "(--verify-pages): dropped, never served"),
+    # ---- sessions and the transport
+    Figure("sessions", "gauge", "", "engine sessions", "sessions", "sessions"),
+    Figure("sessions_quarantined", "gauge", "", "lapsed sessions whose pages and locks are "
+           "held until their quarantine ends", "sessions"),
+    Figure("quarantined_tokens", "gauge", "tokens", "device tokens quarantined sessions hold",
+           "sessions"),
+    Figure("replies_dropped", "counter", "", "replies dropped because a peer did not read",
+           "sessions", "replies_dropped"),
+    Figure("connections_closed", "counter", "", "tcp connections closed: they sent more than "
+           "may be held unread", "sessions", "connections_closed"),
+    Figure("match_parts", "counter", "", "batched matches answered in part because other "
+           "requests waited", "sessions", "match_parts"),
+    Figure("views_refused", "counter", "", "integrity checks and tree views refused: past "
+           "their share of the control loop", "sessions", "views_refused"),
+    Figure("leases_expired", "counter", "", "engine sessions whose lease ran out",
+           metric="leases_expired"),
+    Figure("housekeep_errors", "counter", "", "exceptions caught in housekeeping (each one is "
+           "a bug)"),
+    Figure("busy_poll_watches", "counter", "", "times the loop watched the socket after a "
+           "reply"),
+    Figure("busy_poll_hits", "counter", "", "of those, times a request came while it watched"),
+    Figure("event_batches_published", "counter", "", "KV event batches published",
+           metric="event_batches_published"),
+    Figure("event_batches_dropped", "counter", "", "KV event batches dropped: publisher behind",
+           metric="event_batches_dropped"),
+)  # fmt: skip
+
+# the third tier's figures, in the reply's ``l3`` structure (``hicache info``'s l3 section)
+L3_FIGURES: tuple[Figure, ...] = (
+    Figure("read_bytes", "counter", "bytes", "bytes read from the third tier and verified",
+           "l3", "l3_read_bytes"),
+    Figure("written_bytes", "counter", "bytes", "bytes written to the third tier", "l3",
+           "l3_written_bytes"),
+    Figure("lookup_pages", "counter", "pages", "pages asked of the third tier", "l3",
+           "l3_lookup_pages"),
+    Figure("hit_pages", "counter", "pages", "pages the third tier had", "l3", "l3_hit_pages"),
+    Figure("dropped_pages", "counter", "pages", "writes to the third tier dropped: queue full",
+           "l3", "l3_dropped_pages"),
+    Figure("corrupt_pages", "counter", "pages", "values from the third tier that failed to "
+           "verify", "l3", "l3_corrupt_pages"),
+    Figure("errors", "counter", "", "third-tier jobs that failed as a whole", "l3",
+           "l3_errors"),
+    Figure("wait_timeouts", "counter", "", "matches answered at their bound before their "
+           "fetch ended", "l3", "l3_wait_timeouts"),
+    Figure("queued_pages", "gauge", "pages", "pages waiting to be written", "l3",
+           "l3_queued_pages"),
+)  # fmt: skip
+
+# what the reply holds beside the figures: structures each reader renders its own way
+STRUCTURES = {
+    "config": "the settings in use",
+    "layout": "the KV layout engines registered (a daemon for engines; else null)",
+    "l3": "the third tier's settings and figures (L3_FIGURES); absent without one",
+    "op_latency": "time to handle a request, per op (histograms)",
+    "errors_by_code": "error replies, per error code",
+    "transfer_seconds": "submit to ack of a copy, per direction (histograms)",
+    "transfer_bytes": "bytes of a copy, per direction (histograms)",
+    "capacity_points": "the estimated hit ratios at other tier sizes",
+    "session_list": "the sessions (at most 1000), each with its own figures",
+    "integrity": "the integrity check's verdict (a STATS request with check=true)",
+}
+
+BY_NAME = {f.name: f for f in FIGURES}
+
+
+def shown(stats: dict[str, Any], section: str) -> dict[str, Any]:
+    """The figures of ``section`` that ``stats`` holds, in the table's order."""
+    return {f.name: stats[f.name] for f in FIGURES if f.section == section and f.name in stats}
