@@ -266,7 +266,7 @@ class HiCacheClient:
         ``queried`` tokens asked beyond its own hit, ``hit`` of them found in hicache, and
         ``loaded`` tokens it copied from the pool itself. The heartbeat reports them (within
         about 2 s), the goodbye what is left; the daemon shows them as ``engine_*_tokens``
-        (daemon/engine_counts.py). Any thread. ValueError for what is not a count."""
+        (daemon/requests/engine_counts.py). Any thread. ValueError for what is not a count."""
         for name, value in (("queried", queried), ("hit", hit), ("loaded", loaded)):
             if type(value) is not int or not 0 <= value < ENGINE_REPORT_MAX:
                 raise ValueError(f"{name}: a count of tokens below 2**48, got {value!r}")

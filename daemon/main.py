@@ -8,8 +8,8 @@ import os
 import signal
 import sys
 
+from hicache.daemon.config import DaemonSettings, build_parser, resolve
 from hicache.daemon.logs import setup_logging
-from hicache.daemon.settings import DaemonSettings, build_parser, resolve
 
 log = logging.getLogger("hicache.daemon")
 

@@ -28,33 +28,30 @@ import zmq
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
 from hicache.curve import load_secret
-from hicache.daemon import reaper
-from hicache.daemon.busy_poll import BusyPoll
-from hicache.daemon.capacity_feed import IDLE_BUDGET_S
-from hicache.daemon.endpoint import (
+from hicache.daemon.config import DaemonSettings
+from hicache.daemon.keep import HostKeeper, InstanceLock, instance_token, remove_stale, segment_name
+from hicache.daemon.keep import spawn as spawn_reaper
+from hicache.daemon.observe import EventPublisher, GcPauses, MemoryTrim, MetricsServer
+from hicache.daemon.requests import (
+    IDLE_BUDGET_S,
+    WAKE_ID,
+    Call,
+    EngineTier,
+    Handlers,
+    L3Waits,
+    Transport,
+)
+from hicache.daemon.sessions import SNDHWM, SessionLimits, SessionTable
+from hicache.daemon.transport import (
+    MAX_CONNECTIONS,
     AdminToken,
+    BusyPoll,
     EndpointClaim,
     EndpointError,
+    Inbox,
+    WireWatch,
     bind_address,
     check_folder,
-)
-from hicache.daemon.engine_tier import EngineTier
-from hicache.daemon.events import EventPublisher
-from hicache.daemon.gc_pauses import GcPauses
-from hicache.daemon.handlers import Handlers
-from hicache.daemon.inbox import Inbox
-from hicache.daemon.l3_waits import WAKE_ID, L3Waits
-from hicache.daemon.limits import SNDHWM, SessionLimits
-from hicache.daemon.memory_trim import MemoryTrim
-from hicache.daemon.metrics import MetricsServer
-from hicache.daemon.request_context import Call, Transport
-from hicache.daemon.segments import InstanceLock, instance_token, remove_stale, segment_name
-from hicache.daemon.sessions import SessionTable
-from hicache.daemon.settings import DaemonSettings
-from hicache.daemon.snapshot import HostKeeper
-from hicache.daemon.wire_watch import (
-    MAX_CONNECTIONS,
-    WireWatch,
     connections_allowed,
     raise_descriptor_limit,
 )
@@ -205,11 +202,11 @@ class Daemon:
 
     def _open_keeper(self, settings: DaemonSettings) -> None:
         """This instance's lock (taken before any segment exists) and the reaper that gives
-        its pools back once it is gone, however it ends (daemon/reaper.py); the host keeper
+        its pools back once it is gone, however it ends (daemon/keep/reaper.py); the host keeper
         and the last daemon's kept host pool to adopt; stale segments removed."""
         self._token = instance_token()
         lock = self._closing(InstanceLock(self._token))  # (closed after the segments are gone)
-        self._reaper = reaper.spawn(lock.path, f"{os.getpid()}-{self._token}")
+        self._reaper = spawn_reaper(lock.path, f"{os.getpid()}-{self._token}")
         l3 = settings.l3  # its model and shard say what the KV means: part of the snapshot's name
         model = None if l3 is None else f"{l3.model}#{l3.shard}"
         keeper = HostKeeper(

@@ -216,7 +216,7 @@ def checksum_cost() -> dict:
 
 
 def snapshot_cost(seqs: int = 100) -> dict:
-    """A periodic host snapshot without verify_pages (daemon/snapshot.py): what the control
+    """A periodic host snapshot without verify_pages (daemon/keep/snapshot.py): what the control
     thread spends (listing the host nodes, sealing) against what the keeper's thread spends
     summing the pages, on a host tier of ``seqs`` chat-like sequences over 8 system prompts."""
     cfg = HiCacheConfig(

@@ -52,8 +52,8 @@ from hicache.client.connection import (
     DaemonTimeout,
     hello_fields,
 )
+from hicache.daemon.keep import HostKeeper
 from hicache.daemon.launch import start_daemon, stop_daemon
-from hicache.daemon.snapshot import HostKeeper
 from hicache.protocol import PROTOCOL_VERSION, Op
 
 LEASE_S, QUARANTINE_S = 2.0, 2.0
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
             p.join()
         probe.join()
         # every dead engine's lease, then its quarantine; and a quiet spell long enough for
-        # the daemon to give freed heap back (daemon/memory_trim.py)
+        # the daemon to give freed heap back (daemon/observe/memory_trim.py)
         time.sleep(max(LEASE_S + QUARANTINE_S + 1.0, 11.0))
         end = admin.stats(check=True) or {}
         rss_end = psutil.Process(daemon.pid).memory_info().rss

@@ -1,5 +1,5 @@
-"""The control loop's busy poll (daemon/busy_poll.py): after a reply it watches the socket for
-``busy_poll_us`` instead of sleeping on it at once, never longer than that, and only while
+"""The control loop's busy poll (daemon/transport/busy_poll.py): after a reply it watches the socket
+for ``busy_poll_us`` instead of sleeping on it at once, never longer than that, and only while
 requests come back that fast."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 import zmq
 
 from hicache.client import HiCacheClient
-from hicache.daemon.busy_poll import watch
+from hicache.daemon.config import build_parser, resolve
 from hicache.daemon.server import Daemon
-from hicache.daemon.settings import build_parser, resolve
+from hicache.daemon.transport import watch
 from tests.daemon_helpers import start_daemon, stop_daemon
 
 SMALL = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--device-tokens", "512"]

@@ -75,7 +75,7 @@ def test_a_fresh_daemon_reports_no_traffic(tmp_path):
 def test_the_feed_holds_a_bounded_number_of_token_bytes():
     """Under a flood the feed keeps the newest prompts within MAX_PENDING_BYTES (each noted
     request keeps its tokens alive: unbounded, long prompts pile up hundreds of MiB)."""
-    from hicache.daemon import capacity_feed
+    from hicache.daemon.requests import capacity_feed
 
     feed = capacity_feed.CapacityFeed(page_size=16, device_pages=64, host_pages=128)
     prompt = np.arange(4096, dtype=np.int32).tobytes()  # 16 KiB
@@ -97,7 +97,7 @@ def test_the_feed_holds_a_bounded_number_of_token_bytes():
 def test_the_feed_never_pins_a_request_frame_and_forgets_namespaces():
     """A noted slice of a large frame is copied (a view would keep the whole frame alive past
     the byte bound); the namespace seeds are bounded too (clients invent namespaces)."""
-    from hicache.daemon import capacity_feed
+    from hicache.daemon.requests import capacity_feed
 
     feed = capacity_feed.CapacityFeed(page_size=16, device_pages=64, host_pages=128)
     frame = np.zeros(1 << 20, dtype=np.int32)  # a 4 MiB request frame

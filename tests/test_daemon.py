@@ -278,7 +278,7 @@ def test_cli_evict_without_an_amount_is_refused_before_any_daemon(tmp_path):
 def test_client_names_are_shown_escaped(tmp_path):
     """s11: a client name carrying terminal escapes and a fake log line reached `hicache info
     sessions`, top and the daemon's log raw."""
-    from hicache.daemon.handlers import printable
+    from hicache.daemon.requests import printable
 
     name = "eng\x1b[2J\x1b[31mRED\n2026-01-01 00:00:00,000 ERROR hicache.daemon FAKE"
     escaped = "eng\\x1b[2J\\x1b[31mRED\\n2026-01-01 00:00:00,000 ERROR hicache.daemon FAKE"

@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from hicache.client.info_view import sections
-from hicache.daemon.segments import InstanceLock, remove_stale
-from hicache.daemon.settings import build_parser, resolve
+from hicache.daemon.config import build_parser, resolve
+from hicache.daemon.keep import InstanceLock, remove_stale
 
 
 def settings(argv, environ=None):

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hicache import HiCacheConfig, HiRadixCache
-from hicache.daemon.handlers import Handlers
+from hicache.daemon.requests import Handlers
 from hicache.daemon.sessions import ServiceClock, SessionTable
 from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply
 from hicache.transfers import ManualTransferEngine

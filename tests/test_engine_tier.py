@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hicache.client import DaemonError, HiCacheClient, LayoutMismatch
+from hicache.daemon.config import build_parser, parse_bytes, resolve
 from hicache.daemon.launch import start_daemon, stop_daemon
-from hicache.daemon.settings import build_parser, parse_bytes, resolve
 from hicache.memory import EngineLayout
 from hicache.protocol import ErrorCode
 from tests.daemon_helpers import SMALL
@@ -226,7 +226,7 @@ def test_a_daemon_for_engines_names_its_pool_the_host_tier_everywhere(ep):
     metrics, capacity, the tree and eviction all say host, and the device tier is empty."""
     from hicache.client.capacity_view import render_capacity
     from hicache.client.info_view import sections
-    from hicache.daemon.metrics import families
+    from hicache.daemon.observe import families
     from hicache.protocol import Op
 
     with HiCacheClient(ep, name="e", admin=True) as hc:

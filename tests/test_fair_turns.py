@@ -17,16 +17,13 @@ from hypothesis import strategies as st
 from hicache import HiCacheConfig, HiRadixCache
 from hicache.client import HiCacheClient
 from hicache.client.connection import LeaseLost
-from hicache.daemon import cache_ops
-from hicache.daemon import handlers as handlers_module
 from hicache.daemon import server as server_module
-from hicache.daemon.busy_poll import watch
-from hicache.daemon.handlers import Handlers
-from hicache.daemon.request_context import Transport
+from hicache.daemon.config import build_parser, resolve
+from hicache.daemon.requests import Handlers, Transport, ViewBudget, cache_ops
+from hicache.daemon.requests import handlers as handlers_module
 from hicache.daemon.server import Daemon
 from hicache.daemon.sessions import SessionTable
-from hicache.daemon.settings import build_parser, resolve
-from hicache.daemon.view_budget import ViewBudget
+from hicache.daemon.transport import watch
 from hicache.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -281,7 +278,7 @@ def test_a_long_turn_yields_the_core_now_and_then_for_zmqs_io_thread(tmp_path, m
     loop, asking whether others wait gives the core away once per YIELD_EVERY_S (so a daemon
     on one core still sees them), and no more often (a yield per prompt would cost more than
     the matches)."""
-    from hicache.daemon import inbox as inbox_module
+    from hicache.daemon.transport import inbox as inbox_module
 
     daemon = _daemon(tmp_path)
     yields = []  # when the inbox decided to yield (read by it, so a preemption between its
@@ -336,7 +333,7 @@ def test_the_served_peers_own_requests_do_not_end_its_turn_and_anothers_goes_fir
     them). Each request served from the read-ahead carries its own first part (its CurveZMQ
     key and process are read from it), and reading ahead never replaces the first part of the
     request being served."""
-    from hicache.daemon import inbox as inbox_module
+    from hicache.daemon.transport import inbox as inbox_module
 
     daemon = _daemon(tmp_path)
     heavy, light = _peers(daemon, b"heavy", b"light")
@@ -466,7 +463,7 @@ def test_housekeeping_leaves_what_can_wait_while_another_clients_request_does(
     giving memory back (0.37 ms a pass) wait while another client's request is queued: that
     request is served first, and the next pass with nobody waiting does them. Looking never
     gives the core away (a yield on a shared core may take milliseconds)."""
-    from hicache.daemon import inbox as inbox_module
+    from hicache.daemon.transport import inbox as inbox_module
 
     yields = []
     monkeypatch.setattr(inbox_module, "yield_cpu", lambda: yields.append(1))

@@ -8,9 +8,9 @@ import os
 import pytest
 
 from hicache.client.info_view import sections
-from hicache.daemon.metrics import families
+from hicache.daemon.config import build_parser, resolve
+from hicache.daemon.observe import families
 from hicache.daemon.server import Daemon
-from hicache.daemon.settings import build_parser, resolve
 from hicache.observe import FIGURES, L3_FIGURES, STRUCTURES
 
 SMALL = ["--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8", "--keep-host", "false"]

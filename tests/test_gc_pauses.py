@@ -1,4 +1,4 @@
-"""GcPauses (daemon/gc_pauses.py): what exists at start leaves the collector's sight, and
+"""GcPauses (daemon/observe/gc_pauses.py): what exists at start leaves the collector's sight, and
 each collection after is counted and timed; stop leaves the collector's callbacks as found."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from hicache.daemon.gc_pauses import GcPauses
+from hicache.daemon.observe import GcPauses
 
 
 class Cycle:

@@ -64,7 +64,7 @@ def test_alloc_decode_and_extend_never_grant_another_sessions_or_the_trees_page(
 
 def test_giving_back_frees_only_what_the_session_still_owns_and_housekeeping_survives_bugs():
     from hicache import HiCacheConfig, HiRadixCache
-    from hicache.daemon.handlers import Handlers
+    from hicache.daemon.requests import Handlers
     from hicache.daemon.sessions import Ended, SessionTable
 
     cfg = HiCacheConfig(num_layers=1, num_kv_heads=1, head_dim=2, page_size=4, device_tokens=64)

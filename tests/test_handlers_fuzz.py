@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache import HiCacheConfig, HiRadixCache
-from hicache.daemon.handlers import Handlers
+from hicache.daemon.requests import Handlers
 from hicache.daemon.sessions import SessionTable
 from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply
 

@@ -1,4 +1,4 @@
-"""Restarts that keep the host tier (daemon/snapshot.py): after a clean stop, or a crash with
+"""Restarts that keep the host tier (daemon/keep/snapshot.py): after a clean stop, or a crash with
 periodic snapshots, the next daemon on the endpoint adopts the host KV that still verifies and
 serves the same bytes; a daemon of another shape starts cold; nothing is left behind."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hicache.client import HiCacheClient
-from hicache.daemon.snapshot import HostKeeper, snapshot_path
+from hicache.daemon.keep import HostKeeper, snapshot_path
 from tests.daemon_helpers import (
     kv_value,
     start_daemon,

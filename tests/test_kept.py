@@ -1,6 +1,6 @@
 """A stopped daemon's kept host pool comes back within its grace time without another daemon,
 ``hicache kept`` lists and frees what is kept, and a daemon that ends without keeping (SIGKILL
-included) leaves nothing in /dev/shm (daemon/reaper.py, hicache/memory/kept.py)."""
+included) leaves nothing in /dev/shm (daemon/keep/reaper.py, hicache/memory/kept.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def shm_of(pid: int) -> list[str]:
 
 def reapers() -> list[str]:
     out = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "hicache.daemon.reaper" in line]
+    return [line for line in out.splitlines() if "hicache.daemon.keep.reaper" in line]
 
 
 def kept(*args: str) -> dict:
@@ -146,7 +146,7 @@ def test_a_crash_before_the_first_snapshot_keeps_nothing(tmp_path):
 def test_a_marker_whose_snapshot_is_gone_keeps_nothing(tmp_path):
     """The rule the reaper, ``hicache kept`` and the clean-ups share: a pool is kept only while
     the snapshot its marker names is there."""
-    from hicache.daemon.reaper import reap
+    from hicache.daemon.keep import reap
     from hicache.memory import HOST, KEEP, own_name, write_marker
 
     dead = f"{os.getpid()}-{'c' * 32}"
@@ -165,7 +165,7 @@ def test_a_pool_whose_grace_ran_out_without_its_reaper_is_not_adopted(tmp_path):
     ep = f"ipc://{tmp_path}/k.sock"
     first = start_daemon(ep, "--keep-host", "true", "--keep-host-seconds", "1")
     warm(ep)
-    pattern = f"hicache.daemon.reaper .* {first.pid}-"
+    pattern = f"hicache.daemon.keep.reaper .* {first.pid}-"
     found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
     assert found.split(), "the first daemon's reaper"
     for pid in found.split():
@@ -205,7 +205,7 @@ def test_a_marker_with_an_absurd_grace_is_not_a_kept_pool(tmp_path):
 def test_the_reaper_imports_nothing_from_the_daemons_working_folder(tmp_path, monkeypatch):
     """Hostile review: ``python -m`` put the working folder (anyone's, e.g. /tmp) first on the
     import path of the reaper: a planted hicache/ package ran as the daemon's user."""
-    from hicache.daemon.reaper import spawn
+    from hicache.daemon.keep import spawn
 
     planted = tmp_path / "hicache"
     planted.mkdir()
@@ -221,7 +221,7 @@ def test_the_reaper_removes_a_dead_instances_half_written_files(tmp_path):
     """In this process (the reaper's own process imports the installed package): what the
     daemon was writing under a temporary name when it died goes with its other files, and
     another instance's files stay."""
-    from hicache.daemon.reaper import reap
+    from hicache.daemon.keep import reap
     from hicache.memory import HOST, KEEP, own_name
 
     dead, other = f"{os.getpid()}-{'a' * 32}", f"{os.getpid()}-{'b' * 32}"

@@ -1,5 +1,5 @@
-"""KV events (daemon/events.py) as a router sees them: the stream decoded with vLLM's own event
-classes rebuilds what each tier holds, replay returns every batch, a full dump equals the
+"""KV events (daemon/observe/events.py) as a router sees them: the stream decoded with vLLM's own
+event classes rebuilds what each tier holds, replay returns every batch, a full dump equals the
 stream, a flush clears, and a subscriber that does not read never holds the daemon up."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ kv_events = require_module("vllm.distributed.kv_events", "vllm", "decoding event
 msgspec = require_module("msgspec", "vllm", "decoding events as vLLM does")
 
 from hicache.client import HiCacheClient  # noqa: E402
-from hicache.daemon.events import END_SEQ  # noqa: E402
+from hicache.daemon.observe import END_SEQ  # noqa: E402
 from tests.daemon_helpers import serve_chats, start_daemon, stop_daemon, wait_until  # noqa: E402
 from tests.event_model import TierModel  # noqa: E402
 
@@ -200,7 +200,7 @@ def test_subscribers_that_never_read_do_not_hold_the_daemon_up(tmp_path):
     ],
 )
 def test_bad_event_settings_name_the_field(argv, field):
-    from hicache.daemon.settings import build_parser, resolve
+    from hicache.daemon.config import build_parser, resolve
 
     with pytest.raises(ValueError, match=field):
         resolve(build_parser().parse_args(argv), {})

@@ -263,7 +263,7 @@ def test_a_daemon_stops_at_once_while_its_store_hangs(tmp_path):
 
 
 def test_settings_that_would_break_the_tier_are_refused_at_start():
-    from hicache.daemon.settings import build_parser, resolve
+    from hicache.daemon.config import build_parser, resolve
 
     for argv, text in [
         (["--l3", "memory://x", "--l3-model", "m", "--host-tokens", "0"], "host tier"),

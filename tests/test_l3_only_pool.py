@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hicache.daemon.settings import build_parser, resolve
+from hicache.daemon.config import build_parser, resolve
 from hicache.l3.config import L3Config
 from hicache.l3.keys import KeyChain, identity_of
 from hicache.l3.memory import drop_space, space

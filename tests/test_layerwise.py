@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hicache.client import DaemonTimeout, HiCacheClient, LoadFailed
+from hicache.daemon.config import build_parser, resolve
 from hicache.daemon.server import Daemon
-from hicache.daemon.settings import build_parser, resolve
 from hicache.transfers import FAILED
 from tests.daemon_helpers import SMALL, kv_value, write_sequence
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics (daemon/metrics.py): a scrape shows what the daemon did, under names
+"""Prometheus metrics (daemon/observe/metrics.py): a scrape shows what the daemon did, under names
 that follow Prometheus' rules, from a snapshot the control loop publishes."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_a_scrape_shows_hits_capacity_and_the_third_tier_under_prometheus_names(
 def test_metrics_settings_are_checked_and_a_busy_port_is_one_clear_line(tmp_path):
     import socket
 
-    from hicache.daemon.settings import build_parser, resolve
+    from hicache.daemon.config import build_parser, resolve
 
     with pytest.raises(ValueError, match="metrics_port"):
         resolve(build_parser().parse_args(["--metrics-port", "70000"]), {})

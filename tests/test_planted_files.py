@@ -15,8 +15,7 @@ import threading
 
 import pytest
 
-from hicache.daemon.endpoint import EndpointClaim, EndpointError
-from hicache.daemon.segments import (
+from hicache.daemon.keep import (
     HOST,
     KEEP,
     LOCK,
@@ -26,6 +25,7 @@ from hicache.daemon.segments import (
     remove_stale,
     segment_name,
 )
+from hicache.daemon.transport import EndpointClaim, EndpointError
 from tests.daemon_helpers import start_daemon, stop_daemon
 
 OTHER = 4242

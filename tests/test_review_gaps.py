@@ -115,9 +115,8 @@ def test_the_load_limit_answers_quota_exceeded_and_changes_nothing():
     whenever they like): the second load of a session with a limit of one is refused until the
     first one is acknowledged."""
     from hicache import HiCacheConfig, HiRadixCache
-    from hicache.daemon.handlers import Handlers
-    from hicache.daemon.limits import SessionLimits
-    from hicache.daemon.sessions import SessionTable
+    from hicache.daemon.requests import Handlers
+    from hicache.daemon.sessions import SessionLimits, SessionTable
     from hicache.transfers import ManualTransferEngine
 
     cfg = HiCacheConfig(
@@ -372,7 +371,7 @@ ENUMS = {
 
 
 def test_daemon_help_shows_every_setting_with_its_default_and_the_choices():
-    from hicache.daemon.settings import DAEMON_FIELDS, build_parser, resolve
+    from hicache.daemon.config import DAEMON_FIELDS, build_parser, resolve
 
     script = shutil.which("hicache-daemon", path=os.path.dirname(sys.executable))
     argv = [script] if script else [sys.executable, "-m", "hicache.daemon"]

@@ -21,7 +21,7 @@ import zmq
 
 from hicache.client import HiCacheClient
 from hicache.daemon import launch
-from hicache.daemon.events import END_SEQ
+from hicache.daemon.observe import END_SEQ
 from tests.daemon_helpers import start_daemon, stop_daemon, wait_until
 from tests.l3_servers import free_port
 

@@ -175,7 +175,7 @@ def test_one_connection_cannot_take_every_session():
 def test_locks_of_all_sessions_together_are_bounded():
     """s10 (locks): 65,536 locks per session x 4096 sessions allowed ~46 GiB; every session's
     locks now count against one daemon-wide bound, said at start with what it costs."""
-    from hicache.daemon.limits import SessionLimits
+    from hicache.daemon.sessions import SessionLimits
 
     limits = SessionLimits.for_pool(1024, max_locks=100)
     assert limits.max_total_locks == 65536  # (the floor; 64 per device page above it)
@@ -218,7 +218,7 @@ def test_one_client_key_cannot_take_every_session_over_many_connections():
 def test_one_client_key_holds_at_most_one_share_of_the_pool_over_its_sessions():
     """Each session is held to its share of the pool; so is every session of one CurveZMQ
     key together, or one client would pin the whole pool a share per session."""
-    from hicache.daemon.limits import SessionLimits
+    from hicache.daemon.sessions import SessionLimits
     from hicache.errors import IntegrityError
 
     table = SessionTable()
@@ -279,7 +279,7 @@ def test_the_daemon_counts_ipc_sessions_by_the_kernels_pid(tmp_path):
     import msgpack
     import zmq
 
-    from hicache.daemon.inbox import peer_pid, process_of
+    from hicache.daemon.transport import peer_pid, process_of
     from hicache.protocol import PROTOCOL_VERSION, Op, decode_reply
     from tests.daemon_helpers import start_daemon, stop_daemon
 
@@ -328,7 +328,7 @@ def test_the_daemon_counts_ipc_sessions_by_the_kernels_pid(tmp_path):
 
 def test_a_killed_process_its_parent_has_not_waited_for_is_gone():
     """A zombie keeps its /proc entry and start time: it is still gone."""
-    from hicache.daemon.inbox import process_alive, process_of
+    from hicache.daemon.transport import process_alive, process_of
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
@@ -344,7 +344,7 @@ def test_a_killed_process_its_parent_has_not_waited_for_is_gone():
 
 
 def test_sessions_of_a_process_that_ended_go_to_quarantine_and_others_stay():
-    from hicache.daemon.inbox import process_alive, process_of
+    from hicache.daemon.transport import process_alive, process_of
 
     table = SessionTable(lease_s=60.0, quarantine_s=5.0)
     mine = process_of(os.getpid())

@@ -377,8 +377,8 @@ def test_without_keys_one_local_user_holds_one_share_of_the_sessions(tmp_path):
     import msgpack
     import zmq
 
+    from hicache.daemon.config import build_parser, resolve
     from hicache.daemon.server import Daemon
-    from hicache.daemon.settings import build_parser, resolve
     from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply
 
     ep = f"tcp://127.0.0.1:{free_port()}"

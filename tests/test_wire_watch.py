@@ -1,5 +1,5 @@
-"""What tcp peers make zmq hold unread is bounded (daemon/wire_watch.py): a peer speaking ZMTP
-itself that never finishes a message is closed, the largest first when all together hold
+"""What tcp peers make zmq hold unread is bounded (daemon/transport/wire_watch.py): a peer speaking
+ZMTP itself that never finishes a message is closed, the largest first when all together hold
 too much; what well-behaved clients send never adds up to a false alarm."""
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import pytest
 import zmq
 
 from hicache.client import HiCacheClient
-from hicache.daemon import wire_watch
-from hicache.daemon.events import END_SEQ, MAX_ASK_BYTES, PEER_SENDS
-from hicache.daemon.wire_watch import HANDSHAKE_BYTES, PER_CONNECTION, WireWatch
+from hicache.daemon.observe import END_SEQ, MAX_ASK_BYTES, PEER_SENDS
+from hicache.daemon.transport import HANDSHAKE_BYTES, PER_CONNECTION, WireWatch, wire_watch
 from tests.daemon_helpers import start_daemon, stop_daemon, wait_until
 from tests.l3_servers import free_port
 
@@ -328,8 +327,8 @@ def test_a_failing_watch_never_ends_the_loop(router, monkeypatch, caplog):
 
 
 def test_the_descriptor_limit_bounds_the_connections_kept(monkeypatch):
-    from hicache.daemon.events import MAX_PEERS
-    from hicache.daemon.wire_watch import MAX_CONNECTIONS, SPARE_DESCRIPTORS, connections_allowed
+    from hicache.daemon.observe import MAX_PEERS
+    from hicache.daemon.transport import MAX_CONNECTIONS, SPARE_DESCRIPTORS, connections_allowed
 
     monkeypatch.setattr(wire_watch.resource, "getrlimit", lambda _: (4096, 4096))
     control, events = (

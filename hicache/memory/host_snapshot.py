@@ -22,7 +22,7 @@ prefix's by now, and the checksum would vouch for them), and what hangs below it
 ``identity`` names what shapes the pool's bytes, and ``model`` what they mean where the
 daemon knows it (the third tier's model and shard): a snapshot is adopted only under equal
 identities. The snapshot is plain data (msgpack-able); where it is kept and which memory it
-goes with is the daemon's business (daemon/snapshot.py). All but ``sum_pages`` run on the
+goes with is the daemon's business (daemon/keep/snapshot.py). All but ``sum_pages`` run on the
 cache's thread.
 """
 

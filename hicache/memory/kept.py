@@ -11,7 +11,7 @@ endpoint it was kept for:
     endpoint ipc:///run/hicache/hicache.sock
 
 A pool is kept until the marker's last write plus the grace: then the daemon's reaper process
-(daemon/reaper.py), or any later daemon's clean-up, or ``hicache kept --free`` removes it. Only
+(daemon/keep/reaper.py), or any later daemon's clean-up, or ``hicache kept --free`` removes it. Only
 regular files of this user count (another user may create files under our names in the shared
 /dev/shm): opened without following a link or blocking, checked on the open descriptor.
 

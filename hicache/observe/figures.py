@@ -1,8 +1,8 @@
 """The daemon's figures, named once: each one's key in the STATS reply, its kind, unit and
 help, the ``hicache info`` section that shows it and the Prometheus family it is exported as.
 
-The STATS reply (``daemon/handlers.py``) reports exactly these scalar figures, beside a few
-structures listed in ``STRUCTURES``; ``/metrics`` (``daemon/metrics.py``), ``hicache info``
+The STATS reply (``daemon/requests/handlers.py``) reports exactly these scalar figures, beside a few
+structures listed in ``STRUCTURES``; ``/metrics`` (``daemon/observe/metrics.py``), ``hicache info``
 (``client/info_view.py``) and ``hicache top`` read them through this table, so a figure is
 named, described and placed in one edit. Pure data; read only.
 """

@@ -5,7 +5,7 @@ blocks on which medium, fed by vLLM's events: ``BlockStored`` (block hashes, the
 token ids, block size, medium), ``BlockRemoved`` (hashes, medium) and ``AllBlocksCleared``.
 This module turns the cache's tier changes into those events, so such a router understands
 hicache without new code. It only makes plain event objects; the daemon encodes and publishes
-them (daemon/events.py).
+them (daemon/observe/events.py).
 
 **Block = page.** One block per full page of a node; its hash is a chained 64-bit hash of
 the page's tokens seeded with the hash of the page before it (the first page of a namespace:

@@ -23,19 +23,25 @@ import numpy as np
 
 from hicache import __version__
 from hicache.cache import HiRadixCache
-from hicache.daemon.cache_ops import CacheOps
-from hicache.daemon.capacity_feed import CapacityFeed
-from hicache.daemon.engine_counts import SATURATED, EngineCounts, reported
-from hicache.daemon.engine_tier import EngineTier, no_layout
-from hicache.daemon.inbox import process_alive
-from hicache.daemon.l3_waits import Deferred
-from hicache.daemon.limits import SessionLimits
-from hicache.daemon.request_context import NO_CALL, Call, Transport
-from hicache.daemon.request_fields import bool_field, int_field
-from hicache.daemon.request_stats import RequestStats
-from hicache.daemon.sessions import Ended, ServiceClock, Session, SessionTable, process_pid
-from hicache.daemon.tier_names import TierNames
-from hicache.daemon.view_budget import ViewBudget
+from hicache.daemon.requests.cache_ops import CacheOps
+from hicache.daemon.requests.capacity_feed import CapacityFeed
+from hicache.daemon.requests.context import NO_CALL, Call, Transport
+from hicache.daemon.requests.engine_counts import SATURATED, EngineCounts, reported
+from hicache.daemon.requests.engine_tier import EngineTier, no_layout
+from hicache.daemon.requests.fields import bool_field, int_field
+from hicache.daemon.requests.l3_waits import Deferred
+from hicache.daemon.requests.latency import RequestStats
+from hicache.daemon.requests.tier_names import TierNames
+from hicache.daemon.requests.view_budget import ViewBudget
+from hicache.daemon.sessions import (
+    Ended,
+    ServiceClock,
+    Session,
+    SessionLimits,
+    SessionTable,
+    process_pid,
+)
+from hicache.daemon.transport import process_alive
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
 from hicache.memory import OWNED
 from hicache.observe import CacheStats, tree_shape

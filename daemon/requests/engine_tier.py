@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
-from hicache.daemon.limits import SessionLimits
-from hicache.daemon.settings import DaemonSettings
+from hicache.daemon.config import DaemonSettings
+from hicache.daemon.sessions import SessionLimits
 from hicache.errors import InsufficientMemoryError
 from hicache.memory import EngineLayout
 from hicache.protocol import ErrorCode, ProtocolError

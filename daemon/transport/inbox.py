@@ -26,9 +26,9 @@ from collections import deque
 
 import zmq
 
-from hicache.daemon.busy_poll import BusyPoll, queued, yield_cpu
 from hicache.daemon.sessions import LOCAL_USER
-from hicache.daemon.wire_watch import SRCFD, WireWatch
+from hicache.daemon.transport.busy_poll import BusyPoll, queued, yield_cpu
+from hicache.daemon.transport.wire_watch import SRCFD, WireWatch
 
 log = logging.getLogger("hicache.daemon")
 

@@ -14,7 +14,7 @@ daemon ends, however it ends (a clean stop, SIGKILL, the OOM killer), the lock i
   the pool, its marker and its snapshot, and exits.
 
 So a stopped daemon's memory comes back within its grace time without counting on another
-daemon. Imports the standard library only: ``python -m hicache.daemon.reaper LOCK INSTANCE``.
+daemon. Imports the standard library only: ``python -m hicache.daemon.keep.reaper LOCK INSTANCE``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def spawn(lock_path: str, instance: str) -> subprocess.Popen:
     inherits no descriptor (the lock's least of all) and outlives the daemon."""
     return subprocess.Popen(
         # -P and cwd /: the daemon's working folder (anyone's) is not on the import path
-        [sys.executable, "-P", "-m", "hicache.daemon.reaper", lock_path, instance],
+        [sys.executable, "-P", "-m", "hicache.daemon.keep.reaper", lock_path, instance],
         cwd="/",
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,

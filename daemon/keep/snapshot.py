@@ -3,7 +3,7 @@
 A daemon that stops (SIGTERM, SIGINT) waits for its copies, writes a snapshot of the tree's
 host part (hicache/memory/host_snapshot.py: nodes, page ids, page checksums) beside its endpoint
 (``PATH.snapshot`` for ``ipc://PATH``, else in the runtime folder), and leaves its host pool's
-shared-memory segment in place; its ``keep`` marker (daemon/segments.py) tells other daemons'
+shared-memory segment in place; its ``keep`` marker (daemon/keep/segments.py) tells other daemons'
 clean-ups to spare it. The next daemon on the same endpoint with the same KV shape and host
 size renames that segment to its own (before any clean-up could judge it), maps it, and adopts
 every node whose pages still verify: an upgrade keeps hours of warm cache. Clients see a new
@@ -43,7 +43,7 @@ import msgpack
 
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
-from hicache.daemon.segments import (
+from hicache.daemon.keep.segments import (
     DEFAULT_GRACE_S,
     HOST,
     KEEP,

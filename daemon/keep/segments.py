@@ -9,8 +9,8 @@ however it dies, and the lock means the same in every PID namespace that shares 
 
 A daemon that keeps its host tier across restarts (``keep_host``) also has a ``...-keep``
 marker (hicache/memory/kept.py): when it is gone, its host segment stays for the next daemon on its
-endpoint to adopt (daemon/snapshot.py) for the marker's grace time (``keep_host_seconds``);
-after that its reaper (daemon/reaper.py) or any later clean-up removes it, and once adopted it
+endpoint to adopt (daemon/keep/snapshot.py) for the marker's grace time (``keep_host_seconds``);
+after that its reaper (daemon/keep/reaper.py) or any later clean-up removes it, and once adopted it
 goes like the rest.
 
 /dev/shm is shared by every user, and anyone may create a file under a name of ours. So only

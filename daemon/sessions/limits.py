@@ -12,13 +12,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hicache.daemon.sessions import MAX_SESSIONS_PER_PEER, USER_SHARE, holder
-from hicache.daemon.wire_watch import IN_ALL, PER_CONNECTION
+from hicache.daemon.sessions.table import MAX_SESSIONS_PER_PEER, USER_SHARE, holder
+from hicache.daemon.transport import IN_ALL, PER_CONNECTION
 from hicache.protocol import MAX_FRAME_BYTES, ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
     from hicache.cache import HiRadixCache
-    from hicache.daemon.sessions import Session
+    from hicache.daemon.sessions.table import Session
 
 DEFAULT_OWNED_FRACTION = 0.75
 DEFAULT_MAX_LOCKS = 65536

@@ -20,12 +20,11 @@ from typing import Any
 import numpy as np
 
 from hicache.cache import HiRadixCache
-from hicache.daemon.capacity_feed import CapacityFeed
-from hicache.daemon.l3_waits import Deferred
-from hicache.daemon.limits import SessionLimits, out_of_memory
-from hicache.daemon.request_context import Call
-from hicache.daemon.request_fields import bool_field, int_field, namespaces_field
-from hicache.daemon.sessions import Session, SessionTable
+from hicache.daemon.requests.capacity_feed import CapacityFeed
+from hicache.daemon.requests.context import Call
+from hicache.daemon.requests.fields import bool_field, int_field, namespaces_field
+from hicache.daemon.requests.l3_waits import Deferred
+from hicache.daemon.sessions import Session, SessionLimits, SessionTable, out_of_memory
 from hicache.memory import OWNED, TREE
 from hicache.protocol import (
     ErrorCode,

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.daemon.engine_counts import EngineCounts
+from hicache.daemon.requests import EngineCounts
 from hicache.errors import IntegrityError
 from hicache.protocol import DEFAULT_LEASE_S, ErrorCode, ProtocolError
 

@@ -38,7 +38,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from hicache.daemon.wire_watch import WireWatch, connections_allowed
+from hicache.daemon.transport import WireWatch, connections_allowed
 from hicache.observe import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 log = logging.getLogger("hicache.daemon.events")

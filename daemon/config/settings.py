@@ -19,7 +19,7 @@ from typing import Any
 
 from hicache.config import DTYPES, HiCacheConfig
 from hicache.curve import load_secret
-from hicache.daemon.l3_settings import L3_FIELDS, l3_config
+from hicache.daemon.config.l3 import L3_FIELDS, l3_config
 from hicache.endpoints import env_endpoint, is_loopback
 from hicache.l3 import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy
 from hicache.protocol import DEFAULT_LEASE_S
