@@ -46,6 +46,7 @@ from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
     ENGINE_REPORT_MAX,
     ErrorCode,
+    MatchReply,
     Op,
     decode_slots,
     slots_frame,
@@ -322,7 +323,7 @@ class HiCacheClient:
                     fields["alloc_rest"] = True
                 reply, got, out = self._matches_and_frames(fields, [part])
                 if rests is not None:
-                    rests += _rest_slots(out[1], reply["rest_pages"], got, lengths[start:],
+                    rests += _rest_slots(out[1], reply.rest_pages or [], got, lengths[start:],
                                          self._page_size)  # fmt: skip
                 matches += got
                 if matches and got and got[0].generation != matches[0].generation:
@@ -347,24 +348,27 @@ class HiCacheClient:
                     self.free(torch.cat(rests))
             raise
 
-    def _matches(self, fields: dict, frames: list, op: Op = Op.MATCH) -> tuple[dict, list]:
+    def _matches(self, fields: dict, frames: list, op: Op = Op.MATCH) -> tuple[dict, list[Match]]:
         """A request answered in MATCH's form: (the reply's fields, its Matches)."""
-        reply, matches, _ = self._matches_and_frames(fields, frames, op)
-        return reply, matches
+        reply, out = self._call(op, fields, frames)
+        return reply.fields, self._read_matches(MatchReply.read(reply.fields), out)
 
     def _matches_and_frames(
         self, fields: dict, frames: list, op: Op = Op.MATCH
-    ) -> tuple[dict, list[Match], list]:
+    ) -> tuple[MatchReply, list[Match], list]:
         reply, out = self._call(op, fields, frames)
-        frame = PageFrame(out[0], reply.fields["chunk_pages"], self._page_size)
+        read = MatchReply.read(reply.fields)
+        return read, self._read_matches(read, out), out
+
+    def _read_matches(self, reply: MatchReply, out: list) -> list[Match]:
+        frame = PageFrame(out[0], reply.chunk_pages, self._page_size)
         gen = self._link.generation
         matches = [
-            Match(frame, ids, dev, host, lock, gen)
-            for dev, host, lock, ids in reply.fields["results"]
+            Match(frame, e.chunks, e.device_len, e.host_len, e.lock_id, gen) for e in reply.results
         ]
-        for i in reply.fields.get("l3_pending") or ():
+        for i in reply.l3_pending:
             matches[i].l3_pending = True
-        return reply.fields, matches, out
+        return matches
 
     def load_back(self, match: Match) -> torch.Tensor | None:
         """Load the host part of a locked match onto the device and wait for it. Returns the

@@ -44,6 +44,7 @@ from hicache.protocol import (
     ENGINE_REPORT_MAX,
     HEARTBEAT_INTERVAL_S,
     ErrorCode,
+    MatchEntry,
     Op,
     Reply,
 )
@@ -325,7 +326,8 @@ def _give_backs(op: Op, reply: Reply, frames: list, page_size: int) -> list:
     it started (a slot that continues a partly filled page shares it with the request's
     earlier tokens, which the engine still uses: not that page)."""
     if op in (Op.MATCH, Op.INSERT):
-        ids = [r[2] for r in reply.fields.get("results", ()) if r[2]]
+        entries = (MatchEntry(*r) for r in reply.fields.get("results", ()))
+        ids = [e.lock_id for e in entries if e.lock_id]
         return [(Op.RELEASE, {"lock_ids": ids}, [])] if ids else []
     if op is Op.LOCK and reply.fields.get("lock_id"):
         return [(Op.RELEASE, {"lock_ids": [reply.fields["lock_id"]]}, [])]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from enum import IntEnum
 from typing import Any, NamedTuple
 
@@ -56,15 +56,15 @@ class Op(IntEnum):
     # A batch travels as one frame per array kind, sequences concatenated, with their lengths in
     # the header: per-frame costs, not bytes, dominate small messages.
     MATCH = 4  # frame: token ids; fields: lengths, shared (optional: leading tokens each sequence
-    # takes from the previous one instead of the frame), namespaces, lock -> frame: page ids (int64)
-    # of the distinct nodes matched; fields: chunk_pages (pages per node), results
-    # [device_len, host_len, lock_id, chunk ids], l3_pending (indices of the sequences whose
-    # fetch from the third tier still runs; absent when none). Slot = page * page_size + offset.
+    # takes from the previous one instead of the frame), namespaces, lock -> MatchReply (below):
+    # frame: page ids (int64) of the distinct nodes matched; fields: chunk_pages (pages per
+    # node), results (MatchEntry: device_len, host_len, lock_id, chunks), l3_pending (the
+    # sequences whose fetch from the third tier still runs). Slot = page * page_size + offset.
     # l3_wait (default true): under a waiting prefetch policy the reply waits for those fetches,
     # at most the policy's bound; false: it never waits (ask again once they have landed).
     # alloc_rest (default false; lock false only): a store's allocation in the same round trip:
     # pages, this session's as ALLOC's, for each answered sequence's tokens past its device hit
-    # -> fields: rest_pages (pages per sequence); a second frame: their page ids (int64).
+    # -> MatchReply's rest_pages (pages per sequence); a second frame: their page ids (int64).
     LOAD_BACK = 5  # fields: lock_id (from a match), wait (default true) -> frame: slots of the
     # loaded part; fields: loaded, ticket (wait=false: read layers once the progress table
     # shows them; 0: complete), events (CUDA pools: one IPC event handle per layer)
@@ -73,7 +73,7 @@ class Op(IntEnum):
     ALLOC_DECODE = 8  # frames: seq_lens, last_loc (int64) -> slots frame
     FREE = 9  # frames: slots
     INSERT = 10  # frames: token ids, slots; fields: lengths, namespaces, lock, release (lock ids
-    # released once the insert succeeded) -> prefix_lens (lock: MATCH's reply form too)
+    # released once the insert succeeded) -> prefix_lens (lock: a MatchReply's fields too)
     LOCK = 11  # fields: lock_id -> a second lock on the same prefix: lock_id
     RELEASE = 12  # fields: lock_ids, or all: true (every lock of the session)
     EVICT = 13  # fields: device_tokens, host_tokens
@@ -138,6 +138,50 @@ class Reply(NamedTuple):
 
 
 _packers = threading.local()
+
+
+# ---- typed messages ---------------------------------------------------------------------------
+class MatchEntry(NamedTuple):
+    """One sequence's answer in a MATCH-form reply (MATCH; INSERT with lock). Travels as a
+    msgpack array in this field order."""
+
+    device_len: int  # tokens of its prefix on the device tier (whole pages)
+    host_len: int  # tokens after them on the host tier
+    lock_id: int  # the lock on the device prefix (0: none taken)
+    chunks: list[int]  # the reply's chunks (distinct nodes' page ids) the prefix is made of
+
+
+class MatchReply(NamedTuple):
+    """The fields of a MATCH-form reply; its first frame is the chunks' page ids (int64),
+    ``chunk_pages`` of them per chunk; with ``rest_pages``, a second frame holds the pages
+    allocated for each sequence past its device hit."""
+
+    results: list[MatchEntry]  # one per sequence answered (a batch may be answered in part)
+    chunk_pages: list[int]  # pages of each chunk in the first frame
+    l3_pending: Sequence[int] = ()  # sequences whose fetch from the third tier still runs
+    rest_pages: list[int] | None = None  # alloc_rest: pages allocated per sequence
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"results": self.results, "chunk_pages": self.chunk_pages}
+        if self.l3_pending:
+            out["l3_pending"] = self.l3_pending
+        if self.rest_pages is not None:
+            out["rest_pages"] = self.rest_pages
+        return out
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> MatchReply:
+        """From a decoded reply's fields (ProtocolError BAD_FIELD for a malformed one)."""
+        try:
+            results = [MatchEntry(*entry) for entry in fields["results"]]
+            return cls(
+                results,
+                list(fields["chunk_pages"]),
+                list(fields.get("l3_pending") or ()),
+                fields.get("rest_pages"),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"a malformed match reply: {exc}") from None
 
 
 def pack(obj: Any) -> bytes:

@@ -33,7 +33,7 @@ import zmq
 from hicache.client import HiCacheClient
 from hicache.client.results import Match, PageFrame
 from hicache.daemon.launch import start_daemon, stop_daemon
-from hicache.protocol import PROTOCOL_VERSION, Op, tokens_frame
+from hicache.protocol import PROTOCOL_VERSION, MatchReply, Op, tokens_frame
 from hicache.tree import as_tokens
 
 WARMUP, ROUNDS = 200, 2000
@@ -144,8 +144,9 @@ def direct_round_trips(hc: HiCacheClient, prompt: np.ndarray, rounds: int) -> li
         tokens = as_tokens(prompt)
         fields = {"lengths": [len(tokens)], "lock": False, "namespaces": [None]}
         reply, frames = conn.call(Op.MATCH, fields, [tokens])
-        frame = PageFrame(frames[0], reply.fields["chunk_pages"], ps)
-        [Match(frame, ids, d, h, lk) for d, h, lk, ids in reply.fields["results"]]
+        answer = MatchReply.read(reply.fields)
+        frame = PageFrame(frames[0], answer.chunk_pages, ps)
+        [Match(frame, e.chunks, e.device_len, e.host_len, e.lock_id) for e in answer.results]
         out.append(time.perf_counter_ns() - t0)
     return out
 

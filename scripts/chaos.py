@@ -54,7 +54,7 @@ from hicache.client.connection import (
 )
 from hicache.daemon.keep import HostKeeper
 from hicache.daemon.launch import start_daemon, stop_daemon
-from hicache.protocol import PROTOCOL_VERSION, Op
+from hicache.protocol import PROTOCOL_VERSION, MatchReply, Op
 
 LEASE_S, QUARANTINE_S = 2.0, 2.0
 PS, LAYERS, HEADS, DIM = 4, 2, 2, 4
@@ -113,11 +113,12 @@ class Engine:
             np.int32
         )
         reply, out = self.call(Op.MATCH, {"lengths": [len(prompt)], "lock": True}, [prompt])
-        device_len, host_len, lock_id, ids = reply.fields["results"][0]
+        answer = MatchReply.read(reply.fields)
+        device_len, host_len, lock_id = answer.results[0][:3]
         self.last = (device_len, host_len)
         pages = np.frombuffer(out[0], dtype=np.int64)
-        bounds = np.concatenate([[0], np.cumsum(reply.fields["chunk_pages"])])
-        mine = [pages[bounds[i] : bounds[i + 1]] for i in ids]
+        bounds = np.concatenate([[0], np.cumsum(answer.chunk_pages)])
+        mine = [pages[bounds[i] : bounds[i + 1]] for i in answer.results[0].chunks]
         have = np.concatenate(mine) if mine else np.empty(0, np.int64)
         slots = (have[:, None] * PS + np.arange(PS)).ravel()[:device_len]
         if host_len:

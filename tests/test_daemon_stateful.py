@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hicache import HiCacheConfig, HiRadixCache
 from hicache.daemon.requests import Handlers
 from hicache.daemon.sessions import ServiceClock, SessionTable
-from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply
+from hicache.protocol import PROTOCOL_VERSION, ErrorCode, MatchReply, Op, decode_reply
 from hicache.transfers import ManualTransferEngine
 from tests.reach import run_until_reached
 from tests.reference import expected_kv, read_kv, write_kv
@@ -204,7 +204,7 @@ class DaemonMachine(RuleBasedStateMachine):
         reply, out = self.call(c, Op.MATCH, {"lengths": [len(seq)]}, seq.tobytes())
         if not reply.ok:
             return
-        dev, _, lock_id, ids = reply.fields["results"][0]
+        dev, _, lock_id, ids = MatchReply.read(reply.fields).results[0]
         pages = np.frombuffer(bytes(out[0]), dtype=np.int64)
         counts = np.cumsum([0, *reply.fields["chunk_pages"]])
         mine = np.concatenate([pages[counts[i] : counts[i + 1]] for i in ids] or [pages[:0]])

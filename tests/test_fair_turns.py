@@ -27,6 +27,8 @@ from hicache.daemon.transport import watch
 from hicache.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
+    MatchEntry,
+    MatchReply,
     Op,
     ProtocolError,
     TokenBatch,
@@ -101,7 +103,8 @@ def test_a_batch_answers_in_turns_while_others_wait_and_alone_in_one(monkeypatch
         handlers.check_integrity()
     assert turns == len(PROMPTS)
     # the same hits as the whole batch, each found prompt locked once (misses hold none)
-    assert [r[:2] for r in results] == [r[:2] for r in whole.fields["results"]]
+    entries = MatchReply.read(whole.fields).results
+    assert [MatchEntry(*r)[:2] for r in results] == [e[:2] for e in entries]
     locked = [r[2] for r in results if r[2]]
     assert len(locked) == 5 and sorted(
         handlers.sessions.touch(session, time.monotonic()).locks

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hicache import HiCacheConfig, HiRadixCache
 from hicache.daemon.requests import Handlers
 from hicache.daemon.sessions import SessionTable
-from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply
+from hicache.protocol import PROTOCOL_VERSION, ErrorCode, MatchReply, Op, decode_reply
 
 CACHE = HiRadixCache(
     HiCacheConfig(
@@ -147,7 +147,7 @@ def test_well_formed_requests_of_live_sessions_keep_ownership_exact(data):
     slots = np.frombuffer(bytes(out[0]), np.int64).copy()
     reply, _ = _call(handlers, Op.INSERT, session, {"lengths": [len(first)], "lock": True},
                      [first.tobytes(), slots.tobytes()], count=False)  # fmt: skip
-    locks += [r[2] for r in reply.fields["results"] if r[2]]
+    locks += [e.lock_id for e in MatchReply.read(reply.fields).results if e.lock_id]
     seqs.append(first)
     assert locks, reply.fields
     # the partial tail page (if any) stays the session's
@@ -207,7 +207,7 @@ def test_well_formed_requests_of_live_sessions_keep_ownership_exact(data):
         elif reply.ok and op is Op.INSERT:  # (what it did not insert stays the session's)
             seqs.append(tokens[: fields["lengths"][0]])
             if fields["lock"]:
-                locks += [r[2] for r in reply.fields["results"] if r[2]]
+                locks += [e.lock_id for e in MatchReply.read(reply.fields).results if e.lock_id]
         elif reply.ok and op in (Op.MATCH, Op.LOCK):
             new = [r[2] for r in reply.fields.get("results", ())] or [reply.fields.get("lock_id")]
             locks += [i for i in new if i]

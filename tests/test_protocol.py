@@ -133,3 +133,20 @@ def test_split_tokens_refuses_inconsistent_sharing(lengths, shared):
     with pytest.raises(ProtocolError) as err:
         split_tokens(frame, lengths, shared)
     assert err.value.code == ErrorCode.BAD_FIELD
+
+
+def test_a_match_reply_travels_as_its_types_say():
+    """MatchReply and MatchEntry are the wire's own form: encoded and decoded they read back
+    equal, an entry travels as an array in its field order, and a malformed reply is refused."""
+    from hicache.protocol import ErrorCode as Code
+    from hicache.protocol import MatchEntry, MatchReply, ProtocolError, Reply
+
+    sent = MatchReply([MatchEntry(32, 16, 7, [0, 1]), MatchEntry(0, 0, 0, [])], [2, 3], [1])
+    wire = decode_reply(encode_reply(Reply(Code.OK, 1, 5, sent.fields())))
+    assert wire.fields["results"][0] == [32, 16, 7, [0, 1]]  # (an array, in field order)
+    got = MatchReply.read(wire.fields)
+    assert got == sent and got.results[0].lock_id == 7 and got.rest_pages is None
+    assert "l3_pending" not in MatchReply([], []).fields()  # (absent when none)
+    for bad in ({"results": [[1, 2]]}, {"chunk_pages": []}, {"results": 3, "chunk_pages": []}):
+        with pytest.raises(ProtocolError, match="malformed match reply"):
+            MatchReply.read(bad)

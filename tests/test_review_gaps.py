@@ -24,6 +24,7 @@ from hicache.errors import InvalidIndicesError
 from hicache.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
+    MatchReply,
     Op,
     Reply,
     Request,
@@ -150,8 +151,9 @@ def test_the_load_limit_answers_quota_exceeded_and_changes_nothing():
         locks = []
         for seq in seqs:
             reply = call(Op.MATCH, {"lengths": [16]}, seq.tobytes(), key=key)
-            assert reply.fields["results"][0][:2] == [0, 16]
-            locks.append(reply.fields["results"][0][2])
+            entry = MatchReply.read(reply.fields).results[0]
+            assert (entry.device_len, entry.host_len) == (0, 16)
+            locks.append(entry.lock_id)
         first = call(Op.LOAD_BACK, {"lock_id": locks[0], "wait": False}, key=key)
         assert first.status is ErrorCode.OK and first.fields["ticket"]  # in flight
         (session,) = handlers.sessions.holders()

@@ -28,6 +28,8 @@ from hicache.daemon.sessions import Session, SessionLimits, SessionTable, out_of
 from hicache.memory import OWNED, TREE
 from hicache.protocol import (
     ErrorCode,
+    MatchEntry,
+    MatchReply,
     Op,
     ProtocolError,
     decode_slots,
@@ -55,6 +57,16 @@ def _need_frames(frames: Frames, count: int, op: str) -> None:
         raise ProtocolError(
             ErrorCode.BAD_FIELD, f"{op}: expected {count} frames, got {len(frames)}"
         )
+
+
+def _chunks_frame(chunks: list[bytes]) -> bytes:
+    """A MATCH-form reply's first frame: the distinct nodes' own page ids (int64), not slots:
+    page_size times fewer bytes; the client expands them."""
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _chunk_pages(chunks: list[bytes]) -> list[int]:
+    return [len(c) >> 3 for c in chunks]
 
 
 @dataclass
@@ -207,23 +219,24 @@ class CacheOps:
         except BaseException:
             self._undo_locks(session, results)  # a failed request holds nothing
             raise
-        out, frames = self._match_reply(results, state[0])
+        rest_pages, frames = None, [_chunks_frame(state[0])]
         if alloc_rest:
-            out["rest_pages"], rest = self._alloc_rest(session, fields["lengths"], results)
+            rest_pages, rest = self._alloc_rest(session, fields["lengths"], results)
             frames.append(rest)
-        if fetches:  # still coming: an engine that did not wait may ask again later
-            pending = [i for i, f in fetches if not f.done and i < len(results)]
-            if pending:
-                out["l3_pending"] = pending
-        return out, frames
+        # still coming: an engine that did not wait may ask again later
+        pending = [i for i, f in fetches or () if not f.done and i < len(results)]
+        reply = MatchReply(results, _chunk_pages(state[0]), pending, rest_pages)
+        return reply.fields(), frames
 
-    def _alloc_rest(self, session: Session, lengths: list, results: list) -> tuple[list, bytes]:
+    def _alloc_rest(
+        self, session: Session, lengths: list, results: list[MatchEntry]
+    ) -> tuple[list, bytes]:
         """A store's allocation in its match's round trip: for each sequence answered, pages
         for its tokens past the device hit (as ALLOC would give), this session's. Returns the
         pages per sequence and their page ids (int64, in sequence order); OUT_OF_MEMORY or
         QUOTA_EXCEEDED as ALLOC, with nothing allocated (the match took no lock)."""
         size = self.cache.page_size
-        counts = [-(-(n - entry[0]) // size) for n, entry in zip(lengths, results, strict=False)]
+        counts = [-(-(n - e.device_len) // size) for n, e in zip(lengths, results, strict=False)]
         total = sum(counts)
         if not total:
             return counts, b""
@@ -258,12 +271,12 @@ class CacheOps:
             raise Deferred([f for _, f in waiting], max(f.deadline for _, f in waiting))
         return waiting, upto
 
-    def _undo_locks(self, session: Session, results: list) -> None:
+    def _undo_locks(self, session: Session, results: list[MatchEntry]) -> None:
         """Release the locks a request took before it failed (their ids never reach the
         client)."""
         for entry in results:
-            if entry[2]:
-                self.cache.dec_lock_ref(session.pop_lock(entry[2]).node)
+            if entry.lock_id:
+                self.cache.dec_lock_ref(session.pop_lock(entry.lock_id).node)
 
     def _landed(self, key: bytes, space: Any, m: MatchResult) -> MatchResult:
         """Another session's load still writes this prefix: let it land and look again (it may
@@ -273,7 +286,7 @@ class CacheOps:
 
     def _result(
         self, session: Session, m: MatchResult, lock: bool, state: tuple, inserted: int = 0
-    ) -> list:
+    ) -> MatchEntry:
         """One match's reply entry. A node shared by several matches (a system prompt) travels
         once: ``state`` holds each distinct node's page ids, and the entry lists the chunks its
         prefix is made of. ``inserted``: pages of the session's the insert before it added."""
@@ -287,7 +300,7 @@ class CacheOps:
                 i = index[id(chunk)] = len(chunks)
                 chunks.append(chunk)
             ids.append(i)
-        return [m.device_hit_length, m.host_hit_length, lock_id, ids]
+        return MatchEntry(m.device_hit_length, m.host_hit_length, lock_id, ids)
 
     def _lock(self, session: Session, m: MatchResult, inserted: int = 0) -> int:
         """Lock a match's device prefix for ``session``; returns the lock id. What the lock
@@ -303,12 +316,6 @@ class CacheOps:
             raise
         session.pinned_pages += pinned
         return session.add_lock(LockRecord(m.last_device_node, m.last_host_node, pinned))
-
-    def _match_reply(self, results: list, chunks: list[bytes]) -> Result:
-        """Pages, not slots, travel (the nodes' own page ids): page_size times fewer bytes than
-        slots; the client expands them."""
-        frame = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        return {"results": results, "chunk_pages": [len(c) >> 3 for c in chunks]}, [frame]
 
     def load_back(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         lock_id = int_field(fields, "lock_id", 1)
@@ -398,8 +405,8 @@ class CacheOps:
         self._release_ids(session, releases)
         if not lock:
             return {"prefix_lens": prefix_lens}, []
-        fields, out = self._match_reply(results, state[0])
-        return {**fields, "prefix_lens": prefix_lens}, out
+        reply = MatchReply(results, _chunk_pages(state[0]))
+        return {**reply.fields(), "prefix_lens": prefix_lens}, [_chunks_frame(state[0])]
 
     def _insert_many(
         self, session: Session, tokens: list, slots: list, spaces: list
