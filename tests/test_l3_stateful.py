@@ -121,8 +121,10 @@ class TwoMachines(RuleBasedStateMachine):
     def faults_change(self, down: bool, fail: float, lose: float, corrupt: int) -> None:
         self.faults.down = down and not corrupt
         self.faults.fail_rate, self.faults.lose_rate = fail, lose
-        keys = list(space(SPACE).values)
         if corrupt:  # some of the stored values come back with a bit flipped
+            for cache in self.caches:  # what the store holds: what was written, not what the
+                cache.l3.drain()  # IO thread got to (a loaded machine writes later)
+            keys = list(space(SPACE).values)
             self.faults.corrupt.update(keys[corrupt - 1 :: 2])
 
     @rule()
