@@ -13,6 +13,7 @@ nodes, ``protected_tokens`` device tokens in locked nodes; the lock walks keep t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Literal, overload
 
 import numpy as np
 
@@ -45,6 +46,10 @@ class RadixTree:
         self._next_id += 1
         return node
 
+    @overload
+    def root(self, namespace: Namespace, create: Literal[True]) -> TreeNode: ...
+    @overload
+    def root(self, namespace: Namespace, create: bool = False) -> TreeNode | None: ...
     def root(self, namespace: Namespace, create: bool = False) -> TreeNode | None:
         """The root of ``namespace`` (created on demand when ``create``)."""
         if namespace is None:
@@ -141,10 +146,11 @@ class RadixTree:
             upper.host_pages, node.host_pages = node.host_pages[:pages], node.host_pages[pages:]
         if node.transfer is not None:
             upper.transfer = node.transfer
-            node.transfer.nodes.append(upper)  # type: ignore[attr-defined]
+            node.transfer.nodes.append(upper)
         if hasattr(node.l3, "nodes"):  # an L3 write reads both halves' pages
-            node.l3.nodes.append(upper)  # type: ignore[union-attr]
-        upper.parent.children[node.key[: self.page_bytes]] = upper  # type: ignore[union-attr]
+            node.l3.nodes.append(upper)  # type: ignore[union-attr]  # hasattr: a Write
+        assert upper.parent is not None  # (a root is never split: its key is empty)
+        upper.parent.children[node.key[: self.page_bytes]] = upper
         node.key = node.key[nbytes:]
         node.parent = upper
         upper.children[node.key[: self.page_bytes]] = node
