@@ -619,7 +619,11 @@ def _rest_slots(
     out, at = [], 0
     offsets = np.arange(page_size, dtype=np.int64)
     for m, n, count in zip(matches, lengths, counts, strict=False):
-        run = pages[at : at + count] if count else np.empty(0, np.int64)
+        if count:
+            assert pages is not None  # (a count: sum(counts) > 0)
+            run = pages[at : at + count]
+        else:
+            run = np.empty(0, np.int64)
         at += count
         slots = (run[:, None] * page_size + offsets).reshape(-1)[: n - m.device_hit_length]
         out.append(torch.from_numpy(slots))

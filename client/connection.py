@@ -139,7 +139,7 @@ class Connection:
         self.timeout_ms = int(timeout_s * 1000)
         self.closing = closing
         self.busy = False  # a call is under way (set by the owning thread; see SessionLink)
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket] = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         slice_ms = self.timeout_ms if closing is None else min(self.timeout_ms, SLICE_MS)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hicache.curve import client_keys
 from hicache.endpoints import env_endpoint, is_loopback
 
 PREFIX = "hicache."
 MAX_WAIT_S = 600.0  # a timeout or retry longer than this is a typo, not a setting
-S = TypeVar("S")
+S = TypeVar("S", bound="DataclassInstance")
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 
 def read_settings(cls: type[S], extra: dict[str, Any] | None, where: str) -> S:
@@ -20,7 +23,7 @@ def read_settings(cls: type[S], extra: dict[str, Any] | None, where: str) -> S:
     ``hicache.*`` keys of ``extra`` (other keys are other components'); ValueError naming
     ``where`` and the key for an unknown key, a bad value, or an endpoint not to be trusted."""
     extra = extra or {}
-    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    known = {f.name: f for f in fields(cls)}
     values: dict[str, Any] = {"endpoint": env_endpoint()}
     for key, value in extra.items():
         if not isinstance(key, str) or not key.startswith(PREFIX):

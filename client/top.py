@@ -96,11 +96,12 @@ def render_top(stats: dict, rates: Rates | None) -> str:
         + (f"interval {r.seconds:.1f} s" if r else "first sample: rates next time"),
         "",
         "hit ratio        interval  overall",
-        f"  device           {_ratio(r and r.hit_ratio_device)}    "
+        f"  device           {_ratio(r.hit_ratio_device if r else None)}    "
         f"{_ratio(_overall(stats, 'hit_device_tokens'))}",
-        f"  host             {_ratio(r and r.hit_ratio_host)}    "
+        f"  host             {_ratio(r.hit_ratio_host if r else None)}    "
         f"{_ratio(_overall(stats, 'hit_host_tokens'))}",
-        f"  either           {_ratio(r and r.hit_ratio)}    {_ratio(_overall(stats, 'all'))}",
+        f"  either           {_ratio(r.hit_ratio if r else None)}    "
+        f"{_ratio(_overall(stats, 'all'))}",
         f"  queried tokens/s {_tokens(r.queried_tokens_per_s) if r else '-':>8}",
         "",
         "tier       cached  capacity  used  protected  evicted/s",
@@ -156,7 +157,8 @@ def watch(
     """Print a sample every ``interval`` seconds, ``count`` times (None: until interrupted).
     ``stats_only``: the raw stats (`stats --watch`); else the top screen (its rates from the
     previous sample). ``screen``: clear the terminal before each (top on a terminal)."""
-    before, t_before, n = None, 0.0, 0
+    before: dict | None = None  # the previous sample
+    t_before, n = 0.0, 0
     while count is None or n < count:
         if n:
             time.sleep(interval)

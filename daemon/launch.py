@@ -23,7 +23,8 @@ class DaemonProcess(subprocess.Popen):
         self._drain.start()
 
     def _read(self) -> None:
-        for line in self.stdout:  # type: ignore[union-attr]
+        assert self.stdout is not None  # (start_daemon: stdout=PIPE)
+        for line in self.stdout:
             self.lines.append(line)
 
     def output(self) -> str:
@@ -48,7 +49,8 @@ def start_daemon(endpoint: str, *flags: str, timeout: float = START_TIMEOUT_S) -
     ready = threading.Event()
 
     def read() -> None:
-        for line in proc.stdout:  # type: ignore[union-attr]  # until ready, or the daemon exits
+        assert proc.stdout is not None  # (stdout=PIPE)
+        for line in proc.stdout:  # until ready, or the daemon exits
             seen.append(line)
             if line.startswith(READY):
                 ready.set()

@@ -20,7 +20,7 @@ import logging
 import os
 import secrets
 import time
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import zmq
@@ -63,6 +63,9 @@ from hicache.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION
 from hicache.transfers import DEFAULT_CAPACITY as PROGRESS_CAPACITY
 from hicache.transfers import LayerProgress
 
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
+
 log = logging.getLogger("hicache.daemon")
 RCVHWM = 64  # requests queued per peer before zmq stops reading from it (it waits, we don't)
 HOUSEKEEP_S = 0.05  # acks and leases are looked at least this often
@@ -95,7 +98,7 @@ class Daemon:
         self.waits: L3Waits | None = None  # matches waiting for the third tier
         self.metrics: MetricsServer | None = None  # /metrics over a snapshot (--metrics-port)
         self.events: EventPublisher | None = None  # KV events for routers (--events-endpoint)
-        self.auth = None  # CurveZMQ's ZAP handler thread (--curve-secret-key)
+        self.auth: ThreadAuthenticator | None = None  # CurveZMQ's ZAP handler thread (--curve-*)
         self.keeper: HostKeeper | None = None  # keeps the host tier across restarts
         self._adopt: str | None = None  # the last daemon's host segment to take over
         self._host: SharedMemoryBacking | None = None
@@ -171,7 +174,9 @@ class Daemon:
             self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("hicache.auth"))
             self.auth.start()
             self._stack.callback(self.auth.stop)
+            assert self.settings.curve_clients is not None  # (settings: both or neither)
             self.auth.configure_curve(domain="*", location=self.settings.curve_clients)
+        assert self.settings.curve_secret_key is not None  # (called under settings.curve)
         public, secret = load_secret(self.settings.curve_secret_key)
         sock.curve_secretkey = secret
         sock.curve_publickey = public
@@ -179,6 +184,7 @@ class Daemon:
 
     def _open_events(self, settings: DaemonSettings) -> None:
         """The KV event publisher (--events-endpoint) and its replay socket."""
+        assert settings.events_endpoint is not None  # (called only with one)
         for ep in (settings.events_endpoint, settings.events_replay_endpoint):
             if ep and ep.startswith("ipc://"):  # the control socket's rule (endpoint.py)
                 check_folder(os.path.dirname(os.path.abspath(ep[len("ipc://") :])))
@@ -307,15 +313,17 @@ class Daemon:
             self.cache = HiRadixCache(cfg, device, host)
             self._host = host
             if self.keeper is not None:
+                assert host is not None  # (a keeper: there is a host tier)
                 self._worth_keeping = self.keeper.restore(self.cache, host) > 0
             self.progress = self._share_progress(token)
             l3 = self.settings.l3
             if l3 is not None:
                 store = LazyStore(l3.url, **l3.options)  # opened (and reopened) by its IO thread
                 ident = None if layout is None else layout.identity()  # part of every key
+                assert self.waits is not None  # (made in _start under settings.l3)
                 tier = L3Tier(self.cache, l3, store, self.waits.wake, layout=ident)
                 self.cache.attach_l3(tier)
-                self.waits.counters = self.cache.l3.counters
+                self.waits.counters = tier.counters  # (self.cache.l3's)
             if self.events is not None:  # an engine-owned device tier is this host pool
                 device_medium = "CPU" if self.settings.engine_tier else "GPU"
                 self.cache.attach_events(TierEvents(cfg.page_size, device_medium))
@@ -339,6 +347,7 @@ class Daemon:
         }
 
     def _limits(self) -> SessionLimits:
+        assert self.cache is not None  # (made once there is a cache)
         settings = self.settings
         limits = SessionLimits.for_pool(
             self.cache.device_alloc.capacity_pages,
@@ -348,8 +357,8 @@ class Daemon:
         )
         return limits
 
-    def _counters(self) -> dict[str, int]:
-        out = {"replies_dropped": self.inbox.dropped}
+    def _counters(self) -> dict[str, float]:
+        out: dict[str, float] = {"replies_dropped": self.inbox.dropped}
         out["busy_poll_watches"] = self.busy.watches
         out["busy_poll_hits"] = self.busy.found
         out["connections_closed"] = self.inbox.watch.closed if self.inbox.watch else 0
@@ -366,20 +375,25 @@ class Daemon:
         requests waiting (all with one dump, at most one dump per DUMP_EVERY_S: a flood of
         requests costs the loop no more than that)."""
         pub, tier = self.events, None if self.cache is None else self.cache.events
+        assert pub is not None  # (called with --events-endpoint only)
         if tier is not None:
             events = tier.take()
             if events:
                 pub.publish(events)
         if housekeeping and pub.dumps_wanted and time.monotonic() >= self._next_dump:
-            peers = {}
+            peers: dict[bytes, None] = {}  # (an ordered set)
             while pub.dumps_wanted:
                 peers[pub.dumps_wanted.popleft()] = None
-            dump = [] if tier is None else tier.dump(self.cache.tree.iter_nodes())
+            dump = []
+            if tier is not None:
+                assert self.cache is not None  # (the tier's)
+                dump = tier.dump(self.cache.tree.iter_nodes())
             pub.send_dump(list(peers), dump)  # (no cache yet: nothing held, just the end)
             self._next_dump = time.monotonic() + DUMP_EVERY_S
 
     def _share_progress(self, token: str) -> SharedMemoryBacking | None:
         """The layer-progress table engines read to wait for single layers of a load."""
+        assert self.cache is not None  # (_make_cache: just made)
         engine = self.cache.engine
         if engine is None:
             return None
@@ -389,6 +403,7 @@ class Daemon:
         return backing
 
     def _bind(self, endpoint: str) -> None:
+        assert self.sock is not None  # (_start: made first)
         old = os.umask(0o177)  # an ipc socket file is born 0600: no window for other users
         try:
             self.sock.bind(bind_address(endpoint))
@@ -469,7 +484,7 @@ class Daemon:
     ) -> tuple[bytes, list]:
         self.inbox.serving = identity  # (its turn is its own)
         reply, out = self.handlers.handle(header, frames, Call(identity, may_wait=False))
-        return reply, out  # type: ignore[return-value]  (a resumed match is never deferred)
+        return reply, out  # type: ignore[return-value]  # a resumed match is never deferred
 
     def _serve_one(self, frames: list[bytes | memoryview]) -> None:
         identity, rest = frames[0], frames[1:]
@@ -481,9 +496,10 @@ class Daemon:
         peer = self.inbox.serving = bytes(identity)  # (a resumed match ran)
         reply, out = self.handlers.handle(header, rest[1:], Call(peer, may_wait))
         if reply is None:  # a match that waits for the third tier
-            waits.park(identity, header, rest[1:], out)  # type: ignore[union-attr, arg-type]
+            assert waits is not None  # (may_wait: there is one)
+            waits.park(identity, header, rest[1:], out)  # type: ignore[arg-type]  # a Deferred
             return
-        self.inbox.send([identity, reply, *out])
+        self.inbox.send([identity, reply, *out])  # type: ignore[misc]  # a reply: its frames
 
     def stop(self, *_: object) -> None:
         """Stop at once (a signal handler's target when there is no drain)."""
@@ -524,6 +540,8 @@ class Daemon:
     def _periodic_snapshot(self) -> None:
         """Start a periodic host snapshot when due; finish one whose sums are in. Never fatal."""
         try:
+            assert self.keeper is not None and self.cache is not None  # (serve: both)
+            assert self._host is not None  # (a keeper: there is a host tier)
             self.keeper.poll(self.cache, self._host)
             if self.keeper.due():
                 self.keeper.start(self.cache, self._host)
@@ -534,6 +552,8 @@ class Daemon:
         """Write the host snapshot (never fatal: a failure only costs the next daemon a cold
         start)."""
         try:
+            assert self.keeper is not None and self.cache is not None  # (close: both)
+            assert self._host is not None  # (a keeper: there is a host tier)
             self.keeper.write(self.cache, self._host)
             return True
         except Exception:
@@ -549,6 +569,9 @@ class Daemon:
             keeper.close(self.cache)  # nothing reads the host pool behind our back from here
         if keeper is not None and self._worth_keeping and self.cache is not None:
             self.keeper = keeper
+            # (a keeper: there is a host tier, its engine and its backing)
+            assert self.cache.engine is not None and self.cache.host_alloc is not None
+            assert self._host is not None
             self.cache.engine.wait(list(self.cache.records))  # the host copies are whole
             self.cache.poll()
             if not self.cache.host_alloc.count(PageState.TREE):  # an empty tier: nothing to keep

@@ -54,6 +54,7 @@ from hicache.write_policy import make_write_policy
 if TYPE_CHECKING:
     from hicache.l3 import L3Tier
     from hicache.observe import TierEvents
+    from hicache.transfers.book import TransferRecord
 
 EngineFactory = Callable[[DevicePool, HostPool, Copier], TransferEngine]
 
@@ -394,12 +395,13 @@ class HiRadixCache:
         if self.engine is not None:
             self.book.settle()
             self.engine.close()
-            self.host_pool.close()  # type: ignore[union-attr]
+            assert self.host_pool is not None  # (made with the engine)
+            self.host_pool.close()
         self.device_pool.close()
 
     # ---- delegates: the parts' interface as the cache's (cache_view.py, the daemon) -------
     @property
-    def records(self) -> dict[Ticket, object]:
+    def records(self) -> dict[Ticket, TransferRecord]:
         """Copies submitted and not acknowledged, by ticket (TransferRecord)."""
         return self.book.records
 

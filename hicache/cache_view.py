@@ -18,10 +18,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from collections import Counter
+
     import numpy as np
 
     from hicache.config import HiCacheConfig
     from hicache.memory import PagedAllocator, PageState
+    from hicache.transfers.book import TransferRecord
     from hicache.tree import RadixTree, TreeNode
     from hicache.types import EvictResult
 
@@ -36,11 +39,15 @@ class CacheView(Protocol):
     device_heap: Any  # LeafHeap: device eviction candidates
     host_heap: Any  # LeafHeap: host eviction candidates
     engine: Any  # TransferEngine | None: copies in flight, page sums
-    records: dict[Any, Any]  # ticket -> TransferRecord: copies submitted, not acknowledged
-    user_locks: dict[TreeNode, int]  # locks callers took, per node
+    user_locks: Counter[TreeNode]  # locks callers took, per node
     moved_locks: Any  # MovedLocks: user locks moved off nodes a failed load dropped
     events: Any  # TierEvents | None: what KV events announced
     l3: Any  # L3Tier | None: the third tier (its own checks, the pages it holds)
+
+    @property
+    def records(self) -> dict[Any, TransferRecord]:
+        """By ticket: copies submitted, not acknowledged."""
+        ...
 
     def _device_candidate(self, node: TreeNode) -> bool: ...
 

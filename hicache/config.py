@@ -11,6 +11,7 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from typing import Any
 
 import torch
 
@@ -68,7 +69,7 @@ def _enum(field: str, cls: type[Enum], value: object) -> Enum:
     try:
         return cls(value)
     except ValueError:
-        choices = ", ".join(m.value for m in cls)  # type: ignore[attr-defined]
+        choices = ", ".join(m.value for m in cls)
         raise ValueError(f"{field}: {value!r} is not one of {choices}") from None
 
 
@@ -233,6 +234,6 @@ class HiCacheConfig:
     def host_enabled(self) -> bool:
         return self.host_capacity_tokens > 0
 
-    def replace(self, **changes: object) -> HiCacheConfig:
-        """A copy with some fields changed, validated again."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+    def replace(self, **changes: Any) -> HiCacheConfig:
+        """A copy with some fields changed, validated again (any value: __post_init__ checks)."""
+        return dataclasses.replace(self, **changes)

@@ -8,7 +8,7 @@ It only reads. Each failure names the invariant, because it is always a bug in h
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -22,13 +22,14 @@ if TYPE_CHECKING:
     from hicache.cache_view import CacheView
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise IntegrityError(msg)
 
 
 def _check_node_shape(cache: CacheView, node: TreeNode) -> None:
     ps_bytes, ps = cache.tree.page_bytes, cache.page_size
     parent = node.parent
+    assert parent is not None  # (tree.iter_nodes: no roots)
     if not node.key or len(node.key) % ps_bytes:
         _fail(f"{node}: key is empty or not whole pages")
     if parent.children.get(node.key[:ps_bytes]) is not node:
@@ -157,7 +158,7 @@ def check_cache_integrity(cache: CacheView) -> None:
     under_host = cache.host_alloc is not None
     on_device = [n.device_page_ids() for n in device]
     _check_pages(cache.device_alloc, on_device + ([] if under_host else held), "device")
-    if under_host:
+    if cache.host_alloc is not None:  # (under_host)
         host = [n.host_pages for n in nodes if n.host_pages is not None]
         _check_pages(cache.host_alloc, host + held, "host")
     elif any(n.host_pages is not None for n in nodes):

@@ -261,7 +261,8 @@ def array_frame(values: Any, dtype: np.dtype) -> memoryview:
     if hasattr(values, "numpy"):  # a CPU torch tensor: its own memory, not __array__
         values = values.detach().numpy()
     arr = np.ascontiguousarray(values, dtype=dtype)
-    return memoryview(arr).cast("B")
+    # (numpy's stubs give ndarray __buffer__ on Python 3.12+ only: it has one on 3.11 too)
+    return memoryview(arr).cast("B")  # type: ignore[arg-type]
 
 
 def tokens_frame(token_ids: Any) -> memoryview:

@@ -117,12 +117,14 @@ class Tiering:
                 freed += node.num_tokens
             else:  # a write to the third tier still reads its pages: freed when it ends
                 pending += node.num_tokens
-        if backups and not self.book.backup(list(backups), evict_on_ack=True):
-            pending = 0
-            for node in backups:  # the host is full: fall back to dropping them
-                self.drop_host_subtrees(node)
-                self.delete_device_leaf(node, to_l3)  # (free now: there is a host tier)
-                freed += node.num_tokens
+        if backups:
+            assert self.book is not None  # (set right after construction)
+            if not self.book.backup(list(backups), evict_on_ack=True):
+                pending = 0
+                for node in backups:  # the host is full: fall back to dropping them
+                    self.drop_host_subtrees(node)
+                    self.delete_device_leaf(node, to_l3)  # (free now: there is a host tier)
+                    freed += node.num_tokens
         self.counters.evicted_device_tokens += freed
         return EvictResult(freed, pending)
 
@@ -181,6 +183,7 @@ class Tiering:
             result = self.evict((num_pages - alloc.free_pages) * self.page_size)
             if alloc.free_pages >= num_pages:
                 return
+            assert self.book is not None  # (set right after construction)
             if self.book.settle():  # acks free write-back pages and release backup locks
                 continue
             if self.l3 is not None and self.l3.collect_writes():  # (never waits for one)
@@ -216,10 +219,12 @@ class Tiering:
         l3 = self.l3
         if l3 is not None and l3.evicting(node, to_l3):
             return
+        assert self.host_alloc is not None and node.host_pages is not None  # (a host node)
         self.host_alloc.release(node.host_pages)
 
     def alloc_host_pages(self, num_pages: int, state: PageState) -> np.ndarray | None:
         """Allocate host pages (marked ``state``), evicting host-only leaves when short."""
+        assert self.host_alloc is not None  # (callers: the host side, with a host tier)
         pages = self.host_alloc.alloc_pages(num_pages, state)
         if pages is None:
             self.evict_host((num_pages - self.host_alloc.free_pages) * self.page_size)

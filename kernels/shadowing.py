@@ -73,5 +73,5 @@ def _absent(name: str) -> types.ModuleType:
             f"repository's {name}/ folder is hicache.{name})"
         )
 
-    module.__getattr__ = missing  # type: ignore[method-assign]
+    module.__getattr__ = missing  # type: ignore[method-assign]  # PEP 562: a module attribute
     return module

@@ -80,6 +80,13 @@ MUTATIONS = [
         ("tests/test_figures.py",),
     ),
     Mutation(
+        "page-slots-without-c-count-elements-not-bytes",
+        "hicache/tree/fastpath.py",
+        "    if page_size < 1 or memoryview(pages).nbytes % 8:",
+        "    if page_size < 1 or len(pages) % 8:",
+        ("tests/test_fastpath.py", "-k", "page_slots"),
+    ),
+    Mutation(
         "daemon-ignores-namespaces",
         "daemon/requests/fields.py",
         'spaces = fields.get("namespaces")',

@@ -62,7 +62,7 @@ class _Link(DaemonLink):
     log = log
 
 
-class HiCacheStore(HiCacheStorage):
+class HiCacheStore(HiCacheStorage):  # type: ignore[misc]  # SGLang's base: untyped (no py.typed)
     """Built by SGLang's StorageBackendFactory as ``cls(storage_config, kwargs)``; the host
     pool arrives later through ``register_mem_pool_host``."""
 
@@ -183,6 +183,7 @@ class HiCacheStore(HiCacheStorage):
         n = _count(keys)
         if self.format is None or not n:
             return [False] * n
+        assert self._host is not None  # (registered with the format)
         try:
             dst = host_pages(host_indices, n, self.format.page_size, self._host.shape[2])
         except (ValueError, TypeError, RuntimeError) as exc:
@@ -229,6 +230,7 @@ class HiCacheStore(HiCacheStorage):
             return [True] * n
         if self.format is None or not n:
             return [False] * n
+        assert self._host is not None  # (registered with the format)
         try:
             src = host_pages(host_indices, n, self.format.page_size, self._host.shape[2])
         except (ValueError, TypeError, RuntimeError) as exc:
@@ -315,6 +317,7 @@ class HiCacheStore(HiCacheStorage):
 
     def _flat_view(self, flat: Any) -> torch.Tensor:
         fmt = self.format
+        assert fmt is not None and self._host is not None  # (callers: once registered)
         if not isinstance(flat, torch.Tensor) or flat.dtype != self._host.dtype:
             raise ValueError("a flat page must be a tensor of the host pool's dtype")
         if flat.numel() * flat.element_size() != page_bytes(fmt) or not flat.is_contiguous():
@@ -340,6 +343,7 @@ class HiCacheStore(HiCacheStorage):
         client = self.link.client
         if client is None:
             return
+        assert self.format is not None  # (noted after a call: registered)
         page = self.format.page_size
         try:
             client.note_engine(queried * page, hit * page, loaded * page)

@@ -95,6 +95,7 @@ class Chains(KeyCalls):
         if tokens is None:
             return 0
         fmt, ns, skip = self.format, self.namespace, len(prefix)
+        assert fmt is not None  # (_tokens: bound)
         generation = self.link.generation
         pinned = self.pins.take([PIN_TAG + keys[-1]], generation)[0]
         start = time.perf_counter()
@@ -136,6 +137,7 @@ class Chains(KeyCalls):
         if tokens is None:
             return False
         fmt, ns, skip = self.format, self.namespace, len(prefix)
+        assert fmt is not None  # (_tokens: bound)
         ps, start = fmt.page_size, time.perf_counter()
 
         def write(c: HiCacheClient) -> int:
@@ -185,4 +187,5 @@ class Chains(KeyCalls):
 
     def _hit(self, m: Match, skip: int, count: int) -> int:
         """Pages of the call's keys the match holds (those of the prefix not counted)."""
+        assert self.format is not None  # (after _tokens: bound)
         return min(max(m.device_hit_length // self.format.page_size - skip, 0), count)

@@ -22,6 +22,7 @@ allocate under the backend's ``writing`` lock, see chains.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ class PageKeys(KeyCalls):
         if found is None:
             return 0
         matches, generation = found
+        assert self.format is not None  # (words: bound)
         hit = _leading(matches, self.format.page_size)
         if generation is not None:  # (pinned)
             self.pins.add(keys[:hit], matches, generation, time.monotonic())
@@ -65,11 +67,13 @@ class PageKeys(KeyCalls):
         generation = self.link.generation
         pinned = self.pins.take(keys, generation)
         fmt = self.format
+        assert fmt is not None  # (words: bound)
         start = time.perf_counter()
 
         def read(c: HiCacheClient) -> int:
             matches = list(pinned)
             missing = [i for i, m in enumerate(matches) if m is None]
+            found: Sequence[Match | None]
             try:
                 if missing:
                     try:  # (refused, e.g. the session's share: the pinned run still serves)
@@ -80,7 +84,8 @@ class PageKeys(KeyCalls):
                     for i, m in zip(missing, found, strict=True):
                         matches[i] = m
                 count = _leading(matches, fmt.page_size)
-                src = np.array([int(m.device_pages[0]) for m in matches[:count]], np.int64)
+                # (ignore: _leading counted matches, none None)
+                src = np.array([int(m.device_pages[0]) for m in matches[:count]], np.int64)  # type: ignore[union-attr]
                 pool = daemon_view(fmt, self.layout, c.attach().layers)
                 if dst_pages is not None:
                     copy_pages(pool, dst, src, dst_pages[:count])
@@ -101,6 +106,7 @@ class PageKeys(KeyCalls):
         if words is None:
             return False
         fmt, ns, start = self.format, self.namespace, time.perf_counter()
+        assert fmt is not None  # (words: bound)
 
         def write(c: HiCacheClient) -> int:
             have = self._match_and_alloc(c, words)  # (a page for each key the daemon lacks)
@@ -170,7 +176,7 @@ class PageKeys(KeyCalls):
         return out[::-1]
 
 
-def _leading(matches: list[Match | None], page_size: int) -> int:
+def _leading(matches: Sequence[Match | None], page_size: int) -> int:
     """How many matches from the first found their whole page."""
     count = 0
     for m in matches:

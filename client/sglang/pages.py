@@ -91,7 +91,7 @@ class PageFormat:
         )
 
 
-def page_format(pool: object, model: str) -> PageFormat:
+def page_format(pool: Any, model: str) -> PageFormat:  # (SGLang's HostKVCache: untyped)
     """The page format of SGLang's host pool; ValueError for what the daemon cannot hold
     (another layout, a dtype outside DTYPES, pages of fewer than 2 tokens)."""
     layout = getattr(pool, "layout", None)

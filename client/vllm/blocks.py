@@ -197,8 +197,8 @@ class BlockCopier:
             from hicache.kernels.triton_copy import copy_pages_triton
 
             device = self.tensors[layer].device
-            ids = [torch.from_numpy(x).to(device) for x in (src_ids, dst_ids)]
-            copy_pages_triton(src, dst, *ids, check=False)  # (checked: check)
+            src_t, dst_t = [torch.from_numpy(x).to(device) for x in (src_ids, dst_ids)]
+            copy_pages_triton(src, dst, src_t, dst_t, check=False)  # (checked: check)
             return
         engine_ids, pages = (src_ids, dst_ids) if to_pool else (dst_ids, src_ids)
         pool_view = dst if to_pool else src

@@ -26,6 +26,7 @@ except ImportError as exc:  # no vLLM, or one from before the v1 connector API
 try:  # worker -> scheduler metadata (vLLM 0.2x and later)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 except ImportError:  # older: the scheduler never hears from workers; stores are not confirmed
+    # (ignore: a stand-in class for an older vLLM: has_worker_metadata() says which)
     KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
 
 try:  # per-tier external hit counts in vLLM's metrics

@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, cast
 
 from hicache.client.vllm.compat import (
     HOST_SOURCE,
@@ -96,20 +96,25 @@ class HiCacheConnector(KVConnectorBase_V1):
             self.sched.block_ids = lambda rid: kv_cache_manager.get_block_ids(rid)[0]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple:
+        assert self.sched is not None  # (vLLM calls it in the scheduler role)
         n = self.sched.lookup(request, num_computed_tokens)  # None: ask again next step
         return n, False  # loaded synchronously, before the forward pass of its step
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        assert self.sched is not None  # (vLLM calls it in the scheduler role)
         self.sched.after_alloc(request, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        assert self.sched is not None  # (vLLM calls it in the scheduler role)
         return self.sched.plan(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        assert self.sched is not None  # (vLLM calls it in the scheduler role)
         self.sched.report(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        assert self.sched is not None  # (vLLM calls it in the scheduler role)
         self.sched.finished(request.request_id)
         return False, None  # stores were copied in the steps that computed them
 
@@ -117,6 +122,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict) -> None:
         cfg = self._vllm_config
         mc, parallel = cfg.model_config, cfg.parallel_config
+        assert self.worker is not None  # (vLLM calls it in a worker)
         self.worker.register(
             kv_caches,
             model=self.model,
@@ -141,23 +147,28 @@ class HiCacheConnector(KVConnectorBase_V1):
         return f"{current_platform.device_type}/{layout or ''}/{spec}"
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker.load(self._get_connector_metadata())
+        assert self.worker is not None  # (vLLM calls it in a worker)
+        self.worker.load(cast(StepPlan, self._get_connector_metadata()))  # (ours: our plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        assert self.worker is not None  # (vLLM calls it in a worker)
         self.worker.wait_layer(layer_name)  # (layer-wise loads; else it landed already)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
         return  # whole blocks are stored in wait_for_save, after the forward pass
 
     def wait_for_save(self) -> None:
-        self.worker.store(self._get_connector_metadata())
+        assert self.worker is not None  # (vLLM calls it in a worker)
+        self.worker.store(cast(StepPlan, self._get_connector_metadata()))  # (ours: our plan)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None  # (vLLM calls it in a worker)
         return self.worker.take_load_errors()
 
     def build_connector_worker_meta(self) -> Any:
         plan = self._connector_metadata if self.has_connector_metadata() else None
-        return self.worker.report(plan)
+        assert self.worker is not None  # (vLLM calls it in a worker)
+        return self.worker.report(cast("StepPlan | None", plan))  # (ours: our plan)
 
     def shutdown(self) -> None:
         if self.worker is not None:

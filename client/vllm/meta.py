@@ -46,7 +46,7 @@ class StepPlan(KVConnectorMetadata):
 
 
 @dataclass
-class StepReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
+class StepReport(KVConnectorWorkerMetadata):
     step: int  # the plan's step (-1: a step without a plan)
     ranks: int = 1  # workers that ran the plan (summed by aggregate)
     failed: set[int] = field(default_factory=set)  # store jobs that failed on some rank
@@ -54,7 +54,9 @@ class StepReport(KVConnectorWorkerMetadata):  # type: ignore[misc]
     layout: dict[str, Any] | None = None  # a worker's EngineLayout, until the scheduler has one
     seconds: float = 0.0  # spent copying this step (the slowest rank: ranks copy in parallel)
 
-    def aggregate(self, other: StepReport) -> StepReport:
+    # (ignore: narrower than vLLM's base, which takes any worker metadata: vLLM folds only the
+    # reports of one connector, this one's)
+    def aggregate(self, other: StepReport) -> StepReport:  # type: ignore[override]
         """vLLM folds the workers' reports into one: ranks add up, failures unite."""
         same = self.step == other.step  # (ranks always run the same plan; else none counts)
         return StepReport(

@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,8 @@ class SchedulerSide:
         self.reserve_lock = threading.Lock()  # the reserve: this thread, and a draining daemon's
         self.keep_reserve = True  # False once the daemon drains: pages are taken as needed
         link.on_draining = self._give_back_reserve
-        self.block_ids = None  # callable(req_id) -> block ids of group 0 (vLLM's manager)
+        # req_id -> block ids of group 0 (vLLM's manager; bind_kv_cache_manager sets it)
+        self.block_ids: Callable[[str], list[int]] | None = None
         # requests whose prefix is coming from the third tier: (first "not yet", last ask)
         self.l3_waiting: dict[str, tuple[float, float]] = {}
         # what vLLM counts (engine_counts.py): own hit at an answered lookup, until allocated
@@ -164,7 +166,8 @@ class SchedulerSide:
         blocks are allocated, not for a preempted one (vllm:external_prefix_cache_*)."""
         own = self.asked.pop(request.request_id, None)
         client = self.link.client
-        if own is None or client is None or getattr(request, "num_preemptions", 0):
+        # (ignore: mypy takes getattr's default type from the `or`, a bool)
+        if own is None or client is None or getattr(request, "num_preemptions", 0):  # type: ignore[arg-type]
             return
         queried = max(0, request.num_tokens - own)
         if queried:
@@ -198,6 +201,7 @@ class SchedulerSide:
             self.load_steps[self.step] = loading
         if stores:
             pool = self.link.pool
+            assert pool is not None  # (_plan_stores plans only with one)
             plan.pools[pool.epoch] = pool
             plan.stores = [Copy(s.job, rid, pool.epoch, b, p) for s, rid, b, p in stores]
             self.open_steps.append((self.step, [s for s, *_ in stores]))
@@ -248,6 +252,7 @@ class SchedulerSide:
             wanted, slots = fit, (torch.cat(parts) if parts else None)
         if slots is None or self.link.generation != generation or self.link.pool is None:
             return []  # (the link went down or renewed its session in between)
+        assert self.block_ids is not None  # (bound before vLLM schedules)
         plans, at = [], 0
         for t, start, end in wanted:
             mine = slots[at : at + end - start]
@@ -299,7 +304,8 @@ class SchedulerSide:
             extra = min(RESERVE_PAGES, capacity // 64) if self.keep_reserve else 0
             for ask in (short + extra, short):  # (a full pool may still have the bare need)
                 try:
-                    got = self.link.call(lambda c, n=ask: c.alloc(n * self.block_size))
+                    # (ignore: mypy infers no lambda with a bound default)
+                    got = self.link.call(lambda c, n=ask: c.alloc(n * self.block_size))  # type: ignore[misc]
                 except (Unavailable, DaemonError) as exc:  # OUT_OF_MEMORY: all pinned
                     log.debug("hicache: no pages for %d blocks this step: %s", ask, exc)
                     if self.link.generation != generation or self.link.pool is None:
@@ -420,6 +426,7 @@ class SchedulerSide:
         if last:
             t.chain, t.chain_len = None, end
             return
+        assert not isinstance(inserted, int)  # (not last: insert_and_lock's Inserted)
         t.chain = inserted.match
         t.chain_len = inserted.match.device_hit_length
         t.planned = max(t.planned, t.chain_len)

@@ -9,7 +9,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -19,23 +19,26 @@ from hicache.client.vllm.meta import PoolRef
 if TYPE_CHECKING:
     from hicache.client.vllm.scheduler import SchedulerSide
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def timed(method: F) -> F:
+def timed(
+    method: Callable[Concatenate[SchedulerSide, P], R],
+) -> Callable[Concatenate[SchedulerSide, P], R]:
     """Adds the call's CPU time on this thread to ``self.figures.scheduler_s`` (the time spent
     waiting for the daemon is added by DaemonLink: wall time would also count the other
     threads of vLLM's process that run meanwhile)."""
 
     @functools.wraps(method)
-    def wrapper(self: SchedulerSide, *args: Any, **kw: Any) -> Any:
+    def wrapper(self: SchedulerSide, /, *args: P.args, **kw: P.kwargs) -> R:
         started = time.thread_time()
         try:
             return method(self, *args, **kw)
         finally:
             self.figures.scheduler_s += time.thread_time() - started
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 @dataclass

@@ -132,19 +132,21 @@ class WorkerSide:
         for copy in plan.loads:
             try:
                 views = self._views(plan, copy)
-                self.copier.check(copy.block_ids, copy.pages, views)  # type: ignore[union-attr]
+                assert self.copier is not None  # (register_kv_caches came first)
+                self.copier.check(copy.block_ids, copy.pages, views)
                 if self.layerwise:
                     jobs.append((copy, views))
                 else:
-                    self.copier.load(views, copy.block_ids, copy.pages)  # type: ignore[union-attr]
+                    self.copier.load(views, copy.block_ids, copy.pages)
                     self._synchronize()
             except Exception as exc:  # never garbage KV: vLLM recomputes these blocks
                 log.warning("hicache: load of %d blocks failed: %s", len(copy.block_ids), exc)
                 self._failed_load(copy)
         if jobs:
-            cuda = self.copier.tensors[0].is_cuda  # type: ignore[union-attr]
+            assert self.copier is not None  # (it checked them)
+            cuda = self.copier.tensors[0].is_cuda
             kind = StreamLoads if cuda else ThreadLoads
-            self.inflight = kind(self.copier, jobs, self._failed_load)  # type: ignore[arg-type]
+            self.inflight = kind(self.copier, jobs, self._failed_load)
         self.seconds += time.perf_counter() - started
 
     def wait_layer(self, name: str) -> None:
@@ -171,7 +173,8 @@ class WorkerSide:
         for copy in plan.stores:
             try:
                 views = self._views(plan, copy)
-                self.copier.store(views, copy.block_ids, copy.pages)  # type: ignore[union-attr]
+                assert self.copier is not None  # (register_kv_caches came first)
+                self.copier.store(views, copy.block_ids, copy.pages)
                 self._synchronize()
             except Exception as exc:  # never published
                 log.warning("hicache: store of %d blocks failed: %s", len(copy.block_ids), exc)
@@ -194,6 +197,8 @@ class WorkerSide:
         refused: its pages would be another model's KV)."""
         mapped = self.pools.get(ref.epoch)
         if mapped is None:
+            # (register_kv_caches came first)
+            assert self.layout is not None and self.copier is not None
             served = EngineLayout.from_dict(ref.layout)
             mismatch = served.mismatch(self.layout)
             if mismatch:

@@ -136,7 +136,7 @@ class HostKeeper:
             return f"it is of another host pool or model: {diff:.300}"
         segment = data.get("segment")
         parsed = parse_name(segment) if isinstance(segment, str) else None
-        if parsed is None or parsed[2] != HOST or "/" in segment:  # type: ignore[operator]
+        if parsed is None or parsed[2] != HOST or "/" in segment:  # type: ignore[operator]  # parsed: a str
             return f"it names no host segment: {segment!r:.80}"
         uid, instance, _ = parsed
         if uid != os.getuid():
@@ -222,6 +222,7 @@ class HostKeeper:
         if cache.engine is not None and cache.engine.sums is not None:
             self.write(cache, host)
             return
+        assert cache.host_pool is not None and cache.host_alloc is not None  # (kept: a host tier)
         if self._page_sums is None:
             self._page_sums = PageSums(cache.host_pool.page_view)
         cache.host_alloc.watch_frees()
@@ -236,12 +237,14 @@ class HostKeeper:
         job = self._job
         if job is None or not job.done():
             return
+        assert cache.host_alloc is not None  # (a job: start saw a host tier)
         freed, listing = cache.host_alloc.freed, self._listing
         self._job, self._listing = None, None
         cache.host_alloc.unwatch_frees()
         if job.exception() is not None:
             log.error("host snapshot failed: %s", job.exception())
             return
+        assert listing is not None  # (made with the job)
         data = host_snapshot.seal(cache, listing, freed, self.model)
         data["segment"] = host.name
         self._writing = self._worker().submit(self._write_file, data)
@@ -263,6 +266,7 @@ class HostKeeper:
                 self._job.result()
             self._job = self._listing = None
             if cache is not None:
+                assert cache.host_alloc is not None  # (a job: start saw a host tier)
                 cache.host_alloc.unwatch_frees()
         if self._writing is not None:
             try:
@@ -313,7 +317,10 @@ class HostKeeper:
         segment = data.get("segment") if isinstance(data, dict) else None
         parsed = parse_name(segment) if isinstance(segment, str) else None
         self._remove_file()
-        if parsed is None or parsed[0] != os.getuid() or parsed[2] != HOST or "/" in segment:
+        if parsed is None:
+            return
+        assert isinstance(segment, str)  # (parsed from it)
+        if parsed[0] != os.getuid() or parsed[2] != HOST or "/" in segment:
             return
         if instance_alive(parsed[1], self.directory):
             return

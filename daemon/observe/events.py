@@ -243,7 +243,8 @@ class EventPublisher:
                 self._send(self._replay, [peer, b"", b"", END_SEQ, b""])
 
     def _read_ask(self) -> list[bytes]:
-        frames = self._replay.recv_multipart(copy=False)  # type: ignore[union-attr]
+        assert self._replay is not None  # (asked only on the replay socket)
+        frames = self._replay.recv_multipart(copy=False)
         if self._replay_watch is not None:
             self._replay_watch.took(frames[0], frames[1:])
         return [f.bytes for f in frames]

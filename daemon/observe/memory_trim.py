@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import time
+from collections.abc import Callable
 
 TRIM_EVERY_S = 10.0
 
@@ -20,6 +21,7 @@ class MemoryTrim:
     def __init__(self) -> None:
         self.trims = 0  # how many times the heap was trimmed
         self._next = time.monotonic() + TRIM_EVERY_S
+        self._trim: Callable[[int], object] | None
         try:
             self._trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
         except (OSError, AttributeError):  # musl, macOS: nothing to do

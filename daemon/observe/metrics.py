@@ -96,10 +96,10 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
         ("transfer_seconds", "hicache_transfer_duration_seconds", "submit to ack of a copy"),
         ("transfer_bytes", "hicache_transfer_size_bytes", "bytes of a copy"),
     ):
-        family = HistogramMetricFamily(name, f"{help_}, by direction", labels=["direction"])
+        copies = HistogramMetricFamily(name, f"{help_}, by direction", labels=["direction"])
         for direction, h in sorted(stats.get(key, {}).items()):
-            family.add_metric([direction], _buckets(h), h["sum"])
-        yield family
+            copies.add_metric([direction], _buckets(h), h["sum"])
+        yield copies
     points = stats.get("capacity_points")
     if points:
         est = GaugeMetricFamily(

@@ -32,6 +32,7 @@ from hicache.protocol import (
     MatchReply,
     Op,
     ProtocolError,
+    TokenBatch,
     decode_slots,
     decode_tokens,
     slots_frame,
@@ -198,7 +199,9 @@ class CacheOps:
         if self.cache.l3 is not None:
             fetches, upto = self._prefetch(batch, spaces, l3_wait and call.may_wait, turn_ends)
         match_key, feed = self.cache.match_key, self.capacity
-        results, state, queried = [], ([], {}), 0
+        results: list[MatchEntry] = []
+        state: tuple[list[bytes], dict[int, int]] = ([], {})  # (see _result)
+        queried = 0
         try:
             for tokens, space in zip(batch, spaces, strict=True):
                 if results and (
@@ -249,7 +252,7 @@ class CacheOps:
         return counts, pages.astype(np.int64).tobytes()
 
     def _prefetch(
-        self, batch: list, spaces: list, wait: bool, turn_ends: float
+        self, batch: TokenBatch | list, spaces: list, wait: bool, turn_ends: float
     ) -> tuple[list, int]:
         """Ask the third tier for what the tree lacks of each prompt; under a waiting policy
         (and when ``wait``: the request and the server allow it) raise Deferred until it
@@ -258,6 +261,7 @@ class CacheOps:
         answers the prompts asked for so far. Returns the (index, fetch) of each prompt with
         a fetch still running, and how many prompts were asked for."""
         l3, match_key = self.cache.l3, self.cache.match_key
+        assert l3 is not None  # (match asks only with a third tier)
         waiting, upto = [], len(batch)
         for i, (tokens, space) in enumerate(zip(batch, spaces, strict=True)):
             if i and time.perf_counter() > turn_ends and self.others_waiting():
@@ -335,8 +339,12 @@ class CacheOps:
         loaded = self.cache.load_back(record.host_node)
         if loaded is None:
             return none
-        ticket = self.cache.load_ticket(record.host_node) or 0
-        events = self.cache.engine.layer_handles(ticket) if ticket else None
+        found = self.cache.load_ticket(record.host_node)
+        ticket = found or 0
+        events = None
+        if found:
+            assert self.cache.engine is not None  # (a load in flight: there is a host tier)
+            events = self.cache.engine.layer_handles(found)
         if wait:
             self.cache.wait_load(record.host_node)
             if record.host_node.device_pages is None:  # the copy failed: a miss, recompute
@@ -391,7 +399,9 @@ class CacheOps:
             fast = self._insert_many(session, tokens, slots, spaces)
             if fast is not None:
                 return {"prefix_lens": fast}, []
-        prefix_lens, results, state = [], [], ([], {})
+        prefix_lens: list[int] = []
+        results: list[MatchEntry] = []
+        state: tuple[list[bytes], dict[int, int]] = ([], {})  # (see _result)
         try:
             for seq, seq_slots, space in zip(tokens, slots, spaces, strict=True):
                 prefix_len, joined = self._insert_one(session, seq, seq_slots, space, lock)

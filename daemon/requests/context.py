@@ -19,7 +19,7 @@ class Transport:
     others_waiting: Callable[[], bool] = bool
     user: Callable[[], str] = str  # the CurveZMQ client key of the request served ("": none)
     process: Callable[[], str] = str  # the process of an ipc peer ("": unknown)
-    counters: Callable[[], dict[str, int]] = dict  # the transport's own counters (stats)
+    counters: Callable[[], dict[str, float]] = dict  # the transport's own counters (stats)
 
 
 class Call(NamedTuple):

@@ -80,7 +80,7 @@ def printable(name: str) -> str:
 class Handlers:
     def __init__(
         self,
-        cache: HiRadixCache,
+        cache: HiRadixCache | None,
         sessions: SessionTable,
         boot_epoch: int,
         info: dict[str, Any],
@@ -113,7 +113,9 @@ class Handlers:
         self.engine_counts = EngineCounts()  # engines' own figures, all sessions (ended too)
         self.op = "unknown"  # the op of the request being handled
         self.views = ViewBudget()  # the loop's time for whole-cache views (check, tree)
-        self.table: dict[Op, Callable[[Session | None, dict, Frames, Call], Result]] = {
+        # each op's handler: given a Session (an op that needs one), or a Session or None
+        # (NO_SESSION_OPS), as _handle checked it: Any, the one type both kinds take
+        self.table: dict[Op, Callable[[Any, dict, Frames, Call], Result]] = {
             Op.HELLO: self.hello,
             Op.HEARTBEAT: self.heartbeat,
             Op.CAPACITY: self.capacity_report,
@@ -132,6 +134,7 @@ class Handlers:
     def _compose_ops(self) -> None:
         """The cache operations over the cache there is now (at start, or once an engine
         registered its layout), their ops added to the table."""
+        assert self.cache is not None  # (called once there is one)
         self.ops = CacheOps(
             self.cache, self.limits, self.capacity, self.sessions, self.transport.others_waiting
         )
@@ -388,6 +391,7 @@ class Handlers:
     # ---- maintenance (admin) ----
     def _settle(self) -> None:
         """Wait for in-flight copies and process their acks (admin ops act on settled data)."""
+        assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
         if self.cache.engine is not None:
             self.cache.engine.wait(list(self.cache.records))
         self.cache.poll()
@@ -404,6 +408,7 @@ class Handlers:
         device = int_field(fields, "device_tokens") if "device_tokens" in fields else 0
         host = int_field(fields, "host_tokens") if "host_tokens" in fields else 0
         freed = self._evict_device(device) if device else 0
+        assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
         freed_host = self.cache.evict_host(host) if host else 0
         return self.tiers.fields({"device_freed": freed, "host_freed": freed_host}), []
 
@@ -412,6 +417,7 @@ class Handlers:
         eviction free their pages only at the ack, and only then do parents become leaves.
         ``to_l3=False`` (a flush): nothing is written back to a third tier."""
         self._settle()
+        assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
         freed = 0
         while freed < tokens:
             result = self.cache.evict(tokens - freed, to_l3)
@@ -423,6 +429,7 @@ class Handlers:
 
     def flush(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """Evict every unlocked token from both tiers (locked data stays)."""
+        assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
         freed = self._evict_device(self.cache.config.device_tokens, to_l3=False)
         freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens, to_l3=False)
         if self.cache.events is not None:
@@ -453,6 +460,7 @@ class Handlers:
         if cache is not None and cache.l3 is not None:
             out["l3"] = cache.l3.stats()
         if cache is not None:
+            assert self.capacity is not None  # (made with the cache)
             out["transfer_seconds"] = {d: h.as_dict() for d, h in cache.transfer_seconds.items()}
             out["transfer_bytes"] = {d: h.as_dict() for d, h in cache.transfer_bytes.items()}
             out["capacity_points"] = self.capacity.points()  # (by tier already: CapacityFeed)
@@ -555,6 +563,7 @@ class Handlers:
     def capacity_report(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """Estimated hit ratios at other tier sizes, and what to buy (`hicache capacity`;
         within the view budget: it first feeds the estimate for up to a second)."""
+        assert self.capacity is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
         return self._whole_cache_view(session, "a capacity report", self.capacity.report), []
 
     def tree(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
@@ -563,6 +572,7 @@ class Handlers:
         return self._whole_cache_view(session, "a tree view", lambda: self._tree(fields))
 
     def _tree(self, fields: dict) -> Result:
+        assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
         if bool_field(fields, "shape", False):
             top = int_field(fields, "top", 1, 1000) if "top" in fields else 10
             shape = tree_shape(self.cache, top)
@@ -572,10 +582,12 @@ class Handlers:
                     prefix["tiers"] = self.tiers.letters(prefix["tiers"])
             return shape, []
         limit = int_field(fields, "max_nodes", 1, 100_000) if "max_nodes" in fields else 1000
-        nodes, tiers = [], self.tiers
+        nodes: list[dict[str, Any]] = []
+        tiers = self.tiers
         for node in self.cache.tree.iter_nodes():
             if len(nodes) == limit:
                 break
+            assert node.parent is not None  # (iter_nodes: no roots)
             nodes.append(
                 {
                     "id": node.id,

@@ -258,11 +258,12 @@ class SessionTable:
     def _gone(self, session: Session) -> Session:
         """Forget ``session``'s place in the per-peer, per-user and per-process counts (it
         ended)."""
-        for count, who in (
+        counts: tuple[tuple[Counter[Any], bytes | str], ...] = (
             (self._per_peer, session.peer),
             (self._per_user, session.user),
             (self._per_process, session.process),
-        ):
+        )
+        for count, who in counts:
             if who:
                 count[who] -= 1
                 if not count[who]:

@@ -31,7 +31,7 @@ yield_cpu = getattr(os, "sched_yield", lambda: None)  # (releases the GIL while 
 
 def queued(sock: zmq.Socket) -> bool:
     """Whether a message waits in ``sock`` (read without blocking)."""
-    return bool(sock.getsockopt(zmq.EVENTS) & POLLIN)
+    return bool(sock.getsockopt(zmq.EVENTS) & POLLIN)  # type: ignore[operator]  # an int option
 
 
 def watch(sock: zmq.Socket, until: float) -> bool:

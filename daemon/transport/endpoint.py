@@ -85,8 +85,9 @@ class EndpointClaim:
         """Remove the socket file and release the claim (the daemon's socket is closed)."""
         if self._fd is None:
             return
+        assert self.path is not None  # (set with the lock's descriptor)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # type: ignore[arg-type]
+            os.unlink(self.path)
         os.close(self._fd)
         self._fd = None
 

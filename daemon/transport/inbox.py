@@ -124,7 +124,7 @@ class Inbox:
         """One multipart message and its first part; raises zmq.Again after RCVTIMEO."""
         sock = self.sock  # Frame.more, not getsockopt(RCVMORE): that costs 2 us per frame
         first = frame = _recv(sock, 0, False)
-        parts = [frame.bytes]
+        parts: Frames = [frame.bytes]  # (bytes, or a buffer from KEEP_FROM bytes on)
         while frame.more:
             frame = _recv(sock, 0, False)
             parts.append(frame.buffer if len(frame) >= KEEP_FROM else frame.bytes)
@@ -150,6 +150,7 @@ class Inbox:
         uid = None if self.watch is None or fd < 0 else self.watch.uid_of(fd)
         if uid is None:
             return f"{LOCAL_USER}?"
+        assert self.watch is not None  # (the uid came from it)
         return "" if uid in self.watch.trusted else f"{LOCAL_USER}{uid}"
 
     def process(self) -> str:
@@ -173,7 +174,7 @@ class Inbox:
         if first is None:
             return ""
         try:
-            return first.get(name) or ""
+            return first.get(name) or ""  # type: ignore[return-value]  # a str property
         except zmq.ZMQError:  # (none on this message: a wake, or a libzmq without it)
             return ""
 

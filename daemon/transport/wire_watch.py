@@ -191,6 +191,7 @@ class WireWatch:
             if held[fd] <= self.per_connection and total <= self.in_all:
                 break
             conn = self._drop(fd)
+            assert conn is not None  # (held: the watched ones)
             log.warning(
                 "reset the %s connection from %s: it sent %.1f MiB that no read took yet (a "
                 "message not finished, or requests queued); zmq may hold %.0f MiB unread for "

@@ -76,7 +76,7 @@ class MemoryStore(L3Store):
     def __init__(self, name: str, **_: object):
         """``name`` may carry faults for a daemon under test: ``NAME?latency_s=0.5&lose_rate=0.1``
         (float fields of Faults)."""
-        name, _, query = name.partition("?")
+        name, _mark, query = name.partition("?")
         self.url = f"memory://{name}"
         self.space = space(name)
         for key, value in parse_faults(query).items():
@@ -111,7 +111,7 @@ class MemoryStore(L3Store):
     def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
         """(Trailers only: ``check`` is not used.)"""
         faults = self._enter()
-        out: list[bytes | None] = []
+        out: list[Got] = []
         for key, page in zip(keys, pages, strict=True):
             with self.space.lock:
                 value = self.space.values.get(key)

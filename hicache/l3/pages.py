@@ -52,7 +52,8 @@ class PageSegments:
         self.page_bytes = pool.page_bytes
         self.base = pool.buffer.data_ptr()
         self.num_pages = pool.num_pages
-        self.memory = memoryview(pool.buffer.numpy()).cast("B")  # the whole pool, bytes
+        # the whole pool, bytes (numpy's stubs give ndarray __buffer__ on Python 3.12+ only)
+        self.memory = memoryview(pool.buffer.numpy()).cast("B")  # type: ignore[arg-type]
 
     def pointers(self, page: int) -> tuple[list[int], list[int]]:
         """Absolute addresses and sizes of page ``page``'s runs, in value order."""

@@ -65,7 +65,11 @@ class RedisStore(L3Store):
         if self.cluster is None and self.single is None:
             raise StoreDown(f"{self.url}: {last}")
         self.node_errors = 0
-        self.nodes = 1 if self.single is not None else len(self.cluster.get_primaries())
+        if self.single is not None:
+            self.nodes = 1
+        else:
+            assert self.cluster is not None  # (one of the two, or StoreDown above)
+            self.nodes = len(self.cluster.get_primaries())
 
     # ---- routing ----------------------------------------------------------------------------
     def _by_node(self, keys: list[str]) -> dict[Any, list[int]]:
@@ -73,10 +77,12 @@ class RedisStore(L3Store):
         if self.single is not None:
             return {self.single: list(range(len(keys)))}
         groups: dict[Any, list[int]] = defaultdict(list)
-        manager = self.cluster.nodes_manager  # type: ignore[union-attr]
+        cluster = self.cluster
+        assert cluster is not None  # (no single server: a cluster)
+        manager = cluster.nodes_manager
         for i, key in enumerate(keys):
-            node = manager.get_node_from_slot(self.cluster.keyslot(key))  # type: ignore[union-attr]
-            groups[node.redis_connection or self.cluster.get_redis_connection(node)].append(i)
+            node = manager.get_node_from_slot(cluster.keyslot(key))
+            groups[node.redis_connection or cluster.get_redis_connection(node)].append(i)
         return groups
 
     def _run(

@@ -134,6 +134,7 @@ class L3Tier:
         ``to_l3=False`` (a flush): no write-back."""
         job = node.l3
         pages = self.side.pages(node)
+        assert pages is not None  # (it leaves the side: it has pages there)
         if isinstance(job, Write):
             job.held.append(pages)
             return True
@@ -262,7 +263,7 @@ class L3Tier:
         cache, tree, pb = self.cache, self.cache.tree, self.chain.page_bytes
         m = fetch.arrived
         fetch.pages = None
-        keep = 0
+        keep: tuple[int, int] | None = None
         if m:
             end = (fetch.first + m) * pb
             root = tree.root(fetch.namespace, create=True)

@@ -62,7 +62,10 @@ class IOWorker:
 
     def submit(self, job: Fetch | Write) -> None:
         with self.cv:
-            (self.fetches if isinstance(job, Fetch) else self.writes).append(job)
+            if isinstance(job, Fetch):
+                self.fetches.append(job)
+            else:
+                self.writes.append(job)
             self.cv.notify()
 
     def pending(self) -> int:
@@ -185,7 +188,8 @@ class IOWorker:
 
         ahead = sums(chunks[0]) if chunks else None
         for n, chunk in enumerate(chunks):
-            tails = ahead.result()  # type: ignore[union-attr]
+            assert ahead is not None  # (set for every chunk)
+            tails = ahead.result()
             ahead = sums(chunks[n + 1]) if n + 1 < len(chunks) else None
             keys = [names[i] for i in chunk]
             ok = self._call(self.store.put, keys, [pages[i] for i in chunk], tails)

@@ -213,6 +213,7 @@ class PagedAllocator:
         ps = self.page_size
         tail = free_tail and len(raw) // 8 % ps != 0
         if fastpath.USE_C:
+            assert _whole_pages is not None  # (USE_C: the C helpers are built)
             top = self._top  # (a full stack: no page is out to be freed)
             if tail and self.freed is None and self._group is None and top < len(self._stack):
                 # the same pass writes the tail page at stack[top], with state FREE

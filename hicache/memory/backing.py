@@ -103,7 +103,9 @@ class CudaBacking(PlainBacking):
         return self.buffer
 
     def describe(self) -> dict:
-        fields = self.buffer.untyped_storage()._share_cuda_()  # type: ignore[union-attr]
+        buffer = self.buffer
+        assert buffer is not None  # (described once allocated)
+        fields = buffer.untyped_storage()._share_cuda_()
         names = (
             "device",
             "handle",
@@ -117,9 +119,9 @@ class CudaBacking(PlainBacking):
         return {
             "kind": "cuda_ipc",
             "torch": torch.__version__,
-            "nbytes": self.buffer.numel(),
+            "nbytes": buffer.numel(),
             **dict(zip(names, fields, strict=True)),
-        }  # type: ignore[union-attr]
+        }
 
 
 class AttachedCudaIPC(Backing):

@@ -94,11 +94,13 @@ def list_host(cache: HiRadixCache) -> Listing:
     is listed (or a root), parents first. Cache thread; reads only."""
     if cache.host_pool is None:
         raise ValueError("snapshot: the cache has no host tier")
-    nodes, index = [], {}
+    nodes: list[tuple[int, Any, bytes, np.ndarray]] = []
+    index: dict[int, int] = {}  # id(node) -> its index in ``nodes``
     for node in cache.tree.iter_nodes():  # parents before children
         if node.host_pages is None or node.io is IO_BACKUP:
             continue
         up = node.parent
+        assert up is not None  # (iter_nodes: no roots)
         parent = -1 if up.parent is None else index.get(id(up))
         if parent is None:  # its parent is not listed: nothing to hang it on
             continue
@@ -118,7 +120,9 @@ def sum_pages(cache: HiRadixCache, listing: Listing, computer: PageSums | None =
     if sums is not None:
         listing.sums = sums.sums[listing.pages]
         return
-    computer = computer or PageSums(cache.host_pool.page_view)
+    if computer is None:  # (a PageSums is never false)
+        assert cache.host_pool is not None  # (listed: there is a host tier)
+        computer = PageSums(cache.host_pool.page_view)
     listing.sums = computer.compute(listing.pages)
 
 
@@ -132,7 +136,9 @@ def seal(
     made (the allocator's watch); a node with such a page is left out, and what hangs below
     it, so a checksum never vouches for bytes that another prefix wrote. Cache thread."""
     assert listing.sums is not None, "sum_pages first"
-    out, kept, at = [], [], 0  # kept[i]: listing entry i's index in ``out`` (or -1)
+    out: list[list[Any]] = []
+    kept: list[int] = []  # kept[i]: listing entry i's index in ``out`` (or -1)
+    at = 0
     for parent, namespace, key, pages in listing.nodes:
         page_sums = listing.sums[at : at + len(pages)]
         at += len(pages)
@@ -175,6 +181,7 @@ def restore(cache: HiRadixCache, snapshot: Any, model: str | None = None) -> Res
     want = identity(cache.config, model)
     if snapshot.get("identity") != want:
         raise ValueError(f"snapshot of another host pool: {snapshot.get('identity')} != {want}")
+    assert cache.host_alloc is not None and cache.host_pool is not None  # (a host tier's)
     if cache.host_alloc.free_pages != cache.host_alloc.capacity_pages:
         raise ValueError("restore: the host tier is not empty")
     sums = cache.engine.sums if cache.engine is not None else None
@@ -194,6 +201,7 @@ def restore(cache: HiRadixCache, snapshot: Any, model: str | None = None) -> Res
             sums.sums[node.host_pages] = np.frombuffer(entry[4], dtype="<u8")
         where[id(node)] = len(kept)
         up = node.parent
+        assert up is not None  # (just hung under it)
         kept.append([-1 if up.parent is None else where[id(up)], *entry[1:]])
     for root in cache.tree.roots():  # a namespace whose entries all went leaves no root
         if not root.children:
@@ -206,7 +214,9 @@ def _adopt(
 ) -> tuple[TreeNode | None, int]:
     """One entry made a host-only leaf (returned), or None and the tokens it named."""
     tree, alloc, pb = cache.tree, cache.host_alloc, cache.tree.page_bytes
+    assert alloc is not None  # (restore: a host tier)
     tokens = 0
+    parent: TreeNode | None
     try:
         parent_at, namespace, key, raw_pages, raw_sums = entry
         pages = np.frombuffer(raw_pages, dtype=np.int64).copy()

@@ -32,7 +32,7 @@ class LayoutSpec:
 
 
 LAYER_FIRST = LayoutSpec("layer_first", ("kv", "L", "P", "ps", "HD"), (0, 1, 2, 3, 4))
-LAYOUTS: dict[HostLayout, LayoutSpec] = {
+LAYOUTS: dict[str, LayoutSpec] = {  # by HostLayout (a str: its value finds it too)
     HostLayout.LAYER_FIRST: LAYER_FIRST,
     HostLayout.PAGE_FIRST: LayoutSpec("page_first", ("kv", "P", "ps", "L", "HD"), (0, 3, 1, 2, 4)),
     HostLayout.PAGE_FIRST_DIRECT: LayoutSpec(
@@ -82,8 +82,9 @@ class KVPool:
         return self.config.page_size * self.config.token_bytes
 
     def close(self) -> None:
-        self.page_view = None  # type: ignore[assignment]
-        self.buffer = None  # type: ignore[assignment]
+        # dropped, so that the memory can go: a closed pool is never read again
+        self.page_view = None  # type: ignore[assignment]  # (a live pool's are never None)
+        self.buffer = None  # type: ignore[assignment]  # (a live pool's are never None)
         self.backing.close()
 
 

@@ -160,11 +160,12 @@ class TierEvents:
             # order they were touched), then the rest deepest first; a node's pages last first
             left = [n for n in gone if n.parent is None]
             stay = sorted((n for n in gone if n.parent is not None), key=_depth, reverse=True)
-            gone_hashes = [int(h) for n in left + stay for h in n.ev_hashes[::-1]]
+            # (ignore: announced nodes are hashed, _stored computed their hashes)
+            gone_hashes = [int(h) for n in left + stay for h in n.ev_hashes[::-1]]  # type: ignore[index]
             new_hashes = {int(h) for n in new for h in self.hashes(n)}
             again = new_hashes.intersection(gone_hashes)  # cached anew in the same batch
             for node in new:
-                if not again.issuperset(int(h) for h in node.ev_hashes):
+                if not again.issuperset(int(h) for h in self.hashes(node)):  # (as computed above)
                     stores.append((_depth(node), self._stored(node, medium)))
             kept = [h for h in gone_hashes if h not in again]
             if kept:

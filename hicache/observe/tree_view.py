@@ -73,9 +73,10 @@ def _post_order(root: TreeNode) -> list[TreeNode]:
 
 
 def _prefix(node: TreeNode, below: dict[int, int]) -> dict[str, Any]:
-    length, first = node.num_tokens, node
-    while first.parent.parent is not None:  # up to the first-level node (its parent: a root)
-        first = first.parent
+    length, first, up = node.num_tokens, node, node.parent
+    assert up is not None  # (_post_order: no roots)
+    while up.parent is not None:  # up to the first-level node (its parent: a root)
+        first, up = up, up.parent
         length += first.num_tokens
     tiers = ("D" if node.device_pages is not None else "") + (
         "H" if node.host_pages is not None else ""

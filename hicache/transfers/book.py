@@ -116,6 +116,7 @@ class TransferBook:
             self.counters.backup_failed_tokens += tokens
             return False
         device = np.concatenate([n.device_page_ids() for n in nodes])
+        assert self.engine is not None  # (made with the host tier)
         ticket = self.engine.submit(Direction.BACKUP, device, host)
         locked = [] if evict_on_ack else list(nodes)
         record = TransferRecord(ticket, Direction.BACKUP, list(nodes), locked, tokens, evict_on_ack)
@@ -174,6 +175,7 @@ class TransferBook:
             self.tiering.push_device(anchor)
             return None
         host = np.concatenate([n.host_pages for n in chain])
+        assert self.engine is not None  # (a host-only chain: there is a host tier)
         ticket = self.engine.submit(Direction.LOAD, device, host)
         record = TransferRecord(ticket, Direction.LOAD, list(chain), [chain[-1]], tokens)
         for n, mine in zip(chain, _split_pages(device, chain, self.page_size), strict=True):
@@ -188,7 +190,8 @@ class TransferBook:
         """Ticket of the load still writing ``node`` or an ancestor (the deepest), if any."""
         while node.parent is not None:
             if node.io is IOState.LOAD:
-                return node.transfer.ticket  # type: ignore[union-attr]
+                assert node.transfer is not None  # (io=LOAD: the load's record)
+                return node.transfer.ticket
             node = node.parent
         return None
 
@@ -197,10 +200,12 @@ class TransferBook:
         tickets = set()
         while node.parent is not None:
             if node.io is IOState.LOAD:
-                tickets.add(node.transfer.ticket)  # type: ignore[union-attr]
+                assert node.transfer is not None  # (io=LOAD: the load's record)
+                tickets.add(node.transfer.ticket)
             node = node.parent
         if not tickets:
             return True
+        assert self.engine is not None  # (a load in flight: there is a host tier)
         done = self.engine.wait(tickets, timeout)
         self.poll()
         return done
@@ -210,7 +215,8 @@ class TransferBook:
         """Wait for every copy in flight and process the acks; False when none was."""
         if not self.records:
             return False
-        self.engine.wait(list(self.records))  # type: ignore[union-attr]
+        assert self.engine is not None  # (copies in flight: there is a host tier)
+        self.engine.wait(list(self.records))
         self.poll()
         return True
 
@@ -246,7 +252,9 @@ class TransferBook:
         for node in record.locked:
             self.tree.dec_lock(node)
         if not ok:  # the host copy is garbage: forget it, the device copy is intact
+            assert self.host_alloc is not None  # (a backup: there is a host tier)
             for node in record.nodes:
+                assert node.host_pages is not None  # (the backup's)
                 self.host_alloc.release(node.host_pages)
                 node.host_pages = None
             self.counters.backup_failed_tokens += record.tokens
@@ -287,6 +295,7 @@ class TransferBook:
             for _ in range(held):
                 self.tree.dec_lock(node)
             if held:
+                assert anchor is not None  # (the device node or root the chain hangs from)
                 self.moved_locks.add(node, anchor, held)
                 if anchor.parent is not None:
                     self.user_locks[anchor] += held

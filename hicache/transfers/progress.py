@@ -54,8 +54,8 @@ class LayerProgress:
         (``FAILED``: the copy raised)."""
         store_release(self.words, ticket % self.capacity, (ticket << LAYER_BITS) | layers_done)
 
-    # ---- reader (any process) ----------------------------------------------------------------
-    def layers_done(self, ticket: Ticket) -> int:
+    # ---- reader (any process: a ticket is a Ticket, or the int a client was sent) ------------
+    def layers_done(self, ticket: int) -> int:
         """Layers of load ``ticket`` on the device (num_layers once finished, 0 if not started).
         Raises LoadFailed when its copy raised."""
         word = load_acquire(self.words, ticket % self.capacity)
@@ -69,7 +69,7 @@ class LayerProgress:
             raise LoadFailed(f"load {ticket} failed: its KV is not on the device")
         return layers
 
-    def wait_layer(self, ticket: Ticket, layer: int, timeout: float | None = None) -> bool:
+    def wait_layer(self, ticket: int, layer: int, timeout: float | None = None) -> bool:
         """Block until ``layer`` of load ``ticket`` is on the device; False on timeout.
         Raises LoadFailed when the copy raised, ValueError for a layer out of range.
 

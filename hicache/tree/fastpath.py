@@ -36,7 +36,7 @@ def page_slots(pages: bytes, page_size: int) -> bytearray:
     """The int64 slots of int64 page ids, page by page (page * page_size + offset)."""
     if USE_C:
         return _fast.page_slots(pages, page_size)
-    if page_size < 1 or len(pages) % 8:
+    if page_size < 1 or memoryview(pages).nbytes % 8:  # (bytes or an array: its bytes)
         raise ValueError("page_slots: need page_size >= 1 and int64 pages")
     ids = np.frombuffer(pages, dtype=np.int64)
     if len(ids) and page_size > MAX_SLOT_BYTES // 8 // len(ids):
@@ -95,7 +95,7 @@ def own_nodes(path: list[TreeNode], i: int, pos: int, slots: bytes, page_size: i
 
 def _ssize(value: object) -> int:
     """``value`` as C's Py_ssize_t would take it: an int (TypeError), within 64 bits."""
-    value = operator.index(value)  # type: ignore[arg-type]
+    value = operator.index(value)  # type: ignore[arg-type]  # anything: TypeError, as C's
     if not -(2**63) <= value < 2**63:
         raise OverflowError("Python int too large to convert to C ssize_t")
     return value
@@ -147,8 +147,9 @@ def unpack_shared(frame: bytes | memoryview, lengths: list[int], shared: list[in
     return out
 
 
-def common_tokens(node_key: bytes, key: bytes, pos: int) -> int:
-    """How many leading int32 tokens ``node_key`` and ``key[pos:]`` share."""
+def common_tokens(node_key: bytes | np.ndarray, key: bytes | np.ndarray, pos: int) -> int:
+    """How many leading int32 tokens ``node_key`` and ``key[pos:]`` share (int32 arrays too,
+    at ``pos`` 0: pack_shared's)."""
     if USE_C:
         return _fast.common_bytes(node_key, key, pos) >> 2
     if not 0 <= pos <= len(key):

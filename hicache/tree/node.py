@@ -20,8 +20,14 @@ eviction only takes device leaves and load-back loads a whole host-only chain at
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from hicache.l3.jobs import Write
+    from hicache.transfers.book import TransferRecord
+    from hicache.tree.radix_tree import Namespace
 
 
 class IOState(IntEnum):
@@ -49,7 +55,7 @@ class TreeNode:
     PAGED = {"device_pages": 8, "host_pages": 1, "ev_hashes": 1}  # cut: elements per page
     __slots__ = OWN + SHARED + tuple(PAGED)
 
-    def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: object):
+    def __init__(self, node_id: int, key: bytes, parent: TreeNode | None, namespace: Namespace):
         self.id = node_id  # unique per cache; also the heap tie-breaker
         self.key = key  # token ids as int32 little-endian bytes; len is 4 * page-multiple
         # children by first page of tokens (bytes). A dict, not defaultdict: lookups must never
@@ -68,10 +74,10 @@ class TreeNode:
         self.last_access = 0  # logical clock of the last match or insert through it
         self.created = 0  # logical clock at creation (FIFO eviction)
         self.io = IOState.NONE  # transfer in flight over this node's pages
-        self.transfer: object | None = None  # the TransferRecord behind `io`, if any
+        self.transfer: TransferRecord | None = None  # the TransferRecord behind `io`, if any
         # the third tier (l3/tier.py): None (not known to be in the store), True (stored),
         # or the write putting it now (it keeps the host pages readable until it ends)
-        self.l3: object | None = None
+        self.l3: Write | bool | None = None
         # KV events (kv_events.py): the tiers this node's pages were last announced on (bits),
         # and its pages' block hashes once computed
         self.ev = 0
@@ -99,7 +105,8 @@ class TreeNode:
         return np.frombuffer(self.key, dtype=np.int32)
 
     def device_page_ids(self) -> np.ndarray:
-        """The device page ids as a read-only int64 array (zero-copy)."""
+        """The device page ids as a read-only int64 array (zero-copy); a device node's only."""
+        assert self.device_pages is not None
         return np.frombuffer(self.device_pages, dtype=np.int64)
 
     def has_device_child(self) -> bool:

@@ -13,6 +13,7 @@ nodes, ``protected_tokens`` device tokens in locked nodes; the lock walks keep t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Literal, overload
 
 import numpy as np
 
@@ -45,6 +46,10 @@ class RadixTree:
         self._next_id += 1
         return node
 
+    @overload
+    def root(self, namespace: Namespace, create: Literal[True]) -> TreeNode: ...
+    @overload
+    def root(self, namespace: Namespace, create: bool = False) -> TreeNode | None: ...
     def root(self, namespace: Namespace, create: bool = False) -> TreeNode | None:
         """The root of ``namespace`` (created on demand when ``create``)."""
         if namespace is None:
@@ -129,8 +134,9 @@ class RadixTree:
                 setattr(node, field, whole[cut:])
         for work in (node.transfer, node.l3):  # a transfer or an L3 write reads both halves
             if hasattr(work, "nodes"):
-                work.nodes.append(upper)
-        upper.parent.children[node.key[: self.page_bytes]] = upper  # type: ignore[union-attr]
+                work.nodes.append(upper)  # type: ignore[union-attr]  # hasattr: one of those
+        assert upper.parent is not None  # (a root is never split: its key is empty)
+        upper.parent.children[node.key[: self.page_bytes]] = upper
         node.key = node.key[nbytes:]
         node.parent = upper
         upper.children[node.key[: self.page_bytes]] = node

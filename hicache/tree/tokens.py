@@ -70,4 +70,4 @@ def as_slots(indices: object, name: str = "device_indices") -> np.ndarray:
     """Slot indices as a 1-D int64 array; raises InvalidIndicesError for anything else."""
     if indices is None:
         raise InvalidIndicesError(f"{name}: missing")
-    return as_int64(indices, name)  # type: ignore[arg-type]
+    return as_int64(indices, name)  # type: ignore[arg-type]  # anything: it raises for the rest
