@@ -20,7 +20,7 @@ import logging
 import os
 import secrets
 import time
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import numpy as np
 import zmq
@@ -73,7 +73,13 @@ DEFER_AT_MOST_S = 1.0  # housekeeping's optional parts wait for others' requests
 POLL_MS = int(HOUSEKEEP_S * 1000)
 METRICS_EVERY_S = 1.0  # how often the metrics snapshot is refreshed
 DUMP_EVERY_S = 1.0  # KV event dumps are made at most this often (one serves every asker)
-T = TypeVar("T")
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=Closable)
 
 __all__ = ["Daemon", "EndpointError", "bind_address"]
 
@@ -130,9 +136,9 @@ class Daemon:
             self.close()
             raise
 
-    def _closing(self, resource: T) -> T:
+    def _closing(self, resource: C) -> C:
         """``resource``, its ``close`` registered on the stack."""
-        self._stack.callback(resource.close)  # type: ignore[attr-defined]
+        self._stack.callback(resource.close)
         return resource
 
     # ---- builders: each makes one resource and registers its close ---------------------------

@@ -80,9 +80,7 @@ def slots_of_page_ids(pages: bytes | np.ndarray, page_size: int) -> torch.Tensor
     """
     if page_size == 1:  # page ids are the slots
         return _int64_tensor(bytearray(pages))
-    # (ignore: an int64 array too, client/results.py's. C's page_slots takes any buffer; its
-    # Python twin, HICACHE_NO_C, reads an array's len() as bytes: a known bug, not fixed here)
-    return _int64_tensor(page_slots(pages, page_size))  # type: ignore[arg-type]
+    return _int64_tensor(page_slots(pages, page_size))  # (bytes, or client/results.py's array)
 
 
 def _int64_tensor(buf: bytearray) -> torch.Tensor:

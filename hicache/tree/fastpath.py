@@ -32,11 +32,12 @@ def min_token(tokens: np.ndarray | bytes | memoryview) -> int:
     return min(int(arr.min()), 0) if len(arr) else 0
 
 
-def page_slots(pages: bytes, page_size: int) -> bytearray:
+def page_slots(pages: bytes | np.ndarray, page_size: int) -> bytearray:
     """The int64 slots of int64 page ids, page by page (page * page_size + offset)."""
     if USE_C:
         return _fast.page_slots(pages, page_size)
-    if page_size < 1 or memoryview(pages).nbytes % 8:  # (bytes or an array: its bytes)
+    nbytes = pages.nbytes if isinstance(pages, np.ndarray) else len(pages)  # (not an array's len)
+    if page_size < 1 or nbytes % 8:
         raise ValueError("page_slots: need page_size >= 1 and int64 pages")
     ids = np.frombuffer(pages, dtype=np.int64)
     if len(ids) and page_size > MAX_SLOT_BYTES // 8 // len(ids):
