@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
     from hicache.config import HiCacheConfig
     from hicache.memory import PagedAllocator, PageState
-    from hicache.transfers.book import TransferRecord
     from hicache.tree import RadixTree, TreeNode
     from hicache.types import EvictResult
 
@@ -45,7 +44,7 @@ class CacheView(Protocol):
     l3: Any  # L3Tier | None: the third tier (its own checks, the pages it holds)
 
     @property
-    def records(self) -> dict[Any, TransferRecord]:
+    def records(self) -> dict[Any, Any]:  # (TransferRecord: transfers/ sits above this)
         """By ticket: copies submitted, not acknowledged."""
         ...
 

@@ -59,8 +59,8 @@ def _check_node_state(cache: CacheView, node: TreeNode) -> None:
         if node.transfer is not None or node.host_ref:
             _fail(f"{node}: no transfer, yet a record or host protection")
         return
-    record = node.transfer
-    if record is None or cache.records.get(record.ticket) is not record:
+    record = None if node.transfer is None else cache.records.get(node.transfer.ticket)
+    if record is None or record is not node.transfer:
         _fail(f"{node}: io={node.io.name} without a live transfer record")
     if node not in record.nodes or node.host_pages is None:
         _fail(f"{node}: not listed by its record, or no host pages")

@@ -9,9 +9,10 @@ out=$(mktemp -d /tmp/hicache-sanitize-XXXXXX)
 trap 'rm -rf "$out"' EXIT
 # the installed layout (hicache/ with daemon/, client/, kernels/ inside it) and the tests, run
 # from there: the working directory comes first on sys.path, so this copy is what imports
-mkdir -p "$out/hicache"
-cp -r hicache/*.py hicache/l3 "$out/hicache/"
+cp -r hicache "$out/hicache"  # (every subpackage; its built helpers replaced below)
+rm -f "$out"/hicache/_*.so
 for sub in daemon client kernels; do cp -r "$sub" "$out/hicache/$sub"; done
+find "$out" -name __pycache__ -prune -exec rm -rf {} +
 cp -r tests pyproject.toml "$out/"
 inc=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 suffix=$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
@@ -28,7 +29,9 @@ export LD_PRELOAD="$preload" ASAN_OPTIONS="detect_leaks=0:abort_on_error=1" \
   PYTHONPATH="$out" TRITON_INTERPRET=1
 cd "$out"
 $PY -c "import hicache.tree.fastpath as f, hicache.transfers.cpu_copy as c, sys; \
-sys.exit(0 if f.USE_C and c.USE_C and f._fast.__file__.startswith('$out') else 'no sanitized C')"
+import hicache.daemon.server as d; \
+mine = all(m.__file__.startswith('$out') for m in (f, c, d, f._fast)); \
+sys.exit(0 if f.USE_C and c.USE_C and mine else 'no sanitized C, or not this copy')"
 $PY -m pytest -q -p no:cacheprovider --capture=sys tests/test_c_hostile.py tests/test_fastpath.py \
   tests/test_copy_paths.py tests/test_handlers_fuzz.py tests/test_protocol.py \
   "tests/test_guards.py::test_a_peer_that_never_reads_cannot_stall_the_daemon" \

@@ -716,7 +716,7 @@ def test_engine_totals_saturate_and_a_bad_goodbye_still_ends_the_session(ep):
     """Hostile review: totals past 2**64 made every STATS reply unsendable; a goodbye with a
     figure the daemon refuses left the session (and its pages) to its lease."""
     from hicache.client.connection import DaemonError
-    from hicache.daemon.requests import SATURATED, EngineCounts
+    from hicache.daemon.sessions import SATURATED, EngineCounts
     from hicache.protocol import Op
     from tests.test_engine_tier import layout
 

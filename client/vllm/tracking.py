@@ -9,29 +9,32 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import torch
 
 from hicache.client.results import Match
 from hicache.client.vllm.meta import PoolRef
 
-if TYPE_CHECKING:
-    from hicache.client.vllm.scheduler import SchedulerSide
+
+class Timed(Protocol):
+    """What ``timed`` adds to: a scheduler side's figures."""
+
+    figures: Figures
+
 
 P = ParamSpec("P")
 R = TypeVar("R")
+S = TypeVar("S", bound=Timed)
 
 
-def timed(
-    method: Callable[Concatenate[SchedulerSide, P], R],
-) -> Callable[Concatenate[SchedulerSide, P], R]:
+def timed(method: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
     """Adds the call's CPU time on this thread to ``self.figures.scheduler_s`` (the time spent
     waiting for the daemon is added by DaemonLink: wall time would also count the other
     threads of vLLM's process that run meanwhile)."""
 
     @functools.wraps(method)
-    def wrapper(self: SchedulerSide, /, *args: P.args, **kw: P.kwargs) -> R:
+    def wrapper(self: S, /, *args: P.args, **kw: P.kwargs) -> R:
         started = time.thread_time()
         try:
             return method(self, *args, **kw)

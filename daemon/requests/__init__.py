@@ -13,12 +13,10 @@ from hicache.lazy import lazy_exports
 
 _EXPORTS = {
     "Call": "hicache.daemon.requests.context",
-    "EngineCounts": "hicache.daemon.requests.engine_counts",
     "EngineTier": "hicache.daemon.requests.engine_tier",
     "Handlers": "hicache.daemon.requests.handlers",
     "IDLE_BUDGET_S": "hicache.daemon.requests.capacity_feed",
     "L3Waits": "hicache.daemon.requests.l3_waits",
-    "SATURATED": "hicache.daemon.requests.engine_counts",
     "Transport": "hicache.daemon.requests.context",
     "ViewBudget": "hicache.daemon.requests.view_budget",
     "WAKE_ID": "hicache.daemon.requests.l3_waits",
@@ -26,12 +24,10 @@ _EXPORTS = {
 }
 __all__ = [
     "Call",
-    "EngineCounts",
     "EngineTier",
     "Handlers",
     "IDLE_BUDGET_S",
     "L3Waits",
-    "SATURATED",
     "Transport",
     "ViewBudget",
     "WAKE_ID",
@@ -42,7 +38,6 @@ __getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 if TYPE_CHECKING:
     from hicache.daemon.requests.capacity_feed import IDLE_BUDGET_S
     from hicache.daemon.requests.context import Call, Transport
-    from hicache.daemon.requests.engine_counts import SATURATED, EngineCounts
     from hicache.daemon.requests.engine_tier import EngineTier
     from hicache.daemon.requests.handlers import Handlers, printable
     from hicache.daemon.requests.l3_waits import WAKE_ID, L3Waits

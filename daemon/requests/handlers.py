@@ -26,7 +26,6 @@ from hicache.cache import HiRadixCache
 from hicache.daemon.requests.cache_ops import CacheOps
 from hicache.daemon.requests.capacity_feed import CapacityFeed
 from hicache.daemon.requests.context import NO_CALL, Call, Transport
-from hicache.daemon.requests.engine_counts import SATURATED, EngineCounts, reported
 from hicache.daemon.requests.engine_tier import EngineTier, no_layout
 from hicache.daemon.requests.fields import bool_field, int_field
 from hicache.daemon.requests.l3_waits import Deferred
@@ -34,12 +33,15 @@ from hicache.daemon.requests.latency import RequestStats
 from hicache.daemon.requests.tier_names import TierNames
 from hicache.daemon.requests.view_budget import ViewBudget
 from hicache.daemon.sessions import (
+    SATURATED,
     Ended,
+    EngineCounts,
     ServiceClock,
     Session,
     SessionLimits,
     SessionTable,
     process_pid,
+    reported,
 )
 from hicache.daemon.transport import process_alive
 from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError

@@ -30,16 +30,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.daemon.requests import EngineCounts
+from hicache.daemon.sessions.engine_counts import EngineCounts
+from hicache.daemon.transport import LOCAL_USER, USER_SHARE
 from hicache.errors import IntegrityError
 from hicache.protocol import DEFAULT_LEASE_S, ErrorCode, ProtocolError
 
 FORGET_AFTER = 65536  # lapsed session keys remembered (to answer LEASE_EXPIRED, not UNKNOWN)
 DEFAULT_MAX_SESSIONS = 4096  # live and quarantined sessions at once
 MAX_SESSIONS_PER_PEER = 16  # sessions one connection may have open (an engine opens one)
-LOCAL_USER = "local uid "  # a user named so is a local uid (tcp without keys), not a key
-USER_SHARE = 4  # one CurveZMQ client key holds at most this share (1/4) of max_sessions, and
-# so do one local user on tcp without keys and one process over ipc (however many connections)
 
 
 def holder(user: str) -> str:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from hicache.lazy import lazy_exports
 
 _EXPORTS = {
+    "LOCAL_USER": "hicache.daemon.transport.inbox",
+    "USER_SHARE": "hicache.daemon.transport.wire_watch",
     "AdminToken": "hicache.daemon.transport.endpoint",
     "BusyPoll": "hicache.daemon.transport.busy_poll",
     "EndpointClaim": "hicache.daemon.transport.endpoint",
@@ -32,6 +34,8 @@ _EXPORTS = {
     "watch": "hicache.daemon.transport.busy_poll",
 }
 __all__ = [
+    "LOCAL_USER",
+    "USER_SHARE",
     "AdminToken",
     "BusyPoll",
     "EndpointClaim",
@@ -63,13 +67,20 @@ if TYPE_CHECKING:
         bind_address,
         check_folder,
     )
-    from hicache.daemon.transport.inbox import Inbox, peer_pid, process_alive, process_of
+    from hicache.daemon.transport.inbox import (
+        LOCAL_USER,
+        Inbox,
+        peer_pid,
+        process_alive,
+        process_of,
+    )
     from hicache.daemon.transport.wire_watch import (
         HANDSHAKE_BYTES,
         IN_ALL,
         MAX_CONNECTIONS,
         PER_CONNECTION,
         SPARE_DESCRIPTORS,
+        USER_SHARE,
         WireWatch,
         connections_allowed,
         raise_descriptor_limit,

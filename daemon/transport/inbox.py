@@ -26,11 +26,11 @@ from collections import deque
 
 import zmq
 
-from hicache.daemon.sessions import LOCAL_USER
 from hicache.daemon.transport.busy_poll import BusyPoll, queued, yield_cpu
 from hicache.daemon.transport.wire_watch import SRCFD, WireWatch
 
 log = logging.getLogger("hicache.daemon")
+LOCAL_USER = "local uid "  # a user named so is a local uid (tcp without keys), not a key
 
 # pyzmq's send_multipart/recv_multipart do enum flag arithmetic in Python for every frame; the
 # backend methods with int flags do the same work in half the time (measured: 7 vs 15 us).

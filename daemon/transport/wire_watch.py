@@ -38,12 +38,14 @@ from dataclasses import dataclass
 
 import zmq
 
-from hicache.daemon.sessions import USER_SHARE
 from hicache.local_tcp import connection_uid
 from hicache.protocol import MAX_FRAME_BYTES
 
 log = logging.getLogger("hicache.daemon")
 
+USER_SHARE = 4  # one CurveZMQ client key holds at most this share (1/4) of max_sessions, and
+# so do one local user on tcp without keys and one process over ipc (however many connections);
+# one user's connections are bounded likewise (a quarter of them)
 CHECK_EVERY_S = 0.01  # how often the kernel's counts are read (at most; when the loop runs)
 CHECK_SHARE = 0.05  # ... and checks take at most this share of the reading thread's time
 PER_CONNECTION = 4 * MAX_FRAME_BYTES  # unread bytes one connection may make zmq hold

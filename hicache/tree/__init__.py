@@ -35,7 +35,7 @@ _EXPORTS = {
     "IO_LOAD": "hicache.tree.node",
     "IO_NONE": "hicache.tree.node",
     "TreeNode": "hicache.tree.node",
-    "Namespace": "hicache.tree.radix_tree",
+    "Namespace": "hicache.tree.node",
     "RadixTree": "hicache.tree.radix_tree",
     "TokenIds": "hicache.tree.tokens",
     "as_slots": "hicache.tree.tokens",
@@ -79,6 +79,6 @@ if TYPE_CHECKING:
     )
     from hicache.tree.insert import Inserter
     from hicache.tree.locks import MovedLocks
-    from hicache.tree.node import IO_BACKUP, IO_LOAD, IO_NONE, IOState, TreeNode
-    from hicache.tree.radix_tree import Namespace, RadixTree
+    from hicache.tree.node import IO_BACKUP, IO_LOAD, IO_NONE, IOState, Namespace, TreeNode
+    from hicache.tree.radix_tree import RadixTree
     from hicache.tree.tokens import TokenIds, as_slots, as_tokens, check_token_bytes

@@ -25,8 +25,8 @@ import numpy as np
 
 from hicache.memory import OWNED, TREE, PagedAllocator
 from hicache.tree.fastpath import own_nodes, slot_pages
-from hicache.tree.node import IO_LOAD, TreeNode
-from hicache.tree.radix_tree import Namespace, RadixTree
+from hicache.tree.node import IO_LOAD, Namespace, TreeNode
+from hicache.tree.radix_tree import RadixTree
 
 
 class Inserter:

@@ -20,14 +20,11 @@ eviction only takes device leaves and load-back loads a whole host-only chain at
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from hicache.l3.jobs import Write
-    from hicache.transfers.book import TransferRecord
-    from hicache.tree.radix_tree import Namespace
+Namespace = str | int | bytes | None  # what keeps prompts apart: one root per namespace
 
 
 class IOState(IntEnum):
@@ -74,10 +71,12 @@ class TreeNode:
         self.last_access = 0  # logical clock of the last match or insert through it
         self.created = 0  # logical clock at creation (FIFO eviction)
         self.io = IOState.NONE  # transfer in flight over this node's pages
-        self.transfer: TransferRecord | None = None  # the TransferRecord behind `io`, if any
+        # the TransferRecord behind `io`, if any (transfers/book.py: Any here, as the tree
+        # sits below the transfers and only keeps the reference)
+        self.transfer: Any = None
         # the third tier (l3/tier.py): None (not known to be in the store), True (stored),
         # or the write putting it now (it keeps the host pages readable until it ends)
-        self.l3: Write | bool | None = None
+        self.l3: Any = None  # (l3/jobs.py's Write: Any here, as for ``transfer``)
         # KV events (kv_events.py): the tiers this node's pages were last announced on (bits),
         # and its pages' block hashes once computed
         self.ev = 0

@@ -18,9 +18,8 @@ from typing import Literal, overload
 import numpy as np
 
 from hicache.tree.fastpath import common_tokens, descend
-from hicache.tree.node import TreeNode
+from hicache.tree.node import Namespace, TreeNode
 
-Namespace = str | int | bytes | None
 MAX_NAMESPACE = 1024  # characters of a str namespace, bytes of a bytes one
 
 
@@ -134,7 +133,7 @@ class RadixTree:
                 setattr(node, field, whole[cut:])
         for work in (node.transfer, node.l3):  # a transfer or an L3 write reads both halves
             if hasattr(work, "nodes"):
-                work.nodes.append(upper)  # type: ignore[union-attr]  # hasattr: one of those
+                work.nodes.append(upper)
         assert upper.parent is not None  # (a root is never split: its key is empty)
         upper.parent.children[node.key[: self.page_bytes]] = upper
         node.key = node.key[nbytes:]
