@@ -210,7 +210,7 @@ MUTATIONS = [
     ),
     Mutation(
         "engine-totals-unbounded",
-        "daemon/requests/engine_counts.py",
+        "daemon/sessions/engine_counts.py",
         "        self.loaded = min(SATURATED, self.loaded + other.loaded)",
         "        self.loaded = self.loaded + other.loaded",
         (
@@ -821,6 +821,11 @@ def installed_copy(dest: Path) -> None:
         shutil.copy2(ROOT / rel, target)
 
 
+def _count(path: Path, text: str) -> int:
+    """How often ``text`` stands in ``path`` (0: no such file, the rule moved)."""
+    return path.read_text().count(text) if path.exists() else 0
+
+
 def installed_path(path: str) -> str:
     top, _, rest = path.partition("/")
     return f"hicache/{top}/{rest}" if top in ("daemon", "client", "kernels") else path
@@ -863,7 +868,7 @@ def main() -> int:
     results = {}
     try:
         installed_copy(base)
-        stale = [m for m in chosen if (base / installed_path(m.path)).read_text().count(m.old) != 1]
+        stale = [m for m in chosen if _count(base / installed_path(m.path), m.old) != 1]
         for m in stale:  # (all of them said before anything runs)
             print(f"{m.name}: the text to replace is not in {m.path} exactly once (the rule "
                   "moved: update this mutation)")  # fmt: skip
