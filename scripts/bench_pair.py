@@ -86,11 +86,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("base", help="the revision before the change (a commit)")
     ap.add_argument("--rounds", type=int, default=3, help="before/after pairs")
-    ap.add_argument("bench", nargs=argparse.REMAINDER, help="-- NAME [ARGS]: scripts/NAME.py")
-    args = ap.parse_args()
-    bench = [b for b in args.bench if b != "--"]
-    if not bench:
-        ap.error("name a benchmark after --")
+    argv = sys.argv[1:]
+    if "--" not in argv or argv.index("--") == len(argv) - 1:
+        ap.error("name a benchmark after --: ... -- NAME [ARGS] (scripts/NAME.py)")
+    cut = argv.index("--")
+    args, bench = ap.parse_args(argv[:cut]), argv[cut + 1 :]
     if _git("diff", "--name-only", args.base, "--", "hicache/*.c").strip():
         raise SystemExit(f"the C helpers differ from {args.base}: build that revision apart")
     work = Path(tempfile.mkdtemp(prefix="hicache-pair-"))
