@@ -1,7 +1,8 @@
-"""Named identifiers and results shared across the core.
+"""Named results shared across the core (a match, an eviction), and the transfer ticket id.
 
-Ids get their own types so that a page id is never passed where a token slot is expected: at
-page_size 16, page 3 holds slots 48..63, and mixing the two is the classic paged-allocator bug.
+Page ids and token slots travel as int64 arrays (a node's pages as int64 bytes), never as
+scalars to type one by one: they are told apart by name (``*_pages``, ``*_indices``/slots),
+and a slot is page * page_size + offset (at page_size 16, page 3 holds slots 48..63).
 """
 
 from __future__ import annotations
@@ -16,10 +17,7 @@ from hicache.tree import page_slots
 if TYPE_CHECKING:
     from hicache.tree import TreeNode
 
-PageId = NewType("PageId", int)  # index of a page in a pool (device page 0 is the padding page)
-Slot = NewType("Slot", int)  # index of a token row in a pool: page * page_size + offset
 Ticket = NewType("Ticket", int)  # id of one asynchronous transfer, unique per TransferEngine
-NodeId = NewType("NodeId", int)  # id of a tree node, unique per cache
 
 
 class MatchResult:
