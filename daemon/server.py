@@ -356,7 +356,7 @@ class Daemon:
         assert self.cache is not None  # (made once there is a cache)
         settings = self.settings
         limits = SessionLimits.for_pool(
-            self.cache.device_alloc.capacity_pages,
+            self.cache.device_capacity_pages,
             settings.session_owned_fraction,
             settings.session_max_locks,
             settings.session_max_loads,
@@ -393,19 +393,18 @@ class Daemon:
             dump = []
             if tier is not None:
                 assert self.cache is not None  # (the tier's)
-                dump = tier.dump(self.cache.tree.iter_nodes())
+                dump = tier.dump(self.cache.nodes())
             pub.send_dump(list(peers), dump)  # (no cache yet: nothing held, just the end)
             self._next_dump = time.monotonic() + DUMP_EVERY_S
 
     def _share_progress(self, token: str) -> SharedMemoryBacking | None:
         """The layer-progress table engines read to wait for single layers of a load."""
         assert self.cache is not None  # (_make_cache: just made)
-        engine = self.cache.engine
-        if engine is None:
+        if not self.cache.config.host_enabled:  # (no host tier: no loads)
             return None
         backing = self.progress = SharedMemoryBacking(segment_name("progress", token))
         words = backing.allocate(PROGRESS_CAPACITY * 8, "layer progress").numpy().view(np.int64)
-        engine.progress = LayerProgress(words, self.cache.config.num_layers)
+        self.cache.share_progress(LayerProgress(words, self.cache.config.num_layers))
         return backing
 
     def _bind(self, endpoint: str) -> None:
@@ -576,11 +575,10 @@ class Daemon:
         if keeper is not None and self._worth_keeping and self.cache is not None:
             self.keeper = keeper
             # (a keeper: there is a host tier, its engine and its backing)
-            assert self.cache.engine is not None and self.cache.host_alloc is not None
             assert self._host is not None
-            self.cache.engine.wait(list(self.cache.records))  # the host copies are whole
+            self.cache.settle()  # the host copies are whole
             self.cache.poll()
-            if not self.cache.host_alloc.count(PageState.TREE):  # an empty tier: nothing to keep
+            if not self.cache.count_pages(PageState.TREE, "host"):  # an empty tier: nothing to keep
                 keeper.forget()
                 keeper.discard_previous()  # (the snapshot file, if an earlier one is there)
             elif self._keep_snapshot():

@@ -5,8 +5,9 @@ only the transfer engine copies on threads of its own. It composes its parts, ea
 the state it touches: ``Tiering`` (eviction, allocation that makes room: ``tiering.py``),
 ``TransferBook`` (backups, loads and their acks: ``transfers/book.py``) and ``Inserter`` (the
 insert path: ``tree/insert.py``); matches, locks and allocation are its own. The invariant
-checks (``integrity.py``) and the third tier see it through ``cache_view.py``'s interfaces,
-which the thin delegates at the end of the class keep whole.
+checks (``integrity.py``) and the third tier see it through ``cache_view.py``'s interfaces
+(its parts by name: ``tree``, ``tiering``); the daemon through the public methods, the
+operations and queries near the end of the class included.
 
 Who owns a device page: the free list, exactly one caller (after alloc, until insert or free),
 or the tree (after insert). Pages the tree hands to a copy stay the tree's until the copy's ack.
@@ -15,7 +16,7 @@ or the tree (after insert). Pages the tree hands to a copy stay the tree's until
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,6 +55,7 @@ from hicache.write_policy import make_write_policy
 if TYPE_CHECKING:
     from hicache.l3 import L3Tier
     from hicache.observe import TierEvents
+    from hicache.transfers import LayerProgress
     from hicache.transfers.book import TransferRecord
 
 EngineFactory = Callable[[DevicePool, HostPool, Copier], TransferEngine]
@@ -105,6 +107,23 @@ class HiRadixCache:
         self.moved_locks = MovedLocks()  # user locks moved off nodes a failed load dropped
         self.write_policy = make_write_policy(config)
         self.events: TierEvents | None = None  # KV events of tier changes (attach_events)
+        self.book: TransferBook  # backups, loads and their acks (made by tiering, below)
+
+        def book_for(room: Tiering) -> TransferBook:  # (each calls the other: tiering makes it)
+            self.book = TransferBook(
+                config,
+                self.tree,
+                self.device_alloc,
+                self.host_alloc,
+                self.engine,
+                self.write_policy,
+                self.counters,
+                room,
+                self.user_locks,
+                self.moved_locks,
+            )
+            return self.book
+
         self.tiering = Tiering(
             self.tree,
             self.device_alloc,
@@ -113,20 +132,8 @@ class HiRadixCache:
             self.host_heap,
             self.write_policy,
             self.counters,
+            book_for,
         )
-        self.book = TransferBook(
-            config,
-            self.tree,
-            self.device_alloc,
-            self.host_alloc,
-            self.engine,
-            self.write_policy,
-            self.counters,
-            self.tiering,
-            self.user_locks,
-            self.moved_locks,
-        )
-        self.tiering.book = self.book  # (each calls the other)
         self.inserter = Inserter(
             self.tree,
             self.device_alloc,
@@ -399,7 +406,7 @@ class HiRadixCache:
             self.host_pool.close()
         self.device_pool.close()
 
-    # ---- delegates: the parts' interface as the cache's (cache_view.py, the daemon) -------
+    # ---- the parts' operations as the cache's (the daemon, scripts) ----------------------
     @property
     def records(self) -> dict[Ticket, TransferRecord]:
         """Copies submitted and not acknowledged, by ticket (TransferRecord)."""
@@ -431,32 +438,69 @@ class HiRadixCache:
     def wait_load(self, node: TreeNode, timeout: float | None = None) -> bool:
         return self.book.wait_load(node, timeout)
 
+    def layer_handles(self, ticket: Ticket) -> list[bytes] | None:
+        """The CUDA IPC event handles of a load in flight, one per layer (None on the CPU)."""
+        return None if self.engine is None else self.engine.layer_handles(ticket)
+
     def poll(self) -> int:
         """Process every ack the transfer engine has; returns how many."""
         return self.book.poll()
 
-    @staticmethod
-    def _device_candidate(node: TreeNode) -> bool:
-        return Tiering.device_candidate(node)
+    def settle(self) -> bool:
+        """Mutates: waits for every copy in flight and processes the acks; False when none."""
+        return self.book.settle()
 
-    @staticmethod
-    def _host_candidate(node: TreeNode) -> bool:
-        return Tiering.host_candidate(node)
+    def share_progress(self, progress: LayerProgress) -> bool:
+        """Publish each load's finished layers in ``progress`` (a table engines read) from now
+        on; False, changing nothing, without a host tier (there are no loads)."""
+        if self.engine is None:
+            return False
+        self.engine.progress = progress
+        return True
 
-    def _push_device(self, node: TreeNode | None) -> None:
-        self.tiering.push_device(node)
+    # ---- what a caller may ask of the pools and the tree (reads only) ---------------------
+    @property
+    def device_capacity_pages(self) -> int:
+        return self.device_alloc.capacity_pages
 
-    def _push_host(self, node: TreeNode | None) -> None:
-        self.tiering.push_host(node)
+    @property
+    def host_capacity_pages(self) -> int:
+        """0 without a host tier."""
+        return 0 if self.host_alloc is None else self.host_alloc.capacity_pages
 
-    def _alloc_device(self, num_pages: int, state: PageState) -> np.ndarray | None:
-        return self.tiering.alloc_device(num_pages, state)
+    def page_states(self, pages: np.ndarray) -> np.ndarray:
+        """Each device page's PageState (a copy): OWNED is a caller's, TREE the tree's.
+        ``pages`` must be in range (``check_slots``)."""
+        return self.device_alloc.state[pages]
 
-    def _alloc_host_pages(self, num_pages: int, state: PageState) -> np.ndarray | None:
-        return self.tiering.alloc_host_pages(num_pages, state)
+    def count_pages(self, state: PageState, tier: str = "device") -> int:
+        """How many pages of the ``device`` or ``host`` pool are in ``state`` (0: no host)."""
+        alloc = self.device_alloc if tier == "device" else self.host_alloc
+        return 0 if alloc is None else alloc.count(state)
 
-    def _drop_empty_root(self, root: TreeNode) -> None:
-        self.tree.drop_if_empty(root)
+    def check_slots(self, slots: np.ndarray) -> None:
+        """Raise InvalidIndicesError unless every slot lies in the device pool."""
+        self.device_alloc.check_slot_range(slots)
+
+    def slots_of_pages(self, pages: np.ndarray) -> np.ndarray:
+        """The device slots of ``pages``, in order (``page_size`` per page)."""
+        return self.device_alloc.slots_of_pages(pages)
+
+    def extend_pages_needed(self, prefix_lens: np.ndarray, seq_lens: np.ndarray) -> int:
+        """Fresh device pages ``alloc_extend(prefix_lens, seq_lens, ...)`` would take."""
+        return self.device_alloc.extend_pages_needed(prefix_lens, seq_lens)
+
+    def nodes(self) -> Iterator[TreeNode]:
+        """Every node of every namespace (roots left out), parents before children."""
+        return self.tree.iter_nodes()
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree.num_nodes
+
+    def holds(self, node: TreeNode) -> bool:
+        """Whether ``node`` is still in the tree (evicted nodes are not)."""
+        return self.tree.in_tree(node)
 
     def __enter__(self) -> HiRadixCache:
         return self

@@ -6,8 +6,8 @@ that they do not import ``cache.py`` (which composes them) and a reader sees, he
 may touch. Nothing here is run; HiRadixCache satisfies both.
 
 - ``CacheView``: read only (the checks change nothing);
-- ``L3Host``: what the third tier reads, and the calls it makes to allocate pages, put fetched
-  pages into the tree and evict for room (each named below, each on the cache's one thread);
+- ``L3Host``: what the third tier reads, and the parts it calls to allocate pages, put fetched
+  pages into the tree and evict for room (``tree``, ``tiering``; each on the cache's one thread);
 - ``Backups`` and ``Room``: what the cache's two parts that call each other see of each other
   (``Tiering`` backs up through the ``TransferBook``, the book gets pages and drops nodes
   through tiering), so that neither module imports the other.
@@ -43,14 +43,15 @@ class CacheView(Protocol):
     events: Any  # TierEvents | None: what KV events announced
     l3: Any  # L3Tier | None: the third tier (its own checks, the pages it holds)
 
+
+    @property
+    def tiering(self) -> Room:  # who is an eviction candidate
+        ...
+
     @property
     def records(self) -> dict[Any, Any]:  # (TransferRecord: transfers/ sits above this)
         """By ticket: copies submitted, not acknowledged."""
         ...
-
-    def _device_candidate(self, node: TreeNode) -> bool: ...
-
-    def _host_candidate(self, node: TreeNode) -> bool: ...
 
 
 class L3Host(Protocol):
@@ -65,28 +66,12 @@ class L3Host(Protocol):
     device_pool: Any  # DevicePool
     host_pool: Any  # HostPool | None
 
+    @property
+    def tiering(self) -> Room:  # room for fetched pages (allocation that evicts), candidates
+        ...
+
     def evict(self, num_tokens: int, to_l3: bool = True) -> EvictResult:
         """Mutates: frees device pages (for room to fetch into)."""
-        ...
-
-    def _alloc_device(self, num_pages: int, state: PageState) -> np.ndarray | None:
-        """Mutates the device allocator (evicting if needed); None when no room."""
-        ...
-
-    def _alloc_host_pages(self, num_pages: int, state: PageState) -> np.ndarray | None:
-        """Mutates the host allocator (evicting host leaves if needed); None when no room."""
-        ...
-
-    def _push_device(self, node: TreeNode | None) -> None:
-        """Mutates the device eviction heap: ``node`` may now be a candidate."""
-        ...
-
-    def _push_host(self, node: TreeNode | None) -> None:
-        """Mutates the host eviction heap: ``node`` may now be a candidate."""
-        ...
-
-    def _drop_empty_root(self, root: TreeNode) -> None:
-        """Mutates the tree: forget a namespace's root with no children left."""
         ...
 
 
@@ -123,6 +108,8 @@ class Room(Protocol):
         ...
 
     def device_candidate(self, node: TreeNode) -> bool: ...
+
+    def host_candidate(self, node: TreeNode) -> bool: ...
 
     def drop_device(self, node: TreeNode) -> int:
         """Mutates: frees a synced node's device pages (it stays host-only); its tokens."""

@@ -118,8 +118,8 @@ def _check_heaps(cache: CacheView, nodes: list[TreeNode]) -> None:
     """Every eviction candidate has a heap entry at or below its current priority (lazy heaps
     whose entries are re-keyed when popped)."""
     for heap, is_candidate, tier in (
-        (cache.device_heap, cache._device_candidate, "device"),
-        (cache.host_heap, cache._host_candidate, "host"),
+        (cache.device_heap, cache.tiering.device_candidate, "device"),
+        (cache.host_heap, cache.tiering.host_candidate, "host"),
     ):
         if tier == "host" and cache.host_alloc is None:
             continue

@@ -12,14 +12,16 @@ Host eviction removes host-only leaves (no children at all; host-only nodes neve
 a transfer). Both re-queue a parent that becomes a candidate.
 
 What it touches is what its constructor takes: the tree, both page allocators and both
-eviction heaps, the write policy and the counters. It asks the transfer book (``book``, set
-once both exist: each calls the other) to back up what eviction must keep and to settle the
+eviction heaps, the write policy and the counters, and a maker of the transfer book: each calls
+the other, so the constructor hands itself to ``make_book`` (the book's ``Room``). It asks the
+book to back up what eviction must keep and to settle the
 copies in flight when it needs their pages, and the third tier (``l3``, once attached)
 whether it takes pages that leave. Control thread only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,6 +50,7 @@ class Tiering:
         host_heap: LeafHeap,
         write_policy: WritePolicy,
         counters: Counters,
+        make_book: Callable[[Tiering], Backups],
     ):
         self.tree = tree
         self.page_size = tree.page_size
@@ -57,8 +60,8 @@ class Tiering:
         self.host_heap = host_heap  # host eviction candidates
         self.write_policy = write_policy  # whether eviction backs up first
         self.counters = counters  # evicted tokens
-        self.book: Backups | None = None  # backups and the copies in flight (set after)
         self.l3: L3Tier | None = None  # the store under the lowest pool (attach_l3)
+        self.book: Backups = make_book(self)  # backups and the copies in flight
 
     # ---- candidates ----------------------------------------------------------------------
     @staticmethod
@@ -118,7 +121,6 @@ class Tiering:
             else:  # a write to the third tier still reads its pages: freed when it ends
                 pending += node.num_tokens
         if backups:
-            assert self.book is not None  # (set right after construction)
             if not self.book.backup(list(backups), evict_on_ack=True):
                 pending = 0
                 for node in backups:  # the host is full: fall back to dropping them
@@ -183,7 +185,6 @@ class Tiering:
             result = self.evict((num_pages - alloc.free_pages) * self.page_size)
             if alloc.free_pages >= num_pages:
                 return
-            assert self.book is not None  # (set right after construction)
             if self.book.settle():  # acks free write-back pages and release backup locks
                 continue
             if self.l3 is not None and self.l3.collect_writes():  # (never waits for one)

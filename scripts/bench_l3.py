@@ -149,7 +149,7 @@ def throughput(url: str, options: dict, pages: int = 256, reps: int = 6) -> dict
         for rep in range(reps):
             tokens = np.random.default_rng(rep).integers(1, 30000, pages * 16).astype(np.int32)
             writer.insert(tokens, writer.alloc(len(tokens)))
-            writer.engine.wait(list(writer.records))
+            writer.settle()
             keys = [f"raw-{model}-{rep}-{i}" for i in range(pages)]
             steps = {
                 "tier_write": partial(_tier_write, writer),

@@ -232,14 +232,14 @@ def snapshot_cost(seqs: int = 100) -> dict:
         new = cache.alloc(len(tokens) - m.device_hit_length)
         cache.insert(tokens, torch.cat([m.device_indices, new]))
         cache.match_prefix(tokens)  # the hit that backs it up (write_through)
-        cache.engine.wait(list(cache.records))
+        cache.settle()
         cache.poll()
     listing = host_snapshot.list_host(cache)
     list_s = best_of(partial(host_snapshot.list_host, cache))
     sum_s = best_of(partial(host_snapshot.sum_pages, cache, listing))
-    cache.host_alloc.watch_frees()
+    host_snapshot.watch_frees(cache)
     seal_s = best_of(partial(host_snapshot.seal, cache, listing, cache.host_alloc.freed))
-    cache.host_alloc.unwatch_frees()
+    host_snapshot.unwatch_frees(cache)
     nbytes = len(listing.pages) * cache.host_pool.page_view[:, :, 0].numel() * 2
     print(
         f"snapshot of {len(listing.nodes)} host nodes, {len(listing.pages)} pages "

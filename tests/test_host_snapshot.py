@@ -121,16 +121,15 @@ def test_a_page_reused_while_summed_in_the_background_is_left_out(guarded):
     old = make_cache(**shape)
     a = np.arange(1, 33, dtype=np.int32)
     warm(old, [a])
-    old.host_alloc.watch_frees()
+    host_snapshot.watch_frees(old)
     listing = host_snapshot.list_host(old)
     assert [len(p) for *_, p in listing.nodes] == [8]
     warm(old, [np.arange(1000, 1032, dtype=np.int32)])  # evicts a on both tiers, reuses its pages
     assert old.match_prefix(a).host_hit_length == 0
-    freed = old.host_alloc.freed
-    assert freed is not None and freed[listing.pages].all()
     host_snapshot.sum_pages(old, listing)  # (what the keeper's thread does)
+    freed = host_snapshot.unwatch_frees(old)
+    assert freed is not None and freed[listing.pages].all()
     snap = host_snapshot.seal(old, listing, freed if guarded else None)
-    old.host_alloc.unwatch_frees()
     new = make_cache(**shape)
     new.host_pool.buffer.copy_(old.host_pool.buffer)
     adopted = host_snapshot.restore(new, snap).adopted

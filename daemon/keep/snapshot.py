@@ -219,13 +219,13 @@ class HostKeeper:
         """Begin a periodic snapshot: written now under verify_pages, else listed now and
         summed in the background (``poll`` finishes it)."""
         self.next_at = time.monotonic() + self.every_s
-        if cache.engine is not None and cache.engine.sums is not None:
+        if cache.config.verify_pages:  # (the host tier's sums are kept up to date)
             self.write(cache, host)
             return
-        assert cache.host_pool is not None and cache.host_alloc is not None  # (kept: a host tier)
+        assert cache.host_pool is not None  # (kept: a host tier)
         if self._page_sums is None:
             self._page_sums = PageSums(cache.host_pool.page_view)
-        cache.host_alloc.watch_frees()
+        host_snapshot.watch_frees(cache)
         self._listing = host_snapshot.list_host(cache)
         self._job = self._worker().submit(
             host_snapshot.sum_pages, cache, self._listing, self._page_sums
@@ -237,10 +237,8 @@ class HostKeeper:
         job = self._job
         if job is None or not job.done():
             return
-        assert cache.host_alloc is not None  # (a job: start saw a host tier)
-        freed, listing = cache.host_alloc.freed, self._listing
+        freed, listing = host_snapshot.unwatch_frees(cache), self._listing
         self._job, self._listing = None, None
-        cache.host_alloc.unwatch_frees()
         if job.exception() is not None:
             log.error("host snapshot failed: %s", job.exception())
             return
@@ -266,8 +264,7 @@ class HostKeeper:
                 self._job.result()
             self._job = self._listing = None
             if cache is not None:
-                assert cache.host_alloc is not None  # (a job: start saw a host tier)
-                cache.host_alloc.unwatch_frees()
+                host_snapshot.unwatch_frees(cache)
         if self._writing is not None:
             try:
                 self._writing.result()

@@ -111,7 +111,7 @@ class CacheOps:
 
     # ---- helpers ----
     def _pages(self, slots: np.ndarray) -> list[int]:
-        self.cache.device_alloc.check_slot_range(slots)
+        self.cache.check_slots(slots)
         return np.unique(slots // self.cache.page_size).tolist()
 
     def _grant(self, session: Session, slots: Any, pages: int) -> Result:
@@ -147,7 +147,7 @@ class CacheOps:
                 ErrorCode.BAD_FIELD, f"alloc_extend: need 0 <= prefix_len <= seq_len <= {MAX_SEQ}"
             )
         self._check_partial(session, prefix, last)
-        pages = self.cache.device_alloc.extend_pages_needed(prefix, seq)
+        pages = self.cache.extend_pages_needed(prefix, seq)
         self.limits.check_owned(session, pages)
         return self._grant(session, self.cache.alloc_extend(prefix, seq, last), pages)
 
@@ -332,7 +332,7 @@ class CacheOps:
                 "match)",
             )
         none = {"loaded": 0, "ticket": 0}, [slots_frame(_NO_SLOTS)]
-        if not self.cache.tree.in_tree(record.host_node):  # host-evicted since the match
+        if not self.cache.holds(record.host_node):  # host-evicted since the match
             return none
         session.loads.intersection_update(self.cache.records)  # those still in flight
         self.limits.check_loads(session, len(session.loads))
@@ -343,8 +343,7 @@ class CacheOps:
         ticket = found or 0
         events = None
         if found:
-            assert self.cache.engine is not None  # (a load in flight: there is a host tier)
-            events = self.cache.engine.layer_handles(found)
+            events = self.cache.layer_handles(found)
         if wait:
             self.cache.wait_load(record.host_node)
             if record.host_node.device_pages is None:  # the copy failed: a miss, recompute
@@ -374,7 +373,7 @@ class CacheOps:
             chain.append(node.device_pages)
             node = node.parent
         pages = np.frombuffer(b"".join(reversed(chain)), dtype=np.int64)
-        return self.cache.device_alloc.slots_of_pages(pages)
+        return self.cache.slots_of_pages(pages)
 
     def insert(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """Insert each sequence in turn; a bad one stops the batch with an error reply, and the
@@ -426,9 +425,9 @@ class CacheOps:
         page is not the session's or the tree's (the batch then goes sequence by sequence, to
         fail where ``insert`` fails). Returns each sequence's prefix already cached."""
         every = np.concatenate(slots) if slots else np.empty(0, np.int64)
-        state = self.cache.device_alloc.state
+        states = self.cache.page_states
         pages = np.asarray(self._pages(every), dtype=np.int64)
-        kinds = state[pages] if len(pages) else pages
+        kinds = states(pages) if len(pages) else pages
         mine = pages[kinds == _OWNED]
         if not session.owns_all(mine.tolist()) or not (kinds[kinds != _OWNED] == _TREE).all():
             return None
@@ -440,7 +439,7 @@ class CacheOps:
                 if feed is not None:
                     feed.saw(False, seq, space)
         finally:  # (what is no longer OWNED joined the tree or was freed as a duplicate)
-            session.owned.difference_update(mine[state[mine] != _OWNED].tolist())
+            session.owned.difference_update(mine[states(mine) != _OWNED].tolist())
         return prefix_lens
 
     def _insert_one(
@@ -452,17 +451,17 @@ class CacheOps:
         if whole:
             aligned = len(seq) // self.cache.page_size * self.cache.page_size
             seq, slots = seq[:aligned], slots[:aligned]
-        state = self.cache.device_alloc.state
+        states = self.cache.page_states
         pages = np.asarray(self._pages(slots), dtype=np.int64)
-        mine = pages[state[pages] == _OWNED] if len(pages) else pages
+        mine = pages[states(pages) == _OWNED] if len(pages) else pages
         session.check_owned(mine.tolist())  # never another session's pages
         prefix_len = self.cache.insert(seq, slots, namespace=space)
         if self.capacity is not None:
             self.capacity.saw(False, seq, space)
         # what is no longer OWNED joined the tree or was freed as a duplicate
-        gone = mine[state[mine] != _OWNED]
+        gone = mine[states(mine) != _OWNED]
         session.owned.difference_update(gone.tolist())
-        return prefix_len, int(np.count_nonzero(state[gone] == _TREE))
+        return prefix_len, int(np.count_nonzero(states(gone) == _TREE))
 
     def _settled(self, seq: np.ndarray, space: Any) -> MatchResult:
         """The cached whole-page prefix of ``seq`` (a look-up, not a request), loads landed."""

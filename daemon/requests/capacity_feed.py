@@ -42,9 +42,8 @@ class CapacityFeed:
         ``engine_tier`` (a daemon for engines that own their device tier): the one pool is the
         engines' host tier, so the curve has no device tier (tier_names.py)."""
         if engine_tier:
-            return cls(cache.page_size, 0, cache.device_alloc.capacity_pages)
-        host = 0 if cache.host_alloc is None else cache.host_alloc.capacity_pages
-        return cls(cache.page_size, cache.device_alloc.capacity_pages, host)
+            return cls(cache.page_size, 0, cache.device_capacity_pages)
+        return cls(cache.page_size, cache.device_capacity_pages, cache.host_capacity_pages)
 
     def __init__(self, page_size: int, device_pages: int, host_pages: int):
         self.page_size = page_size

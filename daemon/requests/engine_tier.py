@@ -83,7 +83,7 @@ class EngineTier:
         self.layout = layout
         self.registrations += 1
         limits = SessionLimits.for_pool(
-            cache.device_alloc.capacity_pages,
+            cache.device_capacity_pages,
             s.session_owned_fraction,
             s.session_max_locks,
             s.session_max_loads,

@@ -103,7 +103,7 @@ class Handlers:
         # leases run on the service clock: time the daemon was not running does not count
         self.clock = clock or ServiceClock(max_gap=min(1.0, sessions.lease_s / 4))
         self.limits = limits or SessionLimits.for_pool(
-            0 if cache is None else cache.device_alloc.capacity_pages
+            0 if cache is None else cache.device_capacity_pages
         )
         self.admin_token = admin_token  # what an admin hello must show (None: no admins)
         self.started = self.clock()
@@ -274,7 +274,7 @@ class Handlers:
             self.cache.dec_lock_ref(record.node)
         if session.owned:
             pages = np.fromiter(session.owned, dtype=np.int64)
-            pages = pages[self.cache.device_alloc.state[pages] == OWNED]
+            pages = pages[self.cache.page_states(pages) == OWNED]
             self.cache.free(pages * self.cache.page_size)
             session.owned.clear()
 
@@ -394,8 +394,7 @@ class Handlers:
     def _settle(self) -> None:
         """Wait for in-flight copies and process their acks (admin ops act on settled data)."""
         assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
-        if self.cache.engine is not None:
-            self.cache.engine.wait(list(self.cache.records))
+        self.cache.settle()
         self.cache.poll()
 
     def evict(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
@@ -538,7 +537,6 @@ class Handlers:
                 raise IntegrityError("a session holds pages or locks, and there is no pool")
             return
         self.cache.check_integrity()
-        state = self.cache.device_alloc.state
         seen: dict[int, int] = {}
         locks: dict[TreeNode, int] = {}
         for s in self.sessions.holders():
@@ -546,7 +544,7 @@ class Handlers:
                 if page in seen:
                     raise IntegrityError(f"page {page} owned by sessions {seen[page]} and {s.id}")
                 seen[page] = s.id
-                if state[page] != OWNED:
+                if self.cache.page_states(np.array([page])) != OWNED:
                     raise IntegrityError(f"session {s.id} owns page {page}, which is not OWNED")
             for record in s.locks.values():
                 locks[record.node] = locks.get(record.node, 0) + 1
@@ -555,7 +553,7 @@ class Handlers:
                 raise IntegrityError(
                     f"session {s.id}: {s.pinned_pages} pinned pages, its locks say {charged[:8]}"
                 )
-        owned = int(np.count_nonzero(state == OWNED))
+        owned = self.cache.count_pages(OWNED)
         if owned != len(seen):
             raise IntegrityError(f"{owned} OWNED pages, {len(seen)} owned by sessions")
         for node, count in locks.items():  # (a lock on a root, a miss, holds nothing)
@@ -586,7 +584,7 @@ class Handlers:
         limit = int_field(fields, "max_nodes", 1, 100_000) if "max_nodes" in fields else 1000
         nodes: list[dict[str, Any]] = []
         tiers = self.tiers
-        for node in self.cache.tree.iter_nodes():
+        for node in self.cache.nodes():
             if len(nodes) == limit:
                 break
             assert node.parent is not None  # (iter_nodes: no roots)
@@ -602,4 +600,4 @@ class Handlers:
                     "io": node.io.name.lower(),
                 }
             )
-        return {"nodes": nodes, "total": self.cache.tree.num_nodes}, []
+        return {"nodes": nodes, "total": self.cache.num_nodes}, []

@@ -44,20 +44,20 @@ class HostSide:
         """``want`` OWNED pages, evicting host-only leaves first, then device copies of nodes
         the host holds too (they become host-only, and evictable); None when short."""
         cache = self.cache
-        pages = cache._alloc_host_pages(want, PageState.OWNED)
+        pages = cache.tiering.alloc_host_pages(want, PageState.OWNED)
         if pages is None:
             cache.evict(want * cache.page_size)
-            pages = cache._alloc_host_pages(want, PageState.OWNED)
+            pages = cache.tiering.alloc_host_pages(want, PageState.OWNED)
         return pages
 
     def add_leaf(self, parent: TreeNode, key: bytes, pages: np.ndarray) -> TreeNode:
         """Fetched, verified OWNED pages become a host-only leaf (TREE)."""
         cache = self.cache
-        self.alloc.state[pages] = PageState.TREE
+        self.alloc.settle_pages(pages, PageState.TREE)
         if cache.engine is not None and cache.engine.sums is not None:
             cache.engine.sums.seal(pages)  # (verified by the store's own checksum)
         leaf = cache.tree.add_host_leaf(parent, key, pages)
-        cache._push_host(leaf)
+        cache.tiering.push_host(leaf)
         return leaf
 
 
@@ -78,14 +78,14 @@ class OnlySide:
 
     def room(self, want: int) -> np.ndarray | None:
         """``want`` OWNED pages, evicting unlocked leaves when short; None when short."""
-        return self.cache._alloc_device(want, PageState.OWNED)
+        return self.cache.tiering.alloc_device(want, PageState.OWNED)
 
     def add_leaf(self, parent: TreeNode, key: bytes, pages: np.ndarray) -> TreeNode:
         """Fetched, verified OWNED pages become an unlocked leaf (TREE), as an insert makes."""
         cache = self.cache
-        self.alloc.state[pages] = PageState.TREE
+        self.alloc.settle_pages(pages, PageState.TREE)
         leaf = cache.tree.add_leaf(parent, key, pages.astype("<i8", copy=False).tobytes())
-        cache._push_device(leaf)
+        cache.tiering.push_device(leaf)
         return leaf
 
 

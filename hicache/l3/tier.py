@@ -278,7 +278,7 @@ class L3Tier:
                 fetch.adopted = m - start
                 self.counters.adopted_pages += fetch.adopted
             elif not path:
-                cache._drop_empty_root(root)
+                cache.tree.drop_if_empty(root)
         if keep:
             start, stop = keep
             rest = np.concatenate([pages[:start], pages[stop:]])

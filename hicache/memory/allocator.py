@@ -129,6 +129,12 @@ class PagedAllocator:
         self._top = len(keep)
         self.state[pages] = state
 
+    def settle_pages(self, pages: np.ndarray, state: PageState) -> None:
+        """Mutates: a caller's OWNED pages (distinct, in range) become ``state`` (TREE when
+        they join the tree). Raises, changing nothing, for a page that is not OWNED."""
+        self.check_owned(pages)
+        self.state[pages] = state
+
     def check_pages(self, pages: np.ndarray, expected: PageState | None = None) -> None:
         """Raise unless ``pages`` are distinct, in range, allocated (and in ``expected``)."""
         if pages.size == 0:

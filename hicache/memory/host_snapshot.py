@@ -89,6 +89,25 @@ class Listing:
     sums: np.ndarray | None = None  # their checksums, once computed (uint64)
 
 
+def watch_frees(cache: HiRadixCache) -> None:
+    """Mutates the host allocator: it marks every page freed from now on (anew), so that a
+    listing made next can be sealed against them. Cache thread."""
+    if cache.host_alloc is None:
+        raise ValueError("snapshot: the cache has no host tier")
+    cache.host_alloc.watch_frees()
+
+
+def unwatch_frees(cache: HiRadixCache) -> np.ndarray | None:
+    """Mutates the host allocator: it stops marking frees. Returns the marks (a bool per
+    host page; None when nothing watched). Cache thread."""
+    alloc = cache.host_alloc
+    if alloc is None:
+        return None
+    freed = alloc.freed
+    alloc.unwatch_frees()
+    return freed
+
+
 def list_host(cache: HiRadixCache) -> Listing:
     """The nodes whose host copy is readable (not being written by a backup) and whose parent
     is listed (or a root), parents first. Cache thread; reads only."""
@@ -205,7 +224,7 @@ def restore(cache: HiRadixCache, snapshot: Any, model: str | None = None) -> Res
         kept.append([-1 if up.parent is None else where[id(up)], *entry[1:]])
     for root in cache.tree.roots():  # a namespace whose entries all went leaves no root
         if not root.children:
-            cache._drop_empty_root(root)
+            cache.tree.drop_if_empty(root)
     return Restored(adopted, dropped, snapshot_of(cache.config, kept, model))
 
 
@@ -247,6 +266,6 @@ def _adopt(
         return None, tokens
     alloc.take_pages(pages, PageState.TREE)
     leaf = tree.add_host_leaf(parent, key, pages)
-    cache._push_host(leaf)
-    cache._push_host(leaf.parent)
+    cache.tiering.push_host(leaf)
+    cache.tiering.push_host(leaf.parent)
     return leaf, tokens
