@@ -222,9 +222,8 @@ class HostKeeper:
         if cache.config.verify_pages:  # (the host tier's sums are kept up to date)
             self.write(cache, host)
             return
-        assert cache.host_pool is not None  # (kept: a host tier)
         if self._page_sums is None:
-            self._page_sums = PageSums(cache.host_pool.page_view)
+            self._page_sums = host_snapshot.summer(cache)
         host_snapshot.watch_frees(cache)
         self._listing = host_snapshot.list_host(cache)
         self._job = self._worker().submit(

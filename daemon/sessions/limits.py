@@ -150,7 +150,7 @@ def _held_by_writes(cache: HiRadixCache) -> str:
     """What pages of the device pool writes to a third tier under it hold (freed as each
     write ends)."""
     l3 = cache.l3
-    if l3 is None or cache.host_alloc is not None:
+    if l3 is None or cache.config.host_enabled:
         return ""
     held = sum(map(len, l3.held_pages())) * cache.page_size
     return f", {held} held by writes to the third tier (free when they end)" if held else ""

@@ -130,6 +130,13 @@ def list_host(cache: HiRadixCache) -> Listing:
     return Listing(nodes, every)
 
 
+def summer(cache: HiRadixCache) -> PageSums:
+    """A PageSums over ``cache``'s host pool, for ``sum_pages`` on another thread."""
+    if cache.host_pool is None:
+        raise ValueError("snapshot: the cache has no host tier")
+    return PageSums(cache.host_pool.page_view)
+
+
 def sum_pages(cache: HiRadixCache, listing: Listing, computer: PageSums | None = None) -> None:
     """Fill ``listing.sums``: the maintained checksums under verify_pages (cache thread), else
     computed from the pages' bytes now by ``computer`` (a PageSums over the host pool; any
@@ -140,8 +147,7 @@ def sum_pages(cache: HiRadixCache, listing: Listing, computer: PageSums | None =
         listing.sums = sums.sums[listing.pages]
         return
     if computer is None:  # (a PageSums is never false)
-        assert cache.host_pool is not None  # (listed: there is a host tier)
-        computer = PageSums(cache.host_pool.page_view)
+        computer = summer(cache)
     listing.sums = computer.compute(listing.pages)
 
 
