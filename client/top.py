@@ -1,9 +1,11 @@
 """`hicache top` and `hicache stats --watch`: the daemon's stats, once per interval.
 
 ``Rates.between(before, after, seconds)`` turns two stats snapshots into what moved in between
-(hit ratios per tier over the interval, tokens per second); ``render_top`` lays out one
-screen of plain text (no curses: readable in any terminal, a pipe or a log). Pure functions
-over stats dicts, so a test renders a screen without a daemon.
+(hit ratios per tier over the interval, and the rate of every counter of the figures table,
+``hicache/observe/figures.py``); ``render_top`` lays out one screen of plain text (no curses:
+readable in any terminal, a pipe or a log). Every figure it names is looked up in that table
+(a renamed figure fails at import, not as a silent zero). Pure functions over stats dicts, so
+a test renders a screen without a daemon.
 """
 
 from __future__ import annotations
@@ -15,7 +17,24 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
+from hicache.observe.figures import BY_NAME, FIGURES, L3_FIGURES, Figure
+
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen (only on a terminal)
+MOVING_SHOWN = 16  # counters listed as moving, at most
+
+
+def _counter(name: str, table: dict[str, Figure] = BY_NAME) -> str:
+    """``name``, checked to be a counter of the figures table."""
+    if name not in table or table[name].kind != "counter":
+        raise KeyError(f"hicache top names {name!r}, which is no counter of the figures table")
+    return name
+
+
+_L3_BY_NAME = {f.name: f for f in L3_FIGURES}
+HIT_DEVICE, HIT_HOST, MISS = map(_counter, ("hit_device_tokens", "hit_host_tokens", "miss_tokens"))
+BACKUP, LOAD = _counter("backup_tokens"), _counter("load_tokens")
+EVICTED = {tier: _counter(f"evicted_{tier}_tokens") for tier in ("device", "host")}
+L3_READ, L3_WRITTEN = (_counter(n, _L3_BY_NAME) for n in ("read_bytes", "written_bytes"))
 
 
 @dataclass(frozen=True)
@@ -33,6 +52,9 @@ class Rates:
     evicted_host_tokens_per_s: float
     l3_read_bytes_per_s: float
     l3_written_bytes_per_s: float
+    # every counter of the figures table that moved in the interval: (name, unit, per second),
+    # in the table's order (the third tier's named ``l3.NAME``)
+    moving: tuple[tuple[str, str, float], ...] = ()
 
     @staticmethod
     def between(before: dict, after: dict, seconds: float) -> Rates:
@@ -42,20 +64,27 @@ class Rates:
             return max(0, (a or {}).get(key, 0) - (b or {}).get(key, 0))
 
         dt = max(seconds, 1e-9)
-        dev, host = delta("hit_device_tokens"), delta("hit_host_tokens")
-        asked = dev + host + delta("miss_tokens")
+        dev, host = delta(HIT_DEVICE), delta(HIT_HOST)
+        asked = dev + host + delta(MISS)
+        moving = [
+            (f"{section}.{f.name}" if section else f.name, f.unit, delta(f.name, section) / dt)
+            for section, table in ((None, FIGURES), ("l3", L3_FIGURES))
+            for f in table
+            if f.kind == "counter"
+        ]
         return Rates(
             seconds=seconds,
             queried_tokens_per_s=asked / dt,
             hit_ratio_device=dev / asked if asked else None,
             hit_ratio_host=host / asked if asked else None,
             hit_ratio=(dev + host) / asked if asked else None,
-            backup_tokens_per_s=delta("backup_tokens") / dt,
-            load_tokens_per_s=delta("load_tokens") / dt,
-            evicted_device_tokens_per_s=delta("evicted_device_tokens") / dt,
-            evicted_host_tokens_per_s=delta("evicted_host_tokens") / dt,
-            l3_read_bytes_per_s=delta("read_bytes", "l3") / dt,
-            l3_written_bytes_per_s=delta("written_bytes", "l3") / dt,
+            backup_tokens_per_s=delta(BACKUP) / dt,
+            load_tokens_per_s=delta(LOAD) / dt,
+            evicted_device_tokens_per_s=delta(EVICTED["device"]) / dt,
+            evicted_host_tokens_per_s=delta(EVICTED["host"]) / dt,
+            l3_read_bytes_per_s=delta(L3_READ, "l3") / dt,
+            l3_written_bytes_per_s=delta(L3_WRITTEN, "l3") / dt,
+            moving=tuple(m for m in moving if m[2] > 0),
         )
 
 
@@ -64,11 +93,11 @@ def _ratio(value: float | None) -> str:
 
 
 def _overall(stats: dict, key: str) -> float | None:
-    asked = sum(stats.get(k, 0) for k in ("hit_device_tokens", "hit_host_tokens", "miss_tokens"))
+    asked = sum(stats.get(k, 0) for k in (HIT_DEVICE, HIT_HOST, MISS))
     if not asked:
         return None
     if key == "all":
-        return (stats.get("hit_device_tokens", 0) + stats.get("hit_host_tokens", 0)) / asked
+        return (stats.get(HIT_DEVICE, 0) + stats.get(HIT_HOST, 0)) / asked
     return stats.get(key, 0) / asked
 
 
@@ -97,9 +126,9 @@ def render_top(stats: dict, rates: Rates | None) -> str:
         "",
         "hit ratio        interval  overall",
         f"  device           {_ratio(r.hit_ratio_device if r else None)}    "
-        f"{_ratio(_overall(stats, 'hit_device_tokens'))}",
+        f"{_ratio(_overall(stats, HIT_DEVICE))}",
         f"  host             {_ratio(r.hit_ratio_host if r else None)}    "
-        f"{_ratio(_overall(stats, 'hit_host_tokens'))}",
+        f"{_ratio(_overall(stats, HIT_HOST))}",
         f"  either           {_ratio(r.hit_ratio if r else None)}    "
         f"{_ratio(_overall(stats, 'all'))}",
         f"  queried tokens/s {_tokens(r.queried_tokens_per_s) if r else '-':>8}",
@@ -129,6 +158,13 @@ def render_top(stats: dict, rates: Rates | None) -> str:
             f"written {_bytes(r.l3_written_bytes_per_s) if r else '-'}/s   "
             f"queued {l3.get('queued_pages', 0)} pages"
         )
+    if r and r.moving:
+        lines += ["", "counters moving (per s)"]
+        for name, unit, per_s in r.moving[:MOVING_SHOWN]:
+            value = _bytes(per_s) if unit == "bytes" else _tokens(per_s)
+            lines.append(f"  {name:<34}{value:>9} {'' if unit == 'bytes' else unit}".rstrip())
+        if len(r.moving) > MOVING_SHOWN:
+            lines.append(f"  ... {len(r.moving) - MOVING_SHOWN} more (hicache stats --json)")
     sessions = stats.get("session_list", [])
     if sessions:
         lines += ["", "session  client                 owned  locks  hit ratio"]

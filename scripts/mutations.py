@@ -45,6 +45,13 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "top-shows-only-the-third-tier-s-counters",
+        "client/top.py",
+        "for section, table in ((None, FIGURES), (\"l3\", L3_FIGURES))",
+        "for section, table in ((\"l3\", L3_FIGURES),)",
+        ("tests/test_live_view.py::test_rates_are_the_interval_not_the_lifetime",),
+    ),
+    Mutation(
         "tp-publish-on-any-rank",
         "client/vllm/scheduler.py",
         "ok = step == rep.step and rep.ranks >= self.world",

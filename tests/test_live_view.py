@@ -29,11 +29,17 @@ def test_rates_are_the_interval_not_the_lifetime():
     assert (r.hit_ratio_device, r.hit_ratio_host, r.hit_ratio) == (0.3, 0.6, 0.9)
     assert r.queried_tokens_per_s == 50 and r.evicted_device_tokens_per_s == 10
     assert r.l3_read_bytes_per_s == 2048
+    # every counter of the figures table that moved, in the table's order, and only those
+    assert [(n, u) for n, u, _ in r.moving] == [
+        ("evicted_device_tokens", "tokens"), ("hit_device_tokens", "tokens"),
+        ("hit_host_tokens", "tokens"), ("miss_tokens", "tokens"),
+        ("l3.read_bytes", "bytes")]  # fmt: skip
     quiet = Rates.between(after, after, 1.0)
     assert quiet.hit_ratio is None and quiet.queried_tokens_per_s == 0
     screen = render_top(after, r)
     assert "interval 2.0 s" in screen
     assert "0.300    0.433" in screen  # device: this interval, and overall (130 / 300)
+    assert "l3.read_bytes" in screen and "2.0KiB" in screen and "miss_tokens" in screen
 
 
 def test_tree_shape_ranks_shared_prefixes_by_what_hangs_below():
