@@ -46,6 +46,10 @@ from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
     ENGINE_REPORT_MAX,
     ErrorCode,
+    HoldingsReply,
+    InsertReply,
+    LoadReply,
+    LockReply,
     MatchReply,
     Op,
     decode_slots,
@@ -380,7 +384,7 @@ class HiCacheClient:
             return None
         match.check_locked()
         reply, out = self._call(Op.LOAD_BACK, {"lock_id": match.lock_id})
-        return _slots(out[0]) if reply.fields["loaded"] else None
+        return _slots(out[0]) if LoadReply.read(reply.fields).loaded else None
 
     def load_back_async(self, match: Match) -> LoadTicket | None:
         """Start loading the host part of a locked match and return at once; read layer i only
@@ -390,11 +394,11 @@ class HiCacheClient:
         match.check_locked()
         self._progress()  # mapped now, while the daemon is known to be there
         reply, out = self._call(Op.LOAD_BACK, {"lock_id": match.lock_id, "wait": False})
-        if not reply.fields["loaded"]:
+        load = LoadReply.read(reply.fields)
+        if not load.loaded:
             return None
         layers = int(self.info["config"]["num_layers"])
-        events = tuple(reply.fields.get("events") or ())
-        return LoadTicket(_slots(out[0]), int(reply.fields["ticket"]), layers, events)
+        return LoadTicket(_slots(out[0]), int(load.ticket), layers, tuple(load.events or ()))
 
     def wait_layer(self, load: LoadTicket, layer: int, timeout: float | None = None) -> None:
         """Block until ``layer`` of ``load`` is on the device, read from the daemon's shared
@@ -493,7 +497,7 @@ class HiCacheClient:
         request's match, when it ends)."""
         fields, frames = _insert_request([(token_ids, slots)], [namespace])
         _replacing(fields, replaces, self._link.generation)
-        prefix_lens = self._call(Op.INSERT, fields, frames)[0].fields["prefix_lens"]
+        prefix_lens = InsertReply.read(self._call(Op.INSERT, fields, frames)[0].fields).prefix_lens
         if replaces is not None:
             replaces.mark_released()
         return prefix_lens[0]
@@ -502,7 +506,7 @@ class HiCacheClient:
         """``insert`` for many sequences in one round trip. Sequences before a bad one stay
         inserted."""
         fields, frames = _insert_request(pairs, namespaces)
-        return self._call(Op.INSERT, fields, frames)[0].fields["prefix_lens"]
+        return InsertReply.read(self._call(Op.INSERT, fields, frames)[0].fields).prefix_lens
 
     def insert_and_lock(
         self, token_ids: Any, slots: Any, namespace: Any = None, replaces: Match | None = None
@@ -522,7 +526,7 @@ class HiCacheClient:
         reply, matches = self._matches(fields, frames, Op.INSERT)
         if replaces is not None:
             replaces.mark_released()
-        return Inserted(reply["prefix_lens"][0], matches[0])
+        return Inserted(InsertReply.read(reply).prefix_lens[0], matches[0])
 
     def release(self, *matches: Match, wait: bool = True) -> None:
         """Unlock matches (their slots may be reused at once: a released Match refuses to hand
@@ -548,15 +552,16 @@ class HiCacheClient:
             match.check_live()
             return match
         match.check_locked()
-        lock_id = self._call(Op.LOCK, {"lock_id": match.lock_id})[0].fields["lock_id"]
-        return match.relocked(lock_id)
+        reply = self._call(Op.LOCK, {"lock_id": match.lock_id})[0]
+        return match.relocked(LockReply.read(reply.fields).lock_id)
 
     def holdings(self) -> Holdings:
         """What this session holds in the daemon: its lock ids and its owned slots (one per
         owned page's first slot: free() of them frees those pages)."""
         reply, out = self._call(Op.HOLDINGS)
         pages = np.frombuffer(out[0].buffer, dtype=np.int64)
-        return Holdings(list(reply.fields["lock_ids"]), torch.from_numpy(pages * self._page_size))
+        held = HoldingsReply.read(reply.fields)
+        return Holdings(list(held.lock_ids), torch.from_numpy(pages * self._page_size))
 
     def release_all(self) -> None:
         """Release every lock of this session (every thread's): after cancelled calls, or to

@@ -44,6 +44,7 @@ from hicache.protocol import (
     ENGINE_REPORT_MAX,
     HEARTBEAT_INTERVAL_S,
     ErrorCode,
+    LockReply,
     MatchEntry,
     Op,
     Reply,
@@ -330,7 +331,7 @@ def _give_backs(op: Op, reply: Reply, frames: list, page_size: int) -> list:
         ids = [e.lock_id for e in entries if e.lock_id]
         return [(Op.RELEASE, {"lock_ids": ids}, [])] if ids else []
     if op is Op.LOCK and reply.fields.get("lock_id"):
-        return [(Op.RELEASE, {"lock_ids": [reply.fields["lock_id"]]}, [])]
+        return [(Op.RELEASE, {"lock_ids": [LockReply.read(reply.fields).lock_id]}, [])]
     if op is Op.ALLOC and frames:
         return [(Op.FREE, {}, [bytes(frames[0].buffer)])]
     if op in (Op.ALLOC_EXTEND, Op.ALLOC_DECODE) and frames:

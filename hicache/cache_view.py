@@ -43,7 +43,6 @@ class CacheView(Protocol):
     events: Any  # TierEvents | None: what KV events announced
     l3: Any  # L3Tier | None: the third tier (its own checks, the pages it holds)
 
-
     @property
     def tiering(self) -> Room:  # who is an eviction candidate
         ...

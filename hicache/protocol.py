@@ -184,6 +184,77 @@ class MatchReply(NamedTuple):
             raise ProtocolError(ErrorCode.BAD_FIELD, f"a malformed match reply: {exc}") from None
 
 
+def _read(cls: Any, what: str, fields: dict[str, Any]) -> Any:
+    """``cls`` from a decoded reply's fields: each of its fields by name, the defaults where
+    absent (ProtocolError BAD_FIELD for a reply without a required one)."""
+    try:
+        return cls(**{name: fields[name] for name in cls._fields if name in fields})
+    except TypeError as exc:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"a malformed {what} reply: {exc}") from None
+
+
+class LoadReply(NamedTuple):
+    """LOAD_BACK's fields; its frame holds the device slots of the match's host part."""
+
+    loaded: int  # slots in the frame (0: nothing to load, or no room: recompute)
+    ticket: int  # the copy still in flight (0: landed already, or wait was asked)
+    events: list[bytes] | None = None  # one CUDA IPC event handle per layer (GPU pools)
+    failed: bool = False  # the copy failed: a miss (recompute)
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"loaded": self.loaded, "ticket": self.ticket}
+        if self.events:
+            out["events"] = self.events
+        if self.failed:
+            out["failed"] = True
+        return out
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> LoadReply:
+        return _read(cls, "load_back", fields)
+
+
+class InsertReply(NamedTuple):
+    """INSERT's fields: the prefix each sequence already had cached (with ``lock``, a
+    MATCH-form reply's fields too: ``MatchReply.read``)."""
+
+    prefix_lens: list[int]
+
+    def fields(self) -> dict[str, Any]:
+        return {"prefix_lens": self.prefix_lens}
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> InsertReply:
+        return _read(cls, "insert", fields)
+
+
+class LockReply(NamedTuple):
+    """LOCK's fields: a second lock on the same prefix."""
+
+    lock_id: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"lock_id": self.lock_id}
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> LockReply:
+        return _read(cls, "lock", fields)
+
+
+class HoldingsReply(NamedTuple):
+    """HOLDINGS' fields; its frame holds the owned page ids (int64)."""
+
+    lock_ids: list[int]  # the session's locks
+    owned_pages: int  # page ids in the frame
+
+    def fields(self) -> dict[str, Any]:
+        return {"lock_ids": self.lock_ids, "owned_pages": self.owned_pages}
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> HoldingsReply:
+        return _read(cls, "holdings", fields)
+
+
 def pack(obj: Any) -> bytes:
     """msgpack.packb with one Packer kept per thread. packb makes a Packer per call, and each
     mallocs a 256 KiB buffer: glibc hands out the top of the heap, trims it again on free, and

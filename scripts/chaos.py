@@ -54,7 +54,7 @@ from hicache.client.connection import (
 )
 from hicache.daemon.keep import HostKeeper
 from hicache.daemon.launch import start_daemon, stop_daemon
-from hicache.protocol import PROTOCOL_VERSION, MatchReply, Op
+from hicache.protocol import PROTOCOL_VERSION, LoadReply, MatchReply, Op
 
 LEASE_S, QUARANTINE_S = 2.0, 2.0
 PS, LAYERS, HEADS, DIM = 4, 2, 2, 4
@@ -123,7 +123,7 @@ class Engine:
         slots = (have[:, None] * PS + np.arange(PS)).ravel()[:device_len]
         if host_len:
             r, out = self.call(Op.LOAD_BACK, {"lock_id": lock_id})
-            if r.fields["loaded"]:
+            if LoadReply.read(r.fields).loaded:
                 slots = np.concatenate([slots, np.frombuffer(out[0], dtype=np.int64)])
         self.check(prompt, slots)
         rest = len(prompt) - len(slots)

@@ -47,8 +47,8 @@ MUTATIONS = [
     Mutation(
         "top-shows-only-the-third-tier-s-counters",
         "client/top.py",
-        "for section, table in ((None, FIGURES), (\"l3\", L3_FIGURES))",
-        "for section, table in ((\"l3\", L3_FIGURES),)",
+        'for section, table in ((None, FIGURES), ("l3", L3_FIGURES))',
+        'for section, table in (("l3", L3_FIGURES),)',
         ("tests/test_live_view.py::test_rates_are_the_interval_not_the_lifetime",),
     ),
     Mutation(

@@ -28,6 +28,9 @@ from hicache.daemon.sessions import Session, SessionLimits, SessionTable, out_of
 from hicache.memory import OWNED, TREE
 from hicache.protocol import (
     ErrorCode,
+    InsertReply,
+    LoadReply,
+    LockReply,
     MatchEntry,
     MatchReply,
     Op,
@@ -331,7 +334,7 @@ class CacheOps:
                 f"lock {lock_id} is not held by this session (released, or not from a locked "
                 "match)",
             )
-        none = {"loaded": 0, "ticket": 0}, [slots_frame(_NO_SLOTS)]
+        none = LoadReply(0, 0).fields(), [slots_frame(_NO_SLOTS)]
         if not self.cache.holds(record.host_node):  # host-evicted since the match
             return none
         session.loads.intersection_update(self.cache.records)  # those still in flight
@@ -347,7 +350,7 @@ class CacheOps:
         if wait:
             self.cache.wait_load(record.host_node)
             if record.host_node.device_pages is None:  # the copy failed: a miss, recompute
-                return {**none[0], "failed": True}, none[1]
+                return LoadReply(0, 0, failed=True).fields(), none[1]
             ticket, events = 0, None
         elif ticket:
             session.loads.add(ticket)
@@ -360,10 +363,7 @@ class CacheOps:
         change = max((gained - lost) // self.cache.page_size, -record.pinned)
         record.pinned += change  # (a load of what was matched is not refused for its pages)
         session.pinned_pages += change
-        fields = {"loaded": len(part), "ticket": ticket}
-        if events:
-            fields["events"] = events  # opaque CUDA IPC handles, one per layer
-        return fields, [slots_frame(part)]
+        return LoadReply(len(part), ticket, events).fields(), [slots_frame(part)]
 
     def _host_part_slots(self, record: Any) -> np.ndarray:
         """Device slots of a match's host part, in token order: every node from the match's
@@ -397,7 +397,7 @@ class CacheOps:
         elif len(tokens) > 1 and not releases:
             fast = self._insert_many(session, tokens, slots, spaces)
             if fast is not None:
-                return {"prefix_lens": fast}, []
+                return InsertReply(fast).fields(), []
         prefix_lens: list[int] = []
         results: list[MatchEntry] = []
         state: tuple[list[bytes], dict[int, int]] = ([], {})  # (see _result)
@@ -413,9 +413,9 @@ class CacheOps:
             raise
         self._release_ids(session, releases)
         if not lock:
-            return {"prefix_lens": prefix_lens}, []
+            return InsertReply(prefix_lens).fields(), []
         reply = MatchReply(results, _chunk_pages(state[0]))
-        return {**reply.fields(), "prefix_lens": prefix_lens}, [_chunks_frame(state[0])]
+        return {**reply.fields(), **InsertReply(prefix_lens).fields()}, [_chunks_frame(state[0])]
 
     def _insert_many(
         self, session: Session, tokens: list, slots: list, spaces: list
@@ -478,7 +478,7 @@ class CacheOps:
             raise ProtocolError(ErrorCode.NOT_OWNED, f"lock {lock_id} is not held")
         self.limits.check_locks(session, 1)
         self.cache.inc_lock_ref(record.node)
-        return {"lock_id": session.add_lock(LockRecord(record.node, record.host_node))}, []
+        return LockReply(session.add_lock(LockRecord(record.node, record.host_node))).fields(), []
 
     def release(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         if fields.get("all") is True:  # every lock of the session (asyncio cancellations)

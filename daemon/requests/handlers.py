@@ -51,6 +51,7 @@ from hicache.protocol import (
     MAX_MATCH_TOKENS,
     PROTOCOL_VERSION,
     ErrorCode,
+    HoldingsReply,
     Op,
     ProtocolError,
     Reply,
@@ -326,7 +327,7 @@ class Handlers:
         """What the session holds: its lock ids, and its owned pages as a frame (answered
         before there is a pool too: nothing)."""
         pages = np.fromiter(sorted(session.owned), dtype=np.int64, count=len(session.owned))
-        return {"lock_ids": sorted(session.locks), "owned_pages": len(pages)}, [pages.tobytes()]
+        return HoldingsReply(sorted(session.locks), len(pages)).fields(), [pages.tobytes()]
 
     def heartbeat(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         return ({"draining": True} if self.draining else {}), []
