@@ -450,13 +450,18 @@ class HiCacheClient:
                 raise DaemonTimeout("the daemon's layer-progress table is gone") from None
         return self._progress_table
 
-    def alloc(self, num_tokens: int) -> torch.Tensor:
+    def alloc(self, num_tokens: int, *, pages: bool = False) -> torch.Tensor:
         """``num_tokens`` device slots, now owned by this session (whole pages: the rest of the
         last page is yours too, but only these slots are returned). Evicts unlocked cache when
         the pool is short. Raises OUT_OF_MEMORY (the text says what holds the pool) or
         QUOTA_EXCEEDED (this session owns too much already). Give them back with ``insert``
-        (the daemon then owns them) or ``free``."""
-        return _slots(self._call(Op.ALLOC, {"num_tokens": num_tokens})[1][0])
+        (the daemon then owns them) or ``free``. ``pages``: the page ids instead, in order
+        (ceil(num_tokens / page_size) of them: page p holds slots p * page_size onwards), for
+        ``insert(..., pages=True)`` and ``free(..., pages=True)``."""
+        fields: dict[str, Any] = {"num_tokens": num_tokens}
+        if pages:
+            fields["pages"] = True
+        return _slots(self._call(Op.ALLOC, fields)[1][0])
 
     def alloc_extend(self, prefix_lens: Any, seq_lens: Any, last_loc: Any) -> torch.Tensor:
         """SGLang's alloc_extend: slots for tokens [prefix_len, seq_len) of each request,
@@ -474,14 +479,21 @@ class HiCacheClient:
         frames = [slots_frame(as_slots(seq_lens, "seq_lens")), slots_frame(as_slots(last_loc))]
         return _slots(self._call(Op.ALLOC_DECODE, None, frames)[1][0])
 
-    def free(self, slots: Any) -> None:
+    def free(self, slots: Any, *, pages: bool = False) -> None:
         """Give back slots this session owns (every page they touch is freed). Raises NOT_OWNED
         for the padding slot, a double free, or slots of the tree or of another session, and
-        then frees nothing."""
-        self._call(Op.FREE, None, [slots_frame(as_slots(slots, "slots"))])
+        then frees nothing. ``pages``: ``slots`` holds page ids."""
+        fields = {"pages": True} if pages else None
+        self._call(Op.FREE, fields, [slots_frame(as_slots(slots, "pages" if pages else "slots"))])
 
     def insert(
-        self, token_ids: Any, slots: Any, namespace: Any = None, replaces: Match | None = None
+        self,
+        token_ids: Any,
+        slots: Any,
+        namespace: Any = None,
+        replaces: Match | None = None,
+        *,
+        pages: bool = False,
     ) -> int:
         """Hand a finished sequence to the cache: ``slots[i]`` holds the KV of token i (the
         match's prefix slots, then this session's own). Returns how many leading tokens were
@@ -494,13 +506,19 @@ class HiCacheClient:
         before insert: a backup may start at once. Raises NOT_OWNED (nothing inserted) for
         slots that are neither this session's nor the tree's own at their place. ``replaces``:
         a locked Match released in the same round trip once the insert succeeded (the
-        request's match, when it ends)."""
-        fields, frames = _insert_request([(token_ids, slots)], [namespace])
+        request's match, when it ends). ``pages``: ``slots`` holds page ids instead, one per
+        ``page_size`` tokens (the last may be partly filled; a match's ``device_pages``, then
+        ``alloc(..., pages=True)``'s): ``page_size`` times fewer bytes on the wire."""
+        fields, frames = _insert_request([(token_ids, slots)], [namespace], self._paged(pages))
         _replacing(fields, replaces, self._link.generation)
         prefix_lens = InsertReply.read(self._call(Op.INSERT, fields, frames)[0].fields).prefix_lens
         if replaces is not None:
             replaces.mark_released()
         return prefix_lens[0]
+
+    def _paged(self, pages: bool) -> int:
+        """The page size when a request's second array holds page ids (0: slots)."""
+        return self._page_size if pages else 0
 
     def insert_batch(self, pairs: list, namespaces: list | None = None) -> list[int]:
         """``insert`` for many sequences in one round trip. Sequences before a bad one stay
@@ -509,7 +527,13 @@ class HiCacheClient:
         return InsertReply.read(self._call(Op.INSERT, fields, frames)[0].fields).prefix_lens
 
     def insert_and_lock(
-        self, token_ids: Any, slots: Any, namespace: Any = None, replaces: Match | None = None
+        self,
+        token_ids: Any,
+        slots: Any,
+        namespace: Any = None,
+        replaces: Match | None = None,
+        *,
+        pages: bool = False,
     ) -> Inserted:
         """Insert an unfinished request (SGLang's cache_unfinished_req) and lock what is now
         cached, atomically: only whole pages are inserted; the slots of the partial tail page
@@ -519,8 +543,8 @@ class HiCacheClient:
         and this session's duplicates were freed. Release the match (and any earlier one) as
         usual; insert again when the request finishes. ``replaces``: an earlier locked Match
         of this request released in the same round trip once the insert succeeded (it is
-        left locked when the insert fails)."""
-        fields, frames = _insert_request([(token_ids, slots)], [namespace])
+        left locked when the insert fails). ``pages``: as for ``insert``."""
+        fields, frames = _insert_request([(token_ids, slots)], [namespace], self._paged(pages))
         fields["lock"] = True
         _replacing(fields, replaces, self._link.generation)
         reply, matches = self._matches(fields, frames, Op.INSERT)
@@ -646,15 +670,22 @@ def _replacing(fields: dict, replaces: Match | None, generation: int) -> None:
         fields["release"] = [replaces.lock_id]
 
 
-def _insert_request(pairs: list, namespaces: list | None) -> tuple[dict, list]:
+def _insert_request(pairs: list, namespaces: list | None, page_size: int = 0) -> tuple[dict, list]:
+    """INSERT's fields and frames; ``page_size`` (not 0): the second arrays are page ids."""
+    what = "pages" if page_size else "slots"
     tokens = [as_tokens(t) for t, _ in pairs]
-    slots = [as_slots(s, "slots") for _, s in pairs]
+    slots = [as_slots(s, what) for _, s in pairs]
     for i, (t, s) in enumerate(zip(tokens, slots, strict=True)):
-        if len(t) != len(s):
-            raise ValueError(f"insert: sequence {i} has {len(t)} token ids but {len(s)} slots")
-    fields = {
+        want = -(-len(t) // page_size) if page_size else len(t)
+        if len(s) != want:
+            raise ValueError(
+                f"insert: sequence {i} has {len(t)} token ids, so {want} {what}, not {len(s)}"
+            )
+    fields: dict[str, Any] = {
         "lengths": [len(t) for t in tokens],
         "namespaces": namespaces or [None] * len(pairs),
     }
+    if page_size:
+        fields["pages"] = True
     frames = [tokens_frame(np.concatenate(tokens)), slots_frame(np.concatenate(slots))]
     return fields, frames

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 2  # 2: requests carry the boot epoch
+PROTOCOL_VERSION = 3  # 2: requests carry the boot epoch; 3: ALLOC, FREE and INSERT in pages
 
 # Liveness (seconds). A session's lease is renewed by any message; clients heartbeat at
 # HEARTBEAT_INTERVAL_S, so a lease survives LEASE_S / HEARTBEAT_INTERVAL_S missed beats.
@@ -68,12 +68,14 @@ class Op(IntEnum):
     LOAD_BACK = 5  # fields: lock_id (from a match), wait (default true) -> frame: slots of the
     # loaded part; fields: loaded, ticket (wait=false: read layers once the progress table
     # shows them; 0: complete), events (CUDA pools: one IPC event handle per layer)
-    ALLOC = 6  # fields: num_tokens -> slots frame
+    ALLOC = 6  # fields: num_tokens, pages (default false) -> slots frame (pages: page ids)
     ALLOC_EXTEND = 7  # frames: prefix_lens, seq_lens, last_loc (int64) -> slots frame
     ALLOC_DECODE = 8  # frames: seq_lens, last_loc (int64) -> slots frame
-    FREE = 9  # frames: slots
+    FREE = 9  # frames: slots; fields: pages (default false: true, the frame holds page ids)
     INSERT = 10  # frames: token ids, slots; fields: lengths, namespaces, lock, release (lock ids
-    # released once the insert succeeded) -> prefix_lens (lock: a MatchReply's fields too)
+    # released once the insert succeeded), pages (default false: true, the second frame holds
+    # page ids, ceil(length / page_size) per sequence) -> prefix_lens (lock: a MatchReply's
+    # fields too)
     LOCK = 11  # fields: lock_id -> a second lock on the same prefix: lock_id
     RELEASE = 12  # fields: lock_ids, or all: true (every lock of the session)
     EVICT = 13  # fields: device_tokens, host_tokens
@@ -292,7 +294,10 @@ def _unpack(frame: bytes | memoryview, what: str, size: int, limit: int) -> list
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header must be a {size}-element array")
     if head[0] != PROTOCOL_VERSION:
         raise ProtocolError(
-            ErrorCode.WRONG_VERSION, f"protocol version {head[0]!r}, expected {PROTOCOL_VERSION}"
+            ErrorCode.WRONG_VERSION,
+            f"a {what} in protocol version {head[0]!r}; this side speaks {PROTOCOL_VERSION}: "
+            "the client and the daemon come from different hicache versions (install the same "
+            "one for both)",
         )
     if len(head) != size:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header must be a {size}-element array")
@@ -476,6 +481,11 @@ def _check_shared(lengths: Any, shared: Any) -> list[int]:
             ErrorCode.BAD_FIELD, "shared: ints, 0 first, each at most its and the previous length"
         )
     return shared
+
+
+def decode_pages(frame: bytes | memoryview) -> np.ndarray:
+    """Page ids (read-only int64 view of the frame)."""
+    return _decode_array(frame, _SLOT, "page ids")
 
 
 def decode_slots(frame: bytes | memoryview) -> np.ndarray:

@@ -45,6 +45,20 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "a-page-insert-reads-one-page-too-few-per-sequence",
+        "daemon/requests/cache_ops.py",
+        "counts = [-(-n // ps) for n in lengths]",
+        "counts = [n // ps for n in lengths]",
+        ("tests/test_daemon.py::test_pages_instead_of_slots_cache_what_slots_would",),
+    ),
+    Mutation(
+        "alloc-in-pages-answers-slots",
+        "daemon/requests/cache_ops.py",
+        "slots_frame(slots[:: self.cache.page_size] // self.cache.page_size)",
+        "slots_frame(slots[: -(-len(slots) // self.cache.page_size)])",
+        ("tests/test_daemon.py::test_pages_instead_of_slots_cache_what_slots_would",),
+    ),
+    Mutation(
         "top-shows-only-the-third-tier-s-counters",
         "client/top.py",
         'for section, table in ((None, FIGURES), ("l3", L3_FIGURES))',

@@ -17,7 +17,14 @@ import torch
 import zmq
 
 from hicache.client import DaemonError, EpochChanged, HiCacheClient
-from hicache.protocol import PROTOCOL_VERSION, ErrorCode, Op, decode_reply, slots_frame
+from hicache.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Op,
+    decode_reply,
+    slots_frame,
+    tokens_frame,
+)
 from tests.daemon_helpers import (
     busy_engine,
     hold_and_wait,
@@ -167,7 +174,20 @@ def test_bad_input_gets_error_replies_and_changes_nothing(endpoint):
             ((hdr(Op.RELEASE, {"lock_ids": [True]}),), ErrorCode.BAD_FIELD),
             ((hdr(Op.STATS, {"check": 1}),), ErrorCode.BAD_FIELD),
             ((hdr(Op.FLUSH, {}),), ErrorCode.FORBIDDEN),
-        ]
+            # the page forms: pages outside the pool, another session's, a count that does not
+            # match the lengths, a flag that is not a bool
+            ((hdr(Op.FREE, {"pages": True}), bytes(slots_frame([10**9]))), ErrorCode.NOT_OWNED),
+            ((hdr(Op.FREE, {"pages": True}), bytes(slots_frame([-1]))), ErrorCode.NOT_OWNED),
+            ((hdr(Op.FREE, {"pages": True}), bytes(slots_frame(mine[:1] // 4))),
+             ErrorCode.NOT_OWNED),
+            ((hdr(Op.INSERT, {"pages": True, "lengths": [8]}), tokens_frame(np.arange(8)),
+              bytes(slots_frame([1]))), ErrorCode.BAD_FIELD),
+            ((hdr(Op.INSERT, {"pages": True, "lengths": "8"}), tokens_frame(np.arange(8)),
+              bytes(slots_frame([1, 2]))), ErrorCode.BAD_FIELD),
+            ((hdr(Op.INSERT, {"pages": True, "lengths": [8]}), tokens_frame(np.arange(8)),
+              bytes(slots_frame(mine[::4] // 4))), ErrorCode.NOT_OWNED),
+            ((hdr(Op.ALLOC, {"num_tokens": 4, "pages": 1}),), ErrorCode.BAD_FIELD),
+        ]  # fmt: skip
         for frames, code in cases:
             status, fields = raw_call(sock, *frames)
             assert status == code, (frames[0][:20], fields)
@@ -343,3 +363,51 @@ def test_an_engine_killed_without_a_goodbye_is_noticed_before_its_lease_runs_out
     finally:
         log = stop_daemon(proc)
     assert f"ended: its process (pid {engine.pid}) ended" in log, log[-2000:]
+
+
+def test_pages_instead_of_slots_cache_what_slots_would(endpoint):
+    """ALLOC, INSERT and FREE in page ids (what vLLM's scheduler sends): the pages an ALLOC
+    names are the slots' pages, an insert by pages caches what an insert by slots would, a
+    chain extends by the match's pages, and a free by pages gives them back."""
+    with HiCacheClient(endpoint, name="paged") as hc:
+        ps = hc.config.page_size
+        tokens = np.arange(1, 4 * ps + 1)
+        pages = hc.alloc(2 * ps + 1, pages=True)  # 3 pages: the last partly used
+        assert len(pages) == 3
+        owned = hc.holdings().owned_slots // ps
+        assert sorted(owned.tolist()) == sorted(pages.tolist())
+        slots = (pages[:, None] * ps + torch.arange(ps)).reshape(-1)[: 2 * ps + 1]
+        assert hc.insert(tokens[: 2 * ps + 1], pages, pages=True) == 0
+        m = hc.match_prefix(tokens)
+        assert m.device_hit_length == 2 * ps and torch.equal(m.device_indices, slots[: 2 * ps])
+        more = hc.alloc(2 * ps, pages=True)  # the chain continues past its 2 cached pages
+        inserted = hc.insert_and_lock(
+            tokens, torch.cat([m.device_pages, more]), replaces=m, pages=True
+        )
+        assert inserted.prefix_len == 2 * ps and inserted.match.device_hit_length == 4 * ps
+        hc.release(inserted.match)
+        spare = hc.alloc(ps, pages=True)
+        hc.free(spare, pages=True)
+        with pytest.raises(ValueError, match="so 2 pages, not 1"):
+            hc.insert(tokens[: 2 * ps], spare, pages=True)  # (refused before the wire)
+        s = hc.stats(check=True)
+        assert s["integrity"] == "ok" and s["device_owned_tokens"] == 0
+        assert s["device_cached_tokens"] == 4 * ps
+
+
+def test_a_client_of_another_protocol_version_is_told_what_is_wrong(endpoint):
+    """A request in the previous protocol version (a client from an older hicache) is
+    refused with WRONG_VERSION and a message that says both versions and what to do."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(endpoint)
+    try:
+        old = msgpack.packb([PROTOCOL_VERSION - 1, Op.PING, 1, 0, 0, {}])
+        status, fields = raw_call(sock, old)
+    finally:
+        sock.close()
+    assert status == ErrorCode.WRONG_VERSION
+    assert (
+        f"protocol version {PROTOCOL_VERSION - 1}; this side speaks {PROTOCOL_VERSION}"
+        in (fields["message"])
+    )
+    assert "different hicache versions" in fields["message"]

@@ -61,7 +61,7 @@ class SchedulerSide:
         self.opened_at: dict[int, float] = {}  # when each open step was planned (monotonic)
         self.jobs = itertools.count(1)
         self.figures = Figures()
-        self.reserve = _NO_PAGES  # first slots of pages the session owns for later stores
+        self.reserve = _NO_PAGES  # ids of pages the session owns for later stores
         self.reserve_generation = 0
         self.reserve_lock = threading.Lock()  # the reserve: this thread, and a draining daemon's
         self.keep_reserve = True  # False once the daemon drains: pages are taken as needed
@@ -241,29 +241,29 @@ class SchedulerSide:
         if not wanted:
             return []
         bs = self.block_size
-        slots = self._take((sum(end - start for _, start, end in wanted)) // bs)
-        if slots is None and len(wanted) > 1:  # not all fit: as many requests as fit, in order
+        pages = self._take((sum(end - start for _, start, end in wanted)) // bs)
+        if pages is None and len(wanted) > 1:  # not all fit: as many requests as fit, in order
             fit, parts = [], []
             for w in wanted:
                 got = self._take((w[2] - w[1]) // bs)
                 if got is not None:
                     fit.append(w)
                     parts.append(got)
-            wanted, slots = fit, (torch.cat(parts) if parts else None)
-        if slots is None or self.link.generation != generation or self.link.pool is None:
+            wanted, pages = fit, (torch.cat(parts) if parts else None)
+        if pages is None or self.link.generation != generation or self.link.pool is None:
             return []  # (the link went down or renewed its session in between)
         assert self.block_ids is not None  # (bound before vLLM schedules)
         plans, at = [], 0
         for t, start, end in wanted:
-            mine = slots[at : at + end - start]
-            at += end - start
+            mine = pages[at : at + (end - start) // bs]
+            at += (end - start) // bs
             rid = t.request.request_id
             ids = self.block_ids(rid)[start // bs : end // bs]
             store = Store(next(self.jobs), self.step, start, end, mine, generation)
             t.pending.append(store)
             t.planned = end
             blocks = np.asarray(ids, dtype=np.int64)
-            plans.append((store, rid, blocks, (mine[::bs] // bs).numpy()))
+            plans.append((store, rid, blocks, mine.numpy()))
         return plans
 
     def _pin_cap(self) -> int:
@@ -281,16 +281,15 @@ class SchedulerSide:
             generation, self.keep_reserve = self.reserve_generation, False
             client = self.link.client
         if len(reserve) and client is not None and generation == self.link.generation:
-            slots = (reserve[:, None] + torch.arange(self.block_size)).reshape(-1)
             with contextlib.suppress(Exception):  # (a daemon gone already took them back)
-                client.free(slots)
+                client.free(reserve, pages=True)
 
     def _take(self, pages: int) -> torch.Tensor | None:
         with self.reserve_lock:
             return self._take_locked(pages)
 
     def _take_locked(self, pages: int) -> torch.Tensor | None:
-        """Slots of ``pages`` whole pages the session owns, from the reserve: one ALLOC brings
+        """Ids of ``pages`` pages the session owns, from the reserve: one ALLOC brings
         the pages of many stores (at most 1/64 of the pool stays allocated ahead; the daemon
         takes it back with the session). None when there are none, or the session changed."""
         generation, pool = self.link.generation, self.link.pool
@@ -305,7 +304,7 @@ class SchedulerSide:
             for ask in (short + extra, short):  # (a full pool may still have the bare need)
                 try:
                     # (ignore: mypy infers no lambda with a bound default)
-                    got = self.link.call(lambda c, n=ask: c.alloc(n * self.block_size))  # type: ignore[misc]
+                    got = self.link.call(lambda c, n=ask: c.alloc(n * self.block_size, pages=True))  # type: ignore[misc]
                 except (Unavailable, DaemonError) as exc:  # OUT_OF_MEMORY: all pinned
                     log.debug("hicache: no pages for %d blocks this step: %s", ask, exc)
                     if self.link.generation != generation or self.link.pool is None:
@@ -313,12 +312,12 @@ class SchedulerSide:
                     continue
                 if self.link.generation != generation:
                     return None  # (another session's pages: never mixed into the reserve)
-                self.reserve = torch.cat([self.reserve, got[:: self.block_size]])
+                self.reserve = torch.cat([self.reserve, got])
                 break
             else:
                 return None
         first, self.reserve = self.reserve[:pages], self.reserve[pages:]
-        return (first[:, None] + torch.arange(self.block_size)).reshape(-1)
+        return first
 
     # ---- the workers' reports ------------------------------------------------------------
     @timed
@@ -386,7 +385,7 @@ class SchedulerSide:
             if head.ok and head.start == t.chain_len:
                 break  # waits to be published with the next ones
             t.pending.popleft()
-            self._free(head.slots, head.generation)
+            self._free(head.pages, head.generation)
             t.planned = min(t.planned, t.chain_len)
 
     def _due(self, t: Tracked, run: list[Store]) -> bool:
@@ -399,18 +398,18 @@ class SchedulerSide:
     def _insert(self, t: Tracked, run: list[Store]) -> None:
         end = run[-1].end
         tokens = np.asarray(t.request.all_token_ids[:end], dtype=np.int64)
-        prefix = torch.empty(0, dtype=torch.int64) if t.chain is None else t.chain.device_indices
-        mine = torch.cat([s.slots for s in run])
-        slots = torch.cat([prefix, mine])
+        prefix = _NO_PAGES if t.chain is None else t.chain.device_pages
+        mine = torch.cat([s.pages for s in run])
+        pages = torch.cat([prefix, mine])
         # the request ended, or its chain reached the most one request may pin: publish and
         # unpin at once (a request stores nothing past that cap)
         last = (t.finished and not t.pending) or end >= self._pin_cap()
         try:  # the new chain replaces the old one in the same round trip
             inserted = self.link.call(
                 lambda c: (
-                    c.insert(tokens, slots, t.namespace, replaces=t.chain)
+                    c.insert(tokens, pages, t.namespace, replaces=t.chain, pages=True)
                     if last
-                    else c.insert_and_lock(tokens, slots, t.namespace, replaces=t.chain)
+                    else c.insert_and_lock(tokens, pages, t.namespace, t.chain, pages=True)
                 ),
                 generation=t.generation,
             )
@@ -461,9 +460,9 @@ class SchedulerSide:
         except (Unavailable, DaemonError) as exc:
             log.debug("hicache: release failed: %s", exc)
 
-    def _free(self, slots: torch.Tensor, generation: int) -> None:
+    def _free(self, pages: torch.Tensor, generation: int) -> None:
         try:
-            self.link.call(lambda c: c.free(slots), generation=generation)
+            self.link.call(lambda c: c.free(pages, pages=True), generation=generation)
         except (Unavailable, DaemonError) as exc:
             log.debug("hicache: free failed: %s", exc)
 

@@ -52,7 +52,7 @@ class Store:
     step: int
     start: int
     end: int
-    slots: torch.Tensor  # pool slots the session owns until insert or free
+    pages: torch.Tensor  # pool pages (ids) the session owns until insert or free
     generation: int
     ok: bool | None = None  # the step's outcome once every rank reported it
 

@@ -36,6 +36,7 @@ from hicache.protocol import (
     Op,
     ProtocolError,
     TokenBatch,
+    decode_pages,
     decode_slots,
     decode_tokens,
     slots_frame,
@@ -117,13 +118,33 @@ class CacheOps:
         self.cache.check_slots(slots)
         return np.unique(slots // self.cache.page_size).tolist()
 
-    def _grant(self, session: Session, slots: Any, pages: int) -> Result:
+    def _first_slots(self, frame: Any) -> np.ndarray:
+        """A page-id frame as the first slot of each page (checked to lie in the pool)."""
+        slots = decode_pages(frame) * self.cache.page_size
+        self.cache.check_slots(slots)
+        return slots
+
+    def _slots_of(self, frame: Any, lengths: Any) -> list[np.ndarray]:
+        """A page-id frame (INSERT's ``pages`` form: ceil(length / page_size) per sequence) as
+        each sequence's slots."""
+        ps = self.cache.page_size
+        if not isinstance(lengths, list) or not all(type(n) is int and n >= 0 for n in lengths):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "insert: lengths must be a list of ints")
+        counts = [-(-n // ps) for n in lengths]
+        pages = split(self._first_slots(frame) // ps, counts, "page ids")
+        return [self.cache.slots_of_pages(p)[:n] for p, n in zip(pages, lengths, strict=True)]
+
+    def _grant(self, session: Session, slots: Any, pages: int, as_pages: bool = False) -> Result:
         """Record the pages of ``slots`` (a tensor, or None when the pool had no room) as the
-        session's."""
+        session's; ``as_pages``: reply with their page ids, not the slots."""
         if slots is None:
             raise out_of_memory(self.cache, self.sessions.holders(), pages)
         slots = slots.numpy()
         session.owned.update(self._pages(slots))
+        if as_pages:  # (whole pages in order: each page's first slot, every page_size-th)
+            return {"num_tokens": len(slots)}, [
+                slots_frame(slots[:: self.cache.page_size] // self.cache.page_size)
+            ]
         return {"num_tokens": len(slots)}, [slots_frame(slots)]
 
     def _check_partial(self, session: Session, filled: np.ndarray, last_loc: np.ndarray) -> None:
@@ -136,9 +157,10 @@ class CacheOps:
     # ---- allocation ----
     def alloc(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         n = int_field(fields, "num_tokens", 0, self.cache.config.device_tokens)
+        as_pages = bool_field(fields, "pages", False)
         pages = -(-n // self.cache.page_size)
         self.limits.check_owned(session, pages)
-        return self._grant(session, self.cache.alloc(n), pages)
+        return self._grant(session, self.cache.alloc(n), pages, as_pages)
 
     def alloc_extend(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         _need_frames(frames, 3, "alloc_extend")
@@ -170,7 +192,10 @@ class CacheOps:
 
     def free(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         _need_frames(frames, 1, "free")
-        slots = decode_slots(frames[0])
+        if bool_field(fields, "pages", False):
+            slots = self._first_slots(frames[0])  # (a slot frees the page it lies in)
+        else:
+            slots = decode_slots(frames[0])
         pages = self._pages(slots)
         session.check_owned(pages)
         self.cache.free(slots)
@@ -390,7 +415,10 @@ class CacheOps:
         lock = bool_field(fields, "lock", False)
         releases = self._held_ids(session, fields["release"]) if "release" in fields else []
         tokens = split(decode_tokens(frames[0]), fields.get("lengths"), "token ids")
-        slots = split(decode_slots(frames[1]), fields.get("lengths"), "slot indices")
+        if bool_field(fields, "pages", False):
+            slots = self._slots_of(frames[1], fields.get("lengths"))
+        else:
+            slots = split(decode_slots(frames[1]), fields.get("lengths"), "slot indices")
         spaces = namespaces_field(fields, len(tokens))
         if lock:
             self.limits.check_locks(session, len(tokens))
