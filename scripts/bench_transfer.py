@@ -22,9 +22,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from hicache import HiCacheConfig, HiRadixCache
+from hicache import HiCacheConfig, HiRadixCache, host_snapshot
 from hicache.kernels import copy_pages_one_layer, page_runs
-from hicache.memory import DevicePool, HostPool, PageSums, host_snapshot
+from hicache.memory import DevicePool, HostPool, PageSums
 from hicache.transfers import Copier, CpuCopier, DirectCopier, KernelCopier
 
 PAGES = 1024

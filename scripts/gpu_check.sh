@@ -31,10 +31,10 @@ fi
 "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 "$PY" - <<'PY' || exit 1
 import torch, triton, zmq
-import hicache.tree.fastpath as fastpath
+import hicache._native as native
 print(f"python {__import__('sys').version.split()[0]}, torch {torch.__version__} (CUDA "
       f"{torch.version.cuda}), triton {triton.__version__}, pyzmq {zmq.__version__}, "
-      f"C helpers {'built' if fastpath.USE_C else 'MISSING'}")
+      f"C helpers {'built' if native.USE_C else 'MISSING'}")
 assert torch.cuda.is_available(), "no CUDA device visible to torch"
 PY
 # what that machine does not have (tests/optional.py: declared, so skipped and listed)

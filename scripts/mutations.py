@@ -45,6 +45,13 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
+        "memory-imports-the-tree",
+        "hicache/memory/allocator.py",
+        "import hicache._native as _native\n",
+        "import hicache._native as _native\nfrom hicache.tree import fastpath  # noqa: F401\n",
+        ("tests/test_layering.py",),
+    ),
+    Mutation(
         "a-page-insert-reads-one-page-too-few-per-sequence",
         "daemon/requests/cache_ops.py",
         "counts = [-(-n // ps) for n in lengths]",

@@ -28,10 +28,10 @@ export LD_PRELOAD="$preload" ASAN_OPTIONS="detect_leaks=0:abort_on_error=1" \
   UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" PYTHONMALLOC=malloc \
   PYTHONPATH="$out" TRITON_INTERPRET=1
 cd "$out"
-$PY -c "import hicache.tree.fastpath as f, hicache.transfers.cpu_copy as c, sys; \
+$PY -c "import hicache._native as n, hicache.transfers.cpu_copy as c, sys; \
 import hicache.daemon.server as d; \
-mine = all(m.__file__.startswith('$out') for m in (f, c, d, f._fast)); \
-sys.exit(0 if f.USE_C and c.USE_C and mine else 'no sanitized C, or not this copy')"
+mine = all(m.__file__.startswith('$out') for m in (n, c, d, n._fast, n._tree, c._copy)); \
+sys.exit(0 if n.USE_C and c.USE_C and mine else 'no sanitized C, or not this copy')"
 $PY -m pytest -q -p no:cacheprovider --capture=sys tests/test_c_hostile.py tests/test_fastpath.py \
   tests/test_copy_paths.py tests/test_handlers_fuzz.py tests/test_protocol.py \
   "tests/test_guards.py::test_a_peer_that_never_reads_cannot_stall_the_daemon" \

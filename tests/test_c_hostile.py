@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
+from hicache import _native
 from hicache.transfers import cpu_copy
 from hicache.tree import TreeNode, fastpath
 
-pytestmark = pytest.mark.skipif(not fastpath.USE_C, reason="the C helpers are not built")
+pytestmark = pytest.mark.skipif(not _native.USE_C, reason="the C helpers are not built")
 BIG = 2**63 - 1  # PY_SSIZE_T_MAX
 
 
@@ -24,12 +25,12 @@ def both(monkeypatch, call):
     """(outcome of the C path, outcome of the twin): a value, or the exception's type."""
     out = []
     for use_c in (True, False):
-        monkeypatch.setattr(fastpath, "USE_C", use_c)
+        monkeypatch.setattr(_native, "USE_C", use_c)
         try:
             out.append(call())
         except Exception as exc:  # noqa: BLE001  (the type is what is compared)
             out.append(type(exc))
-    monkeypatch.setattr(fastpath, "USE_C", True)
+    monkeypatch.setattr(_native, "USE_C", True)
     return out
 
 
@@ -320,6 +321,7 @@ def test_misaligned_buffers_read_as_the_twin_reads_them(monkeypatch):
 OWN_NODES_CASES = """
 import sys
 import numpy as np
+from hicache import _native
 from hicache.tree import fastpath
 from hicache.tree import TreeNode
 
@@ -339,9 +341,9 @@ for case in range(400):
     if case % 7 == 0:
         nodes[-1].device_pages = np.array([2**62, -1], np.int64)[: 1 + case % 2].tobytes()
     got = fastpath._tree.own_nodes(nodes, 0, 0, raw.tobytes(), ps)
-    fastpath.USE_C = False
+    _native.USE_C = False
     want = fastpath.own_nodes(nodes, 0, 0, raw.tobytes(), ps)
-    fastpath.USE_C = True
+    _native.USE_C = True
     assert got == want, (case, ps, got, want)
 print("ok")
 """

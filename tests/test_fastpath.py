@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hicache import _native
 from hicache.errors import DoubleFreeError, InvalidIndicesError
 from hicache.memory import PagedAllocator, PageState
 from hicache.tree import IOState, RadixTree, TreeNode, fastpath
@@ -35,7 +36,7 @@ def test_c_and_numpy_agree_on_claim(ps, states, slots):
     before = alloc.state.copy()
     with_c = outcome(lambda: alloc.claim(raw, PageState.OWNED, PageState.OWNED))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fastpath, "USE_C", False)
+        mp.setattr(_native, "USE_C", False)
         without = outcome(lambda: alloc.claim(raw, PageState.OWNED, PageState.OWNED))
     assert with_c == without
     assert np.array_equal(alloc.state, before)  # reads only
@@ -66,7 +67,7 @@ def test_c_and_numpy_agree_on_claiming_and_freeing_the_tail(ps, states, pages, c
         if grouped:
             alloc.free_group_begin()
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fastpath, "USE_C", use_c)
+            mp.setattr(_native, "USE_C", use_c)
             got = outcome(
                 lambda a=alloc: a.claim(raw, PageState.OWNED, PageState.TREE, free_tail=True)
             )
@@ -84,7 +85,7 @@ def test_c_and_numpy_agree_on_claiming_and_freeing_the_tail(ps, states, pages, c
 
 def test_whole_pages_and_partial_tail(monkeypatch):
     for use_c in [True, False] if fastpath._fast else [False]:
-        monkeypatch.setattr(fastpath, "USE_C", use_c)
+        monkeypatch.setattr(_native, "USE_C", use_c)
         alloc = PagedAllocator(num_pages=6, page_size=4, reserved_pages=1)
         pages = alloc.alloc_pages(3)
         slots = np.concatenate(
@@ -110,7 +111,7 @@ def test_whole_pages_and_partial_tail(monkeypatch):
 def test_min_token(monkeypatch, use_c):
     if use_c and fastpath._fast is None:
         pytest.skip("C helpers not built")
-    monkeypatch.setattr(fastpath, "USE_C", use_c)
+    monkeypatch.setattr(_native, "USE_C", use_c)
     assert fastpath.min_token(np.array([5, 3, 9], np.int32)) == 0
     assert fastpath.min_token(np.array([5, -3, -9], np.int32)) == -9
     assert fastpath.min_token(np.array([], np.int32)) == 0
@@ -132,7 +133,7 @@ def test_common_tokens_agree(a, b, pos):
     results = set()
     for use_c in [True, False] if fastpath._fast else [False]:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(fastpath, "USE_C", use_c)
+            mp.setattr(_native, "USE_C", use_c)
             results.add(fastpath.common_tokens(ka, kb, pos))
     assert results == {want}
 
@@ -147,7 +148,7 @@ def test_common_tokens_agree(a, b, pos):
 )
 def test_page_slots_and_slot_pages(use_c, ps, pages, damage, tail):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fastpath, "USE_C", use_c)
+        mp.setattr(_native, "USE_C", use_c)
         slots = np.frombuffer(
             fastpath.page_slots(np.array(pages, np.int64).tobytes(), ps), np.int64
         )
@@ -203,7 +204,7 @@ def test_own_nodes_passes_the_nodes_whose_pages_the_slots_are(
         i, pos = i + 1, pos + len(want)
     raw = np.array(slots, np.int64).tobytes()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fastpath, "USE_C", use_c)
+        mp.setattr(_native, "USE_C", use_c)
         got = fastpath.own_nodes(path, start, lead, raw, ps)
     assert got == (i, pos)
 
@@ -216,7 +217,7 @@ def test_own_nodes_passes_the_nodes_whose_pages_the_slots_are(
 def test_pack_and_unpack_shared_round_trip(use_c, seqs):
     arrays = [np.array(s, dtype=np.int32) for s in seqs]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fastpath, "USE_C", use_c)
+        mp.setattr(_native, "USE_C", use_c)
         frame, shared = fastpath.pack_shared(arrays)
         keys = fastpath.unpack_shared(frame, [len(a) for a in arrays], shared)
     assert keys == [a.tobytes() for a in arrays]
@@ -306,7 +307,7 @@ def test_tally_agrees_with_the_python_loop(nodes):
 def test_a_free_tail_page_of_a_pool_with_nothing_out_is_refused_as_free(monkeypatch, use_c):
     """Every page free: the free stack is full, and a partial page that was never allocated is
     the same error on both paths (not a complaint about the stack)."""
-    monkeypatch.setattr(fastpath, "USE_C", use_c)
+    monkeypatch.setattr(_native, "USE_C", use_c)
     alloc = PagedAllocator(num_pages=4, page_size=4, reserved_pages=1)
     raw = np.arange(4, 6, dtype=np.int64).tobytes()  # page 1's first two slots
     with pytest.raises(DoubleFreeError):
@@ -327,7 +328,7 @@ def test_a_free_tail_page_of_a_pool_with_nothing_out_is_refused_as_free(monkeypa
 def test_claim_moves_pages_between_owned_and_tree_only(monkeypatch, use_c, expected, state):
     """Claiming free or reserved pages (or freeing by claim) would take pages the free stack
     still lists: refused on both paths, nothing changed."""
-    monkeypatch.setattr(fastpath, "USE_C", use_c)
+    monkeypatch.setattr(_native, "USE_C", use_c)
     alloc = PagedAllocator(num_pages=4, page_size=4, reserved_pages=1)
     alloc.alloc_pages(1)  # page 1 is OWNED, pages 2 and 3 free, page 0 the padding
     before, free = alloc.state.copy(), alloc.free_pages

@@ -1,4 +1,4 @@
-"""Host snapshots (hicache/memory/host_snapshot.py): a cache over the same host memory adopts what a
+"""Host snapshots (hicache/host_snapshot.py): a cache over the same host memory adopts what a
 snapshot names and still verifies, and nothing else."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.memory import host_snapshot
+from hicache import host_snapshot
 from tests.conftest import make_cache, put, settle, values_at
 
 SHAPE = dict(page_size=4, device_tokens=64, host_tokens=256)

@@ -82,3 +82,34 @@ def test_the_rule_is_read_right():
     assert _room_of("hicache.tree") == "core" and _room_of("numpy") is None
     assert "client" not in MAY_IMPORT["daemon"] and "daemon" not in MAY_IMPORT["client"]
     assert all(len(_files(room)) > 1 for room in PACKAGE)  # (each room is read)
+
+
+# inside the core, floors that only import down: a module of a floor imports nothing of a
+# higher one (TYPE_CHECKING imports included: a reader follows those too)
+CORE_FLOORS = [
+    ("memory", "hicache.memory"),  # where KV lives, who owns which page
+    ("tree", "hicache.tree"),  # the radix tree over token ids (uses the page states)
+    ("cache", "hicache.cache"),  # HiRadixCache, composing both (and what sits above it)
+]
+
+
+def _core_floor(module: str) -> int | None:
+    for i, (_, name) in enumerate(CORE_FLOORS):
+        if module == name or module.startswith(name + "."):
+            return i
+    return None
+
+
+def test_memory_imports_nothing_of_the_tree_and_the_tree_nothing_of_the_cache():
+    wrong = []
+    for path in _files("core"):
+        package = ".".join(("hicache", *path.relative_to(_folder("core")).with_suffix("").parts))
+        mine = _core_floor(package)
+        if mine is None:
+            continue
+        for line, module in _imports(path):
+            theirs = _core_floor(module)
+            if theirs is not None and theirs > mine:
+                wrong.append(f"{path}:{line}: {module} ({CORE_FLOORS[theirs][0]})")
+    assert not wrong, "the core's floors import upwards:\n" + "\n".join(wrong)
+    assert _core_floor("hicache.tree.fastpath") == 1 and _core_floor("hicache.cache") == 2

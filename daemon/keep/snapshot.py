@@ -1,7 +1,7 @@
 """HostKeeper: restarts that keep the host tier (``--keep-host``, on by default).
 
 A daemon that stops (SIGTERM, SIGINT) waits for its copies, writes a snapshot of the tree's
-host part (hicache/memory/host_snapshot.py: nodes, page ids, page checksums) beside its endpoint
+host part (hicache/host_snapshot.py: nodes, page ids, page checksums) beside its endpoint
 (``PATH.snapshot`` for ``ipc://PATH``, else in the runtime folder), and leaves its host pool's
 shared-memory segment in place; its ``keep`` marker (daemon/keep/segments.py) tells other daemons'
 clean-ups to spare it. The next daemon on the same endpoint with the same KV shape and host
@@ -41,6 +41,7 @@ from typing import Any
 
 import msgpack
 
+from hicache import host_snapshot
 from hicache.cache import HiRadixCache
 from hicache.config import HiCacheConfig
 from hicache.daemon.keep.segments import (
@@ -58,7 +59,6 @@ from hicache.memory import (
     PageSums,
     SharedMemoryBacking,
     expired,
-    host_snapshot,
     own_name,
     read_marker,
 )

@@ -7,11 +7,11 @@
 - ``allocator.py``: ``PagedAllocator``, every page's state (free, owned, in the tree, ...);
 - ``engine_layout.py``: ``EngineLayout``, an engine's KV layout (engines that keep their device
   tier) and the pool it makes;
-- ``page_sums.py``: page checksums (verified restores); ``host_snapshot.py``: what a host pool
-  holds, written so that the next daemon adopts it; ``kept.py``: kept pools' markers.
+- ``page_sums.py``: page checksums (verified restores); ``kept.py``: kept pools' markers.
 
-Names are imported on first use. Nothing outside this package imports its modules (the
-``host_snapshot`` module is used whole).
+Names are imported on first use. Nothing outside this package imports its modules. It imports
+nothing of the tree or the cache (what a host pool holds, as the tree sees it, is
+``hicache/host_snapshot.py``, above both).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from enum import IntEnum
 import numpy as np
 import torch
 
+import hicache._native as _native
 from hicache.errors import DoubleFreeError, IntegrityError, InvalidIndicesError
-from hicache.tree import fastpath
 
 
 class PageState(IntEnum):
@@ -30,7 +30,7 @@ class PageState(IntEnum):
 
 
 FREE, OWNED, TREE, RESERVED = PageState.FREE, PageState.OWNED, PageState.TREE, PageState.RESERVED
-_whole_pages = fastpath._fast.whole_pages if fastpath._fast is not None else None  # (claim)
+_whole_pages = _native._fast.whole_pages if _native._fast is not None else None  # (claim)
 _CLAIMABLE = frozenset((OWNED, TREE))  # the states claim moves pages between
 
 IntArrayLike = torch.Tensor | np.ndarray | Sequence[int]
@@ -218,7 +218,7 @@ class PagedAllocator:
             raise ValueError("claim: pages move between OWNED and TREE only")
         ps = self.page_size
         tail = free_tail and len(raw) // 8 % ps != 0
-        if fastpath.USE_C:
+        if _native.USE_C:
             assert _whole_pages is not None  # (USE_C: the C helpers are built)
             top = self._top  # (a full stack: no page is out to be freed)
             if tail and self.freed is None and self._group is None and top < len(self._stack):
@@ -237,7 +237,7 @@ class PagedAllocator:
                         return out[:-8]
                     return out
         pages = self._caller_pages(np.frombuffer(raw, dtype=np.int64), expected)
-        if fastpath.USE_C:  # numpy accepted what C refused: never silently
+        if _native.USE_C:  # numpy accepted what C refused: never silently
             raise InvalidIndicesError(f"device_indices: rejected (code {out})")
         self.state[pages] = state
         if tail:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 try:
-    from hicache import _copy
+    import hicache._copy as _copy
 except ImportError:  # the C helpers are optional
     _copy = None
 import os

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 try:
-    from hicache import _copy
+    import hicache._copy as _copy
 except ImportError:  # built without a C compiler: callers fall back to torch
     _copy = None
 

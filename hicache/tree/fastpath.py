@@ -3,30 +3,25 @@ page ids; ``_tree.c``: the tree walk and a match's bookkeeping), numpy or Python
 
 Both paths accept and reject exactly the same input and leave the same state (the tests run
 both); the C one exists because numpy's per-call cost and Python's per-step cost, not the data,
-dominated. Set HICACHE_NO_C=1 to use the fallback.
+dominated. Set HICACHE_NO_C=1 to use the fallback (the switch is ``hicache/_native.py``'s).
 """
 
 from __future__ import annotations
 
 import operator
-import os
 
 import numpy as np
 
+import hicache._native as _native
+from hicache._native import _fast, _tree
 from hicache.tree.node import TreeNode
 
-try:
-    from hicache import _fast, _tree
-except ImportError:  # built without a C compiler
-    _fast = _tree = None
-
 MAX_SLOT_BYTES = 1 << 40  # the most page_slots builds (as _fast.c)
-USE_C = _fast is not None and _tree is not None and not os.environ.get("HICACHE_NO_C")
 
 
 def min_token(tokens: np.ndarray | bytes | memoryview) -> int:
     """Smallest id of contiguous int32 (an array or LE bytes), or 0 when none is negative."""
-    if USE_C:
+    if _native.USE_C:
         return _fast.min_int32(tokens)
     arr = tokens if isinstance(tokens, np.ndarray) else np.frombuffer(tokens, dtype=np.int32)
     return min(int(arr.min()), 0) if len(arr) else 0
@@ -34,7 +29,7 @@ def min_token(tokens: np.ndarray | bytes | memoryview) -> int:
 
 def page_slots(pages: bytes | np.ndarray, page_size: int) -> bytearray:
     """The int64 slots of int64 page ids, page by page (page * page_size + offset)."""
-    if USE_C:
+    if _native.USE_C:
         return _fast.page_slots(pages, page_size)
     nbytes = pages.nbytes if isinstance(pages, np.ndarray) else len(pages)  # (not an array's len)
     if page_size < 1 or nbytes % 8:
@@ -51,7 +46,7 @@ def page_slots(pages: bytes | np.ndarray, page_size: int) -> bytearray:
 def slot_pages(slots: bytes, page_size: int) -> bytes:
     """For each run of ``page_size`` int64 slots: the page it is (a whole page, in order), or
     -1. A trailing partial run is left out."""
-    if USE_C:
+    if _native.USE_C:
         return _fast.slot_pages(slots, page_size)
     if page_size < 1:
         raise ValueError("slot_pages: need page_size >= 1")
@@ -71,7 +66,7 @@ def own_nodes(path: list[TreeNode], i: int, pos: int, slots: bytes, page_size: i
     device pages or other slots. Returns (i, pos) after the passed nodes. Compared in place,
     nothing built. At page size 1 the slots are the pages, byte for byte; above it, a negative
     or overflowing page id never matches."""
-    if USE_C:
+    if _native.USE_C:
         return _tree.own_nodes(path, i, pos, slots, page_size)
     if type(path) is not list:
         raise TypeError(f"own_nodes: path must be a list, not {type(path).__name__}")
@@ -121,7 +116,7 @@ def _slots_are_pages(view: memoryview, pos: int, pages: bytes, page_size: int) -
 def pack_shared(arrays: list[np.ndarray]) -> tuple[bytes, list[int]]:
     """Contiguous int32 sequences as one byte string, each without the leading tokens it shares
     with the previous sequence, and those counts (a batch's system prompt travels once)."""
-    if USE_C:
+    if _native.USE_C:
         return _fast.pack_shared(arrays)
     if not arrays:
         return b"", []
@@ -132,7 +127,7 @@ def pack_shared(arrays: list[np.ndarray]) -> tuple[bytes, list[int]]:
 def unpack_shared(frame: bytes | memoryview, lengths: list[int], shared: list[int]) -> list[bytes]:
     """The sequences pack_shared packed, as int32 byte strings. The caller has checked that
     ``lengths`` and ``shared`` agree with each other and with the frame."""
-    if USE_C:
+    if _native.USE_C:
         return _fast.unpack_shared(frame, lengths, shared)
     if len(lengths) != len(shared):
         raise ValueError("lengths and shared do not match the frame")
@@ -151,7 +146,7 @@ def unpack_shared(frame: bytes | memoryview, lengths: list[int], shared: list[in
 def common_tokens(node_key: bytes | np.ndarray, key: bytes | np.ndarray, pos: int) -> int:
     """How many leading int32 tokens ``node_key`` and ``key[pos:]`` share (int32 arrays too,
     at ``pos`` 0: pack_shared's)."""
-    if USE_C:
+    if _native.USE_C:
         return _fast.common_bytes(node_key, key, pos) >> 2
     if not 0 <= pos <= len(key):
         return 0
@@ -196,14 +191,14 @@ def tally_py(path: list[TreeNode], io_load: object) -> tuple[list[bytes], int, b
 
 # Chosen once: these run several times per match, where a wrapper's call would cost more
 # than the step itself (tests compare the C functions with the *_py twins directly).
-descend = _tree.descend if USE_C else descend_py
-tally = _tree.tally if USE_C else tally_py
+descend = _tree.descend if _native.USE_C else descend_py
+tally = _tree.tally if _native.USE_C else tally_py
 
 
 def store_release(words: np.ndarray, index: int, value: int) -> None:
     """words[index] = value, ordered after every earlier write of this thread (C), or a plain
     store (numpy: enough on x86, whose stores are never reordered with each other)."""
-    if USE_C:
+    if _native.USE_C:
         _fast.store_release(words, index, value)
     else:
         words[_word(words, index)] = value
@@ -211,7 +206,7 @@ def store_release(words: np.ndarray, index: int, value: int) -> None:
 
 def load_acquire(words: np.ndarray, index: int) -> int:
     """words[index], ordered before every later read of this thread (see store_release)."""
-    if USE_C:
+    if _native.USE_C:
         return _fast.load_acquire(words, index)
     return int(words[_word(words, index)])
 

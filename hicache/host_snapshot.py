@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from hicache.memory.allocator import PageState
-from hicache.memory.page_sums import PageSums
+from hicache.memory import PageState, PageSums
 from hicache.tree import IO_BACKUP
 
 if TYPE_CHECKING:
