@@ -45,13 +45,22 @@ from hicache.memory import AttachedSharedMemory, EngineLayout
 from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
     ENGINE_REPORT_MAX,
+    AllocRequest,
     ErrorCode,
+    FreeRequest,
     HoldingsReply,
     InsertReply,
+    InsertRequest,
     LoadReply,
+    LoadRequest,
     LockReply,
+    LockRequest,
     MatchReply,
+    MatchRequest,
     Op,
+    ReleaseRequest,
+    StatsRequest,
+    TreeRequest,
     decode_slots,
     slots_frame,
     tokens_frame,
@@ -261,9 +270,7 @@ class HiCacheClient:
         ValueError for token ids that are not non-negative int32 integers (floats, bools,
         ids >= 2**31, nested lists)."""
         tokens = as_tokens(token_ids)
-        fields = {"lengths": [len(tokens)], "lock": lock, "namespaces": [namespace]}
-        if not l3_wait:
-            fields["l3_wait"] = False
+        fields = MatchRequest([len(tokens)], None, [namespace], lock, l3_wait=l3_wait).fields()
         return self._matches(fields, [tokens])[1][0]
 
     def note_engine(self, queried: int = 0, hit: int = 0, loaded: int = 0) -> None:
@@ -320,11 +327,13 @@ class HiCacheClient:
         matches: list[Match] = []
         try:
             while True:
-                fields = {"lengths": lengths[start:], "lock": lock, "namespaces": spaces[start:]}
-                if any(shared[start + 1 :]):
-                    fields["shared"] = [0, *shared[start + 1 :]]
-                if rests is not None:
-                    fields["alloc_rest"] = True
+                fields = MatchRequest(
+                    lengths[start:],
+                    [0, *shared[start + 1 :]] if any(shared[start + 1 :]) else None,
+                    spaces[start:],
+                    lock,
+                    alloc_rest=rests is not None,
+                ).fields()
                 reply, got, out = self._matches_and_frames(fields, [part])
                 if rests is not None:
                     rests += _rest_slots(out[1], reply.rest_pages or [], got, lengths[start:],
@@ -383,7 +392,7 @@ class HiCacheClient:
         if not match.host_hit_length:
             return None
         match.check_locked()
-        reply, out = self._call(Op.LOAD_BACK, {"lock_id": match.lock_id})
+        reply, out = self._call(Op.LOAD_BACK, LoadRequest(match.lock_id).fields())
         return _slots(out[0]) if LoadReply.read(reply.fields).loaded else None
 
     def load_back_async(self, match: Match) -> LoadTicket | None:
@@ -393,7 +402,7 @@ class HiCacheClient:
             return None
         match.check_locked()
         self._progress()  # mapped now, while the daemon is known to be there
-        reply, out = self._call(Op.LOAD_BACK, {"lock_id": match.lock_id, "wait": False})
+        reply, out = self._call(Op.LOAD_BACK, LoadRequest(match.lock_id, wait=False).fields())
         load = LoadReply.read(reply.fields)
         if not load.loaded:
             return None
@@ -458,10 +467,7 @@ class HiCacheClient:
         (the daemon then owns them) or ``free``. ``pages``: the page ids instead, in order
         (ceil(num_tokens / page_size) of them: page p holds slots p * page_size onwards), for
         ``insert(..., pages=True)`` and ``free(..., pages=True)``."""
-        fields: dict[str, Any] = {"num_tokens": num_tokens}
-        if pages:
-            fields["pages"] = True
-        return _slots(self._call(Op.ALLOC, fields)[1][0])
+        return _slots(self._call(Op.ALLOC, AllocRequest(num_tokens, pages).fields())[1][0])
 
     def alloc_extend(self, prefix_lens: Any, seq_lens: Any, last_loc: Any) -> torch.Tensor:
         """SGLang's alloc_extend: slots for tokens [prefix_len, seq_len) of each request,
@@ -483,8 +489,8 @@ class HiCacheClient:
         """Give back slots this session owns (every page they touch is freed). Raises NOT_OWNED
         for the padding slot, a double free, or slots of the tree or of another session, and
         then frees nothing. ``pages``: ``slots`` holds page ids."""
-        fields = {"pages": True} if pages else None
-        self._call(Op.FREE, fields, [slots_frame(as_slots(slots, "pages" if pages else "slots"))])
+        frame = slots_frame(as_slots(slots, "pages" if pages else "slots"))
+        self._call(Op.FREE, FreeRequest(pages).fields(), [frame])
 
     def insert(
         self,
@@ -545,7 +551,7 @@ class HiCacheClient:
         of this request released in the same round trip once the insert succeeded (it is
         left locked when the insert fails). ``pages``: as for ``insert``."""
         fields, frames = _insert_request([(token_ids, slots)], [namespace], self._paged(pages))
-        fields["lock"] = True
+        fields["lock"] = True  # (InsertRequest.lock)
         _replacing(fields, replaces, self._link.generation)
         reply, matches = self._matches(fields, frames, Op.INSERT)
         if replaces is not None:
@@ -562,9 +568,9 @@ class HiCacheClient:
         live = [m for m in matches if m.generation == self._link.generation]  # others: void
         ids = [m.lock_id for m in live if m.lock_id]
         if ids and (wait or not self._link.lease_holds()):
-            self._call(Op.RELEASE, {"lock_ids": ids})
+            self._call(Op.RELEASE, ReleaseRequest(ids).fields())
         elif ids:
-            self._link.post(Op.RELEASE, {"lock_ids": ids})
+            self._link.post(Op.RELEASE, ReleaseRequest(ids).fields())
         for m in matches:
             m.mark_released()
 
@@ -576,7 +582,7 @@ class HiCacheClient:
             match.check_live()
             return match
         match.check_locked()
-        reply = self._call(Op.LOCK, {"lock_id": match.lock_id})[0]
+        reply = self._call(Op.LOCK, LockRequest(match.lock_id).fields())[0]
         return match.relocked(LockReply.read(reply.fields).lock_id)
 
     def holdings(self) -> Holdings:
@@ -590,7 +596,7 @@ class HiCacheClient:
     def release_all(self) -> None:
         """Release every lock of this session (every thread's): after cancelled calls, or to
         start over. Matches of this session then hand out nothing valid: drop them."""
-        self._call(Op.RELEASE, {"all": True})
+        self._call(Op.RELEASE, ReleaseRequest(all=True).fields())
 
     def evict(self, device_tokens: int = 0, host_tokens: int = 0) -> dict:
         """Admin: evict at least this many unlocked tokens from each tier (FORBIDDEN unless the
@@ -605,11 +611,11 @@ class HiCacheClient:
     def stats(self, check: bool = False) -> dict:
         """The daemon's counters and pool figures; ``check=True`` also runs its integrity check
         (``integrity: ok`` or what broke)."""
-        return self._call(Op.STATS, {"check": check})[0].fields
+        return self._call(Op.STATS, StatsRequest(check).fields())[0].fields
 
     def tree(self, max_nodes: int = 1000) -> dict:
         """A bounded dump of the tree's nodes (for debugging)."""
-        return self._call(Op.TREE, {"max_nodes": max_nodes})[0].fields
+        return self._call(Op.TREE, TreeRequest(max_nodes).fields())[0].fields
 
     def ping(self) -> dict:
         return self._call(Op.PING)[0].fields
@@ -667,7 +673,7 @@ def _replacing(fields: dict, replaces: Match | None, generation: int) -> None:
     """An INSERT that releases ``replaces`` once it succeeded (a void Match: nothing)."""
     if replaces is not None and replaces.generation == generation and replaces.lock_id:
         replaces.check_locked()
-        fields["release"] = [replaces.lock_id]
+        fields["release"] = [replaces.lock_id]  # (InsertRequest.release)
 
 
 def _insert_request(pairs: list, namespaces: list | None, page_size: int = 0) -> tuple[dict, list]:
@@ -681,11 +687,7 @@ def _insert_request(pairs: list, namespaces: list | None, page_size: int = 0) ->
             raise ValueError(
                 f"insert: sequence {i} has {len(t)} token ids, so {want} {what}, not {len(s)}"
             )
-    fields: dict[str, Any] = {
-        "lengths": [len(t) for t in tokens],
-        "namespaces": namespaces or [None] * len(pairs),
-    }
-    if page_size:
-        fields["pages"] = True
+    spaces = namespaces or [None] * len(pairs)
+    fields = InsertRequest([len(t) for t in tokens], spaces, pages=bool(page_size)).fields()
     frames = [tokens_frame(np.concatenate(tokens)), slots_frame(np.concatenate(slots))]
     return fields, frames

@@ -29,6 +29,7 @@ from hicache.protocol import (
     DEFAULT_TIMEOUT_S,
     MAX_FRAME_BYTES,
     ErrorCode,
+    HelloRequest,
     Op,
     Reply,
     Request,
@@ -92,18 +93,18 @@ LateHandler = Callable[[Op, Reply, list], None]
 
 def hello_fields(name: str, admin: bool, endpoint: str) -> dict:
     """HELLO's fields; an admin hello carries the token the daemon left for its own user."""
-    fields: dict[str, Any] = {"client": name, "pid": os.getpid(), "admin": admin}
+    token = None
     if admin:
         path = admin_token_path(endpoint)
         try:
             with open(path) as fh:
-                fields["admin_token"] = fh.read().strip()
+                token = fh.read().strip()
         except OSError as exc:
             raise PermissionError(
                 f"an admin session needs the daemon's admin token in {path}: {exc.strerror} "
                 "(run as the daemon's user, on its machine)"
             ) from None
-    return fields
+    return HelloRequest(name, os.getpid(), admin, token).fields()
 
 
 def _nbytes(frame: Any) -> int:

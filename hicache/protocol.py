@@ -12,6 +12,11 @@ anything else an ErrorCode (``fields["message"]`` says why). A request names the
 (``EPOCH_MISMATCH``) before anything happens, so a stale session id never acts on a new session.
 Arrays never travel inside msgpack: token ids are raw int32 little-endian frames, slot indices
 raw int64 little-endian frames, in the order the op defines. Nothing is ever pickled.
+
+Each op's fields are a typed message here (``MatchRequest`` ... ``TreeRequest``; ``MatchReply``,
+``LoadReply`` ...): clients build them (``.fields()``), the daemon reads them (``.read``, which
+checks each field and names a bad one), so a change of an op's fields is one edit here plus
+the callers of its fields. ``Op``'s comments say what each op carries, frames included.
 """
 
 from __future__ import annotations
@@ -184,6 +189,206 @@ class MatchReply(NamedTuple):
             )
         except (KeyError, TypeError) as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"a malformed match reply: {exc}") from None
+
+
+# ---- typed requests: what each op's header fields hold, checked as the daemon reads them -----
+def int_field(fields: dict, name: str, lo: int = 0, hi: int = 2**62) -> int:
+    """``fields[name]``, an int in [lo, hi] (BAD_FIELD naming the field, otherwise)."""
+    value = fields.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{name}: expected an int in [{lo}, {hi}]")
+    return value
+
+
+def bool_field(fields: dict, name: str, default: bool) -> bool:
+    """``fields[name]``, true or false (``default`` when absent; BAD_FIELD otherwise)."""
+    value = fields.get(name, default)
+    if type(value) is not bool:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{name}: expected true or false")
+    return value
+
+
+def namespaces_field(spaces: Any, count: int) -> list[Any]:
+    """``namespaces``: one per sequence of the request (None: all None)."""
+    if spaces is None:
+        return [None] * count
+    if not isinstance(spaces, list) or len(spaces) != count:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"namespaces: expected a list of {count}")
+    return spaces
+
+
+def _sparse(message: Any) -> dict[str, Any]:
+    """A typed request's fields as sent: those that differ from their defaults."""
+    defaults = message._field_defaults
+    return {
+        name: value
+        for name, value in zip(message._fields, message, strict=True)
+        if name not in defaults or value != defaults[name]
+    }
+
+
+class HelloRequest(NamedTuple):
+    """HELLO: who opens a session (``client``: shown in logs and ``hicache info``)."""
+
+    client: str = ""
+    pid: int = 0  # the engine's process (0: not given)
+    admin: bool = False  # an admin session (evict, flush): needs the daemon's admin token
+    admin_token: str | None = None
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> HelloRequest:
+        client, pid = fields.get("client", ""), fields.get("pid", 0)
+        if not isinstance(client, str) or len(client) > 256:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "hello: client is a str of <= 256 chars")
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 2**62:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "hello: pid is an int >= 0")
+        return cls(client, pid, bool_field(fields, "admin", False), fields.get("admin_token"))
+
+
+class MatchRequest(NamedTuple):
+    """MATCH; its frame holds every sequence's token ids (less each one's ``shared`` head)."""
+
+    lengths: Any  # tokens per sequence (checked against the frame as it is cut)
+    shared: Any = None  # leading tokens each sequence shares with the one before (optional)
+    namespaces: Any = None  # one per sequence (None: the default namespace)
+    lock: bool = True  # lock each device prefix found
+    alloc_rest: bool = False  # allocate pages for each sequence past its hit (needs lock false)
+    l3_wait: bool = True  # false: answer at once while a fetch from the third tier runs
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> MatchRequest:
+        lock, rest = bool_field(fields, "lock", True), bool_field(fields, "alloc_rest", False)
+        if rest and lock:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "match: alloc_rest needs lock false")
+        return cls(fields.get("lengths"), fields.get("shared"), fields.get("namespaces"),
+                   lock, rest, bool_field(fields, "l3_wait", True))  # fmt: skip
+
+
+class LoadRequest(NamedTuple):
+    """LOAD_BACK: the host part of a locked match, onto the device."""
+
+    lock_id: int
+    wait: bool = True  # false: answer at once with a ticket
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> LoadRequest:
+        return cls(int_field(fields, "lock_id", 1), bool_field(fields, "wait", True))
+
+
+class AllocRequest(NamedTuple):
+    """ALLOC: pages for ``num_tokens`` tokens, owned by the session."""
+
+    num_tokens: int
+    pages: bool = False  # answer page ids, not slots
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any], max_tokens: int) -> AllocRequest:
+        return cls(
+            int_field(fields, "num_tokens", 0, max_tokens), bool_field(fields, "pages", False)
+        )
+
+
+class FreeRequest(NamedTuple):
+    """FREE; its frame holds slots (every page they touch is freed), or page ids."""
+
+    pages: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> FreeRequest:
+        return cls(bool_field(fields, "pages", False))
+
+
+class InsertRequest(NamedTuple):
+    """INSERT; frames: every sequence's token ids, then their slots (or page ids)."""
+
+    lengths: Any  # tokens per sequence (checked against the frames as they are cut)
+    namespaces: Any = None  # one per sequence (None: the default namespace)
+    lock: bool = False  # only whole pages, and the reply is a locked match (MATCH's form)
+    release: list[int] | None = None  # lock ids released once the insert succeeded
+    pages: bool = False  # the second frame holds page ids: ceil(length / page_size) each
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> InsertRequest:
+        return cls(fields.get("lengths"), fields.get("namespaces"),
+                   bool_field(fields, "lock", False), fields.get("release"),
+                   bool_field(fields, "pages", False))  # fmt: skip
+
+
+class LockRequest(NamedTuple):
+    """LOCK: a second lock on the prefix another lock of the session holds."""
+
+    lock_id: int
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> LockRequest:
+        return cls(int_field(fields, "lock_id", 1))
+
+
+class ReleaseRequest(NamedTuple):
+    """RELEASE: these locks of the session, or every one (``all``)."""
+
+    lock_ids: Any = None  # distinct ints (checked against the session's locks)
+    all: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> ReleaseRequest:
+        return cls(fields.get("lock_ids"), fields.get("all") is True)
+
+
+class StatsRequest(NamedTuple):
+    """STATS: the daemon's figures (``check``: run the integrity check too)."""
+
+    check: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> StatsRequest:
+        return cls(bool_field(fields, "check", False))
+
+
+class TreeRequest(NamedTuple):
+    """TREE: the first ``max_nodes`` nodes, or (``shape``) each namespace's ``top`` prefixes."""
+
+    max_nodes: int = 1000
+    shape: bool = False
+    top: int = 10
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> TreeRequest:
+        return cls(
+            int_field(fields, "max_nodes", 1, 100_000) if "max_nodes" in fields else 1000,
+            bool_field(fields, "shape", False),
+            int_field(fields, "top", 1, 1000) if "top" in fields else 10,
+        )
 
 
 def _read(cls: Any, what: str, fields: dict[str, Any]) -> Any:

@@ -116,9 +116,9 @@ MUTATIONS = [
     ),
     Mutation(
         "daemon-ignores-namespaces",
-        "daemon/requests/fields.py",
-        'spaces = fields.get("namespaces")',
-        "spaces = None",
+        "hicache/protocol.py",
+        "    if spaces is None:\n        return [None] * count",
+        "    if True:\n        return [None] * count",
         ("tests/test_daemon.py", "-k", "namespaces"),
     ),
     Mutation(
@@ -271,8 +271,8 @@ MUTATIONS = [
     Mutation(
         "client-names-raw",
         "daemon/requests/handlers.py",
-        "        client = printable(client)",
-        "        pass",
+        "        client = printable(req.client)",
+        "        client = req.client",
         ("tests/test_daemon.py", "-k", "escaped"),
     ),
     Mutation(
@@ -771,8 +771,8 @@ MUTATIONS = [
     ),
     Mutation(
         "a-store-match-allocates-under-a-lock",
-        "daemon/requests/cache_ops.py",
-        "        if alloc_rest and lock:",
+        "hicache/protocol.py",
+        "        if rest and lock:",
         "        if False:",
         ("tests/test_store_calls.py", "-k", "holds_nothing"),
     ),

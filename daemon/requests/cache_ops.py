@@ -22,23 +22,30 @@ import numpy as np
 from hicache.cache import HiRadixCache
 from hicache.daemon.requests.capacity_feed import CapacityFeed
 from hicache.daemon.requests.context import Call
-from hicache.daemon.requests.fields import bool_field, int_field, namespaces_field
 from hicache.daemon.requests.l3_waits import Deferred
 from hicache.daemon.sessions import Session, SessionLimits, SessionTable, out_of_memory
 from hicache.memory import OWNED, TREE
 from hicache.protocol import (
+    AllocRequest,
     ErrorCode,
+    FreeRequest,
     InsertReply,
+    InsertRequest,
     LoadReply,
+    LoadRequest,
     LockReply,
+    LockRequest,
     MatchEntry,
     MatchReply,
+    MatchRequest,
     Op,
     ProtocolError,
+    ReleaseRequest,
     TokenBatch,
     decode_pages,
     decode_slots,
     decode_tokens,
+    namespaces_field,
     slots_frame,
     split,
     token_batch,
@@ -156,11 +163,10 @@ class CacheOps:
 
     # ---- allocation ----
     def alloc(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
-        n = int_field(fields, "num_tokens", 0, self.cache.config.device_tokens)
-        as_pages = bool_field(fields, "pages", False)
-        pages = -(-n // self.cache.page_size)
+        req = AllocRequest.read(fields, self.cache.config.device_tokens)
+        pages = -(-req.num_tokens // self.cache.page_size)
         self.limits.check_owned(session, pages)
-        return self._grant(session, self.cache.alloc(n), pages, as_pages)
+        return self._grant(session, self.cache.alloc(req.num_tokens), pages, req.pages)
 
     def alloc_extend(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         _need_frames(frames, 3, "alloc_extend")
@@ -192,7 +198,7 @@ class CacheOps:
 
     def free(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         _need_frames(frames, 1, "free")
-        if bool_field(fields, "pages", False):
+        if FreeRequest.read(fields).pages:
             slots = self._first_slots(frames[0])  # (a slot frees the page it lies in)
         else:
             slots = decode_slots(frames[0])
@@ -209,16 +215,13 @@ class CacheOps:
         the sequences matched so far (at least one): the client asks again for the rest."""
         started = time.perf_counter()
         _need_frames(frames, 1, "match")
-        batch = token_batch(frames[0], fields.get("lengths"), fields.get("shared"))
+        req = MatchRequest.read(fields)
+        batch = token_batch(frames[0], req.lengths, req.shared)
         check_token_bytes(frames[0])  # every key is built from this frame: one pass for all
-        spaces = namespaces_field(fields, len(batch))
-        lock = bool_field(fields, "lock", True)
+        spaces = namespaces_field(req.namespaces, len(batch))
+        lock, alloc_rest, l3_wait = req.lock, req.alloc_rest, req.l3_wait
         if lock:
             self.limits.check_locks(session, len(batch))
-        alloc_rest = bool_field(fields, "alloc_rest", False)
-        if alloc_rest and lock:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "match: alloc_rest needs lock false")
-        l3_wait = bool_field(fields, "l3_wait", True)
         # a turn at least twice what checking the request took: a client asking again for the
         # rest pays for its checks and its bytes once per part, so parts stay few
         now = time.perf_counter()
@@ -350,8 +353,7 @@ class CacheOps:
         return session.add_lock(LockRecord(m.last_device_node, m.last_host_node, pinned))
 
     def load_back(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
-        lock_id = int_field(fields, "lock_id", 1)
-        wait = bool_field(fields, "wait", True)  # False: answer at once with a ticket
+        lock_id, wait = LoadRequest.read(fields)  # wait false: answer at once with a ticket
         record = session.locks.get(lock_id)
         if record is None:
             raise ProtocolError(
@@ -412,14 +414,15 @@ class CacheOps:
         succeeded (the match this one replaces: one round trip, and nothing released when the
         insert fails)."""
         _need_frames(frames, 2, "insert")
-        lock = bool_field(fields, "lock", False)
-        releases = self._held_ids(session, fields["release"]) if "release" in fields else []
-        tokens = split(decode_tokens(frames[0]), fields.get("lengths"), "token ids")
-        if bool_field(fields, "pages", False):
-            slots = self._slots_of(frames[1], fields.get("lengths"))
+        req = InsertRequest.read(fields)
+        lock = req.lock
+        releases = self._held_ids(session, req.release) if "release" in fields else []
+        tokens = split(decode_tokens(frames[0]), req.lengths, "token ids")
+        if req.pages:
+            slots = self._slots_of(frames[1], req.lengths)
         else:
-            slots = split(decode_slots(frames[1]), fields.get("lengths"), "slot indices")
-        spaces = namespaces_field(fields, len(tokens))
+            slots = split(decode_slots(frames[1]), req.lengths, "slot indices")
+        spaces = namespaces_field(req.namespaces, len(tokens))
         if lock:
             self.limits.check_locks(session, len(tokens))
         elif len(tokens) > 1 and not releases:
@@ -500,7 +503,7 @@ class CacheOps:
 
     # ---- locks ----
     def lock(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
-        lock_id = int_field(fields, "lock_id", 1)
+        lock_id = LockRequest.read(fields).lock_id
         record = session.locks.get(lock_id)
         if record is None:
             raise ProtocolError(ErrorCode.NOT_OWNED, f"lock {lock_id} is not held")
@@ -509,9 +512,9 @@ class CacheOps:
         return LockReply(session.add_lock(LockRecord(record.node, record.host_node))).fields(), []
 
     def release(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
-        if fields.get("all") is True:  # every lock of the session (asyncio cancellations)
-            fields = {"lock_ids": list(session.locks)}
-        self._release_ids(session, self._held_ids(session, fields.get("lock_ids")))
+        req = ReleaseRequest.read(fields)
+        ids = list(session.locks) if req.all else req.lock_ids  # all: asyncio cancellations
+        self._release_ids(session, self._held_ids(session, ids))
         return {}, []
 
     @staticmethod

@@ -27,7 +27,6 @@ from hicache.daemon.requests.cache_ops import CacheOps
 from hicache.daemon.requests.capacity_feed import CapacityFeed
 from hicache.daemon.requests.context import NO_CALL, Call, Transport
 from hicache.daemon.requests.engine_tier import EngineTier, no_layout
-from hicache.daemon.requests.fields import bool_field, int_field
 from hicache.daemon.requests.l3_waits import Deferred
 from hicache.daemon.requests.latency import RequestStats
 from hicache.daemon.requests.tier_names import TierNames
@@ -51,12 +50,17 @@ from hicache.protocol import (
     MAX_MATCH_TOKENS,
     PROTOCOL_VERSION,
     ErrorCode,
+    HelloRequest,
     HoldingsReply,
     Op,
     ProtocolError,
     Reply,
+    StatsRequest,
+    TreeRequest,
+    bool_field,
     decode_request,
     encode_reply,
+    int_field,
 )
 from hicache.tree import TreeNode
 
@@ -281,16 +285,11 @@ class Handlers:
 
     # ---- sessions ----
     def hello(self, _: Session | None, fields: dict, frames: Frames, call: Call) -> Result:
-        client = fields.get("client", "")
-        pid = fields.get("pid", 0)
-        if not isinstance(client, str) or len(client) > 256:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "hello: client is a str of <= 256 chars")
-        client = printable(client)  # shown in logs, `hicache info` and top: no escapes
-        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 2**62:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "hello: pid is an int >= 0")
-        admin = bool_field(fields, "admin", False)
+        req = HelloRequest.read(fields)
+        client = printable(req.client)  # shown in logs, `hicache info` and top: no escapes
+        pid, admin = req.pid, req.admin
         if admin:
-            token = fields.get("admin_token")
+            token = req.admin_token
             if (
                 self.admin_token is None
                 or not isinstance(token, str)
@@ -442,7 +441,7 @@ class Handlers:
         """The daemon's figures, every session listed (up to MAX_SESSION_LIST), and with
         ``check`` its integrity check: within the view budget (``_whole_cache_view``) when it
         checks or lists more than CHEAP_SESSION_LIST live sessions."""
-        check = bool_field(fields, "check", False)
+        check = StatsRequest.read(fields).check
         if not check and len(self.sessions) <= CHEAP_SESSION_LIST:  # as cheap as a match
             return self.report(), []
         view = "an integrity check" if check else "a stats report"
@@ -570,19 +569,19 @@ class Handlers:
     def tree(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """The tree's shape (``shape``: per namespace, the ``top`` heaviest shared prefixes),
         or its first ``max_nodes`` nodes (within the view budget: ``_whole_cache_view``)."""
-        return self._whole_cache_view(session, "a tree view", lambda: self._tree(fields))
+        req = TreeRequest.read(fields)
+        return self._whole_cache_view(session, "a tree view", lambda: self._tree(req))
 
-    def _tree(self, fields: dict) -> Result:
+    def _tree(self, req: TreeRequest) -> Result:
         assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
-        if bool_field(fields, "shape", False):
-            top = int_field(fields, "top", 1, 1000) if "top" in fields else 10
-            shape = tree_shape(self.cache, top)
+        if req.shape:
+            shape = tree_shape(self.cache, req.top)
             shape["namespaces"] = self.tiers.rows(shape["namespaces"])
             for ns in shape["namespaces"]:
                 for prefix in ns["prefixes"]:
                     prefix["tiers"] = self.tiers.letters(prefix["tiers"])
             return shape, []
-        limit = int_field(fields, "max_nodes", 1, 100_000) if "max_nodes" in fields else 1000
+        limit = req.max_nodes
         nodes: list[dict[str, Any]] = []
         tiers = self.tiers
         for node in self.cache.nodes():
