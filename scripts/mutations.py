@@ -875,7 +875,9 @@ def run(mutation: Mutation | None, tests: tuple[str, ...], base: Path) -> tuple[
             target.write_text(source.replace(mutation.old, mutation.new))
         started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+            # (--basetemp in the copy: a failing test's folders go with it, not to /tmp)
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+             f"--basetemp={work / 'pt'}", *tests],
             cwd=work, capture_output=True, text=True, timeout=1800,
             # the copy first for every process the tests start, wherever it runs (the reaper
             # runs in / with -P, out of reach of the working folder)
