@@ -239,6 +239,9 @@ def test_exists_pins_pages_until_the_get_and_releases_the_rest(ep):
             admin.flush()  # pinned pages survive a flush
             assert cached_tokens(ep) == 3 * rig.PAGE
             assert be.batch_get_v1(keys[:3], host.alloc(3 * rig.PAGE)) == [True] * 3
+            # the get posted its release on the backend's connection, which the daemon serves
+            # in order but not before the admin's: a call there returns after the release
+            assert be.link.call(lambda c: c.holdings()).lock_ids == []
             admin.flush()  # the get released them
             assert cached_tokens(ep) == 0
             assert be.batch_exists(keys) == 0
@@ -590,6 +593,7 @@ def test_a_get_refused_room_for_unpinned_keys_serves_the_pinned_run_and_releases
         assert one.batch_exists(keys[:6]) == 6  # the session's whole share pinned
         # the 7th key was never pinned: pinning it now is past the share (refused)
         assert one.batch_get_v1(keys, host.alloc(7 * rig.PAGE)) == [True] * 6 + [False]
+        assert one.link.call(lambda c: c.holdings()).lock_ids == []  # (after its posted release)
         with HiCacheClient(endpoint, name="probe") as hc:
             held = [s["locks"] for s in hc.stats()["session_list"] if s["client"] != "probe"]
         assert held == [0, 0] and one.pinned() == 0

@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa
 from hicache.client import HiCacheClient  # noqa: E402
 from hicache.client.sglang.pages import LAYOUTS, key_words, page_hashes  # noqa: E402
 from tests import sglang_rig as rig  # noqa: E402
-from tests.daemon_helpers import start_daemon, stop_daemon, wait_until  # noqa: E402
+from tests.daemon_helpers import start_daemon, stop_daemon  # noqa: E402
 
 P = rig.PAGE
 
@@ -185,9 +185,10 @@ def test_a_lookup_pins_its_chain_until_the_get(ep, store):
         assert be.batch_get_v1(keys[1:3], host.alloc(2 * P), after(keys[:1])) == [True] * 2
         assert be.pinned() == 0
         # the get released it: a release posted on the backend's connection, which the
-        # daemon may serve after this one's flush (so flush until it has)
-        wait_until(lambda: admin.flush() is not None and stats(ep)["host_cached_tokens"] == 0,
-                   timeout=30, what="the get's posted release")  # fmt: skip
+        # daemon serves in order but not before the admin's: a call there returns after it
+        assert be.link.call(lambda c: c.holdings()).lock_ids == []
+        admin.flush()
+        assert stats(ep)["host_cached_tokens"] == 0
     assert be.batch_exists(keys, after([])) == 0
     assert be.pinned() == 0  # a lookup that found nothing holds nothing
 
@@ -360,6 +361,7 @@ def test_a_pin_is_used_only_by_a_get_of_its_own_path(ep, store):
     assert be.batch_get_v1(keys[-1:], dst, after(keys[:3])) == [True]
     assert torch.equal(page(host, dst[0]), page(host, src[3 * P]))
     assert be.pinned() == 0
+    assert be.link.call(lambda c: c.holdings()).lock_ids == []  # (after the posted releases)
     with HiCacheClient(ep, name="probe") as hc:
         locks = [s["locks"] for s in hc.stats()["session_list"] if s["client"] != "probe"]
     assert locks == [0]
