@@ -38,7 +38,7 @@ from hicache.client.info_view import heading, normal, sections
 from hicache.client.top import render_shape, watch
 from hicache.curve import CurveKeyError, keygen
 from hicache.endpoints import env_endpoint
-from hicache.protocol import Op
+from hicache.protocol import EvictRequest, HelloReply, Op, PingReply
 
 
 def _seconds(least: float) -> Callable[[str], float]:
@@ -90,7 +90,7 @@ def _json_flag(p: argparse.ArgumentParser, help: str = "as one JSON object") -> 
 
 def _ping(args: argparse.Namespace, conn: Connection) -> int:
     reply, _ = conn.call(Op.PING)
-    pid, epoch = reply.fields["pid"], reply.boot_epoch
+    pid, epoch = PingReply.read(reply.fields).pid, reply.boot_epoch
     print(
         json.dumps({"pid": pid, "epoch": epoch}) if args.json else f"PONG pid={pid} epoch={epoch}"
     )
@@ -109,8 +109,9 @@ def _health(args: argparse.Namespace, conn: Connection) -> int:
         if args.json:  # a probe reading JSON gets JSON either way
             print(json.dumps({"status": "down", "live": 0, "ready": 0}, sort_keys=True))
         raise
-    state = reply.fields.get("state", "ready")
-    out = {"status": state, "live": 1, "ready": int(state == "ready"), "pid": reply.fields["pid"]}
+    pong = PingReply.read(reply.fields)
+    state = pong.state
+    out = {"status": state, "live": 1, "ready": int(state == "ready"), "pid": pong.pid}
     if args.json:
         print(json.dumps(out, sort_keys=True))
     else:
@@ -236,7 +237,7 @@ def _evict_refuse(args: argparse.Namespace) -> str | None:
 
 
 def _evict(args: argparse.Namespace, conn: Connection) -> int:
-    fields = {"device_tokens": args.device_tokens, "host_tokens": args.host_tokens}
+    fields = EvictRequest(args.device_tokens, args.host_tokens).fields()
     print("\n".join(f"{k}:{v}" for k, v in _in_session(conn, Op.EVICT, fields).items()))
     return 0
 
@@ -305,7 +306,7 @@ def _in_session(conn: Connection, op: Op, fields: dict) -> dict:
     """One operation in an admin session of its own (the CLI is an operator's tool), ended at
     once."""
     hello = hello_fields("hicache-cli", True, conn.endpoint)
-    conn.session = conn.call(Op.HELLO, hello)[0].fields["session"]
+    conn.session = HelloReply.read(conn.call(Op.HELLO, hello)[0].fields).session
     try:
         return conn.call(op, fields)[0].fields
     finally:

@@ -47,6 +47,8 @@ from hicache.protocol import (
     ENGINE_REPORT_MAX,
     AllocRequest,
     ErrorCode,
+    EvictRequest,
+    FreedReply,
     FreeRequest,
     HoldingsReply,
     InsertReply,
@@ -58,6 +60,9 @@ from hicache.protocol import (
     MatchReply,
     MatchRequest,
     Op,
+    PingReply,
+    RegisterReply,
+    RegisterRequest,
     ReleaseRequest,
     StatsRequest,
     TreeRequest,
@@ -236,16 +241,16 @@ class HiCacheClient:
         makes the pool (gigabytes reserved in shared memory: seconds), so while the daemon
         serves no layout yet this call waits up to REGISTER_TIMEOUT_S, not the client's
         timeout (a later one only compares layouts)."""
-        fields = {"layout": layout.as_dict()}
+        fields = RegisterRequest(layout.as_dict()).fields()
         timeout = self._link.timeout_s
         if self.layout is None:  # (as hello said: this REGISTER may make the pool)
             timeout = max(REGISTER_TIMEOUT_S, timeout)
-        reply = self._link.call(Op.REGISTER, fields, (), timeout)[0]
+        reply = RegisterReply.read(self._link.call(Op.REGISTER, fields, (), timeout)[0].fields)
         with self._attach_lock:
-            self._link.info.update(reply.fields)
+            self._link.info.update(reply.fields())
             if self.pools is None:  # (a pool already mapped stays: the daemon has one pool)
                 self._reset()
-        return EngineLayout.from_dict(reply.fields["layout"])
+        return EngineLayout.from_dict(reply.layout)
 
     @property
     def layout(self) -> EngineLayout | None:
@@ -601,12 +606,12 @@ class HiCacheClient:
     def evict(self, device_tokens: int = 0, host_tokens: int = 0) -> dict:
         """Admin: evict at least this many unlocked tokens from each tier (FORBIDDEN unless the
         client was opened with admin=True). Returns the tokens freed per tier."""
-        fields = {"device_tokens": device_tokens, "host_tokens": host_tokens}
-        return self._call(Op.EVICT, fields)[0].fields
+        fields = EvictRequest(device_tokens, host_tokens).fields()
+        return FreedReply.read(self._call(Op.EVICT, fields)[0].fields).fields()
 
     def flush(self) -> dict:
         """Admin: evict every unlocked token from both tiers (locked prefixes stay)."""
-        return self._call(Op.FLUSH)[0].fields
+        return FreedReply.read(self._call(Op.FLUSH)[0].fields).fields()
 
     def stats(self, check: bool = False) -> dict:
         """The daemon's counters and pool figures; ``check=True`` also runs its integrity check
@@ -618,7 +623,7 @@ class HiCacheClient:
         return self._call(Op.TREE, TreeRequest(max_nodes).fields())[0].fields
 
     def ping(self) -> dict:
-        return self._call(Op.PING)[0].fields
+        return PingReply.read(self._call(Op.PING)[0].fields).fields()
 
     # ---- lifetime ----
     def close(self, stopping: bool = False) -> None:

@@ -40,14 +40,16 @@ from hicache.client.connection import (
 )
 from hicache.client.trust import trusted_uids
 from hicache.protocol import (
-    ENGINE_REPORT,
     ENGINE_REPORT_MAX,
     HEARTBEAT_INTERVAL_S,
     ErrorCode,
+    HeartbeatReply,
+    HelloReply,
     LockReply,
     MatchEntry,
     Op,
     Reply,
+    ReportRequest,
 )
 
 GIVE_BACK_OPS = (Op.MATCH, Op.INSERT, Op.LOCK, Op.ALLOC, Op.ALLOC_EXTEND, Op.ALLOC_DECODE)
@@ -96,7 +98,7 @@ class SessionLink:
         sent = time.monotonic()
         reply, _ = conn.call(Op.HELLO, hello_fields(self.name, self.admin, self.endpoint))
         self.daemon_uid = conn.daemon_uid
-        self.info = reply.fields
+        self.info = HelloReply.read(reply.fields).fields()  # (checked; a dict: client.info)
         self.key, self.epoch = reply.fields["session"], conn.epoch
         conn.session = self.key
         self.lease_s = float(self.info["lease_s"])
@@ -279,14 +281,13 @@ class SessionLink:
             noted[1] += hit
             noted[2] += loaded
 
-    def _report(self) -> dict | None:
+    def _report(self, stopping: bool = False) -> dict | None:
         """The fields that report what was noted since the last report (taken)."""
         with self._noted_lock:
             noted, self._noted = self._noted, [0, 0, 0]
-        if not any(noted):
-            return None
         top = ENGINE_REPORT_MAX - 1  # (a report over the bound would be refused whole)
-        return dict(zip(ENGINE_REPORT, (min(top, n) for n in noted), strict=True))
+        queried, hit, loaded = (min(top, n) for n in noted)
+        return ReportRequest(queried, hit, loaded, stopping).fields() or None
 
     # ---- lifetime ---------------------------------------------------------------------------
     def close(self, stopping: bool = False) -> None:
@@ -311,10 +312,7 @@ class SessionLink:
                 goodbye = Connection(self.endpoint, min(self.timeout_s, 2.0), None, self.trusted)
                 goodbye.session, goodbye.epoch = self.key, self.epoch
                 try:
-                    fields = self._report() or {}
-                    if stopping:
-                        fields["stopping"] = True
-                    goodbye.call(Op.GOODBYE, fields or None)
+                    goodbye.call(Op.GOODBYE, self._report(stopping))
                 finally:
                     goodbye.close()
         for conn in conns:
@@ -359,7 +357,7 @@ def _heartbeat(link: SessionLink, stop: threading.Event, generation: int) -> Non
                 link.heard = time.monotonic()
                 if generation == link.generation:
                     link.renewed = max(link.renewed, sent)
-                if reply.fields.get("draining") and not link.draining:
+                if HeartbeatReply.read(reply.fields).draining and not link.draining:
                     link.draining = True
                     if link.on_draining is not None:
                         try:

@@ -13,10 +13,12 @@ anything else an ErrorCode (``fields["message"]`` says why). A request names the
 Arrays never travel inside msgpack: token ids are raw int32 little-endian frames, slot indices
 raw int64 little-endian frames, in the order the op defines. Nothing is ever pickled.
 
-Each op's fields are a typed message here (``MatchRequest`` ... ``TreeRequest``; ``MatchReply``,
-``LoadReply`` ...): clients build them (``.fields()``), the daemon reads them (``.read``, which
-checks each field and names a bad one), so a change of an op's fields is one edit here plus
-the callers of its fields. ``Op``'s comments say what each op carries, frames included.
+Each op's fields are a typed message here (``HelloRequest`` ... ``RegisterRequest``;
+``HelloReply``, ``MatchReply`` ...): clients build them (``.fields()``), the daemon reads them
+(``.read``, which checks each field and names a bad one), so a change of an op's fields is one
+edit here plus the callers of its fields. ``Op``'s comments say what each op carries, frames
+included. Three replies are records kept elsewhere: STATS (the figures table,
+``hicache.observe.figures``), TREE (a bounded dump) and CAPACITY (the estimate's report).
 """
 
 from __future__ import annotations
@@ -391,6 +393,77 @@ class TreeRequest(NamedTuple):
         )
 
 
+class ReportRequest(NamedTuple):
+    """HEARTBEAT and GOODBYE: an engine's counts since its previous report (``ENGINE_REPORT``'s
+    names; all 0: nothing to report), and for GOODBYE, whether its process is stopping (true:
+    what the session holds is given back after the quarantine, copies may still land)."""
+
+    engine_queried_tokens: int = 0  # tokens asked about beyond the engine's own hit
+    engine_hit_tokens: int = 0  # of them, found in hicache (<= queried)
+    engine_loaded_tokens: int = 0  # tokens the engine copied from the pool
+    stopping: bool = False  # GOODBYE only
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @property
+    def counts(self) -> tuple[int, int, int]:
+        return self[:3]
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> ReportRequest:
+        """BAD_FIELD for a value that is not a count below ENGINE_REPORT_MAX, or hits beyond
+        what was queried."""
+        counts = []
+        for name in ENGINE_REPORT:
+            value: Any = fields.get(name, 0)
+            if type(value) is not int or not 0 <= value < ENGINE_REPORT_MAX:
+                raise ProtocolError(
+                    ErrorCode.BAD_FIELD, f"{name}: a count of tokens, got {value!r}"
+                )
+            counts.append(value)
+        queried, hit, loaded = counts
+        if hit > queried:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"engine_hit_tokens {hit} is more than engine_queried_tokens {queried}",
+            )
+        return cls(queried, hit, loaded, bool_field(fields, "stopping", False))
+
+
+assert ReportRequest._fields[:3] == ENGINE_REPORT
+
+
+class EvictRequest(NamedTuple):
+    """EVICT (admin): at least this many unlocked tokens from each tier, named as the daemon
+    reports its tiers (an engine-tier daemon's one pool is ``host``)."""
+
+    device_tokens: int = 0
+    host_tokens: int = 0
+
+    def fields(self) -> dict[str, Any]:
+        return self._asdict()
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> EvictRequest:
+        device = int_field(fields, "device_tokens") if "device_tokens" in fields else 0
+        return cls(device, int_field(fields, "host_tokens") if "host_tokens" in fields else 0)
+
+
+class RegisterRequest(NamedTuple):
+    """REGISTER: an engine's KV layout (an EngineLayout's fields, checked where it is read)."""
+
+    layout: Any
+
+    def fields(self) -> dict[str, Any]:
+        return {"layout": self.layout}
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> RegisterRequest:
+        return cls(fields.get("layout"))
+
+
+# ---- typed replies ----------------------------------------------------------------------------
 def _read(cls: Any, what: str, fields: dict[str, Any]) -> Any:
     """``cls`` from a decoded reply's fields: each of its fields by name, the defaults where
     absent (ProtocolError BAD_FIELD for a reply without a required one)."""
@@ -460,6 +533,88 @@ class HoldingsReply(NamedTuple):
     @classmethod
     def read(cls, fields: dict[str, Any]) -> HoldingsReply:
         return _read(cls, "holdings", fields)
+
+
+class HelloReply(NamedTuple):
+    """HELLO's fields: the session, its terms, and what the daemon serves."""
+
+    session: int  # what requests name the session by (a secret: logs show session_id)
+    session_id: int  # the session's public number
+    lease_s: float  # the session ends this long after its last message
+    quarantine_s: float  # a lapsed or stopping session's pages come back after this long
+    limits: dict[str, int]  # the session's quotas and the daemon's request bounds
+    # what the daemon serves (a real daemon sends each; the defaults serve handler tests)
+    boot_epoch: int = 0  # the daemon's life: requests name it
+    protocol: int = PROTOCOL_VERSION
+    endpoint: str = ""  # where the daemon listens
+    config: dict[str, Any] | None = None  # the daemon's settings (HiCacheConfig's among them)
+    pools: dict[str, Any] | None = None  # how to map the pools (None: no layout registered yet)
+    layout: dict[str, Any] | None = None  # the engine layout served (engine-tier daemons)
+
+    def fields(self) -> dict[str, Any]:
+        return self._asdict()
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> HelloReply:
+        return _read(cls, "hello", fields)
+
+
+class HeartbeatReply(NamedTuple):
+    """HEARTBEAT's fields."""
+
+    draining: bool = False  # the daemon is shutting down: move to its successor
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> HeartbeatReply:
+        return _read(cls, "heartbeat", fields)
+
+
+class PingReply(NamedTuple):
+    """PING's fields (no session needed)."""
+
+    pong: bool
+    pid: int  # the daemon's process
+    state: str  # "ready" or "draining"
+
+    def fields(self) -> dict[str, Any]:
+        return self._asdict()
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> PingReply:
+        return _read(cls, "ping", fields)
+
+
+class FreedReply(NamedTuple):
+    """EVICT's and FLUSH's fields: tokens freed per tier (named as the daemon reports)."""
+
+    device_freed: int
+    host_freed: int
+
+    def fields(self) -> dict[str, Any]:
+        return self._asdict()
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> FreedReply:
+        return _read(cls, "evict", fields)
+
+
+class RegisterReply(NamedTuple):
+    """REGISTER's fields: the layout served and the pool it made (hello's ``config`` and
+    ``pools`` as they now are)."""
+
+    layout: dict[str, Any]
+    config: dict[str, Any]
+    pools: dict[str, Any] | None
+
+    def fields(self) -> dict[str, Any]:
+        return self._asdict()
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> RegisterReply:
+        return _read(cls, "register", fields)
 
 
 def pack(obj: Any) -> bytes:

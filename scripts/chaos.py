@@ -54,7 +54,7 @@ from hicache.client.connection import (
 )
 from hicache.daemon.keep import HostKeeper
 from hicache.daemon.launch import start_daemon, stop_daemon
-from hicache.protocol import PROTOCOL_VERSION, LoadReply, MatchReply, Op
+from hicache.protocol import PROTOCOL_VERSION, HelloReply, LoadReply, MatchReply, Op
 
 LEASE_S, QUARANTINE_S = 2.0, 2.0
 PS, LAYERS, HEADS, DIM = 4, 2, 2, 4
@@ -88,7 +88,7 @@ class Engine:
             self.conn.close()
         self.conn = Connection(self.endpoint, 2.0)
         reply = self.conn.call(Op.HELLO, hello_fields(self.name, False, self.endpoint))[0]
-        self.conn.session = reply.fields["session"]
+        self.conn.session = HelloReply.read(reply.fields).session
         device = reply.fields["pools"]["device"]
         raw = np.memmap(device["path"], dtype=np.float32, mode="r+")
         self.pool = raw.reshape(2, LAYERS, -1, HEADS * DIM)  # [kv, layer, slot, H*D]
@@ -226,7 +226,7 @@ def fuzzer_main(endpoint: str, count: int, sent: Any, seed: int) -> None:
         conn = Connection(endpoint, 2.0)
         try:
             reply = conn.call(Op.HELLO, hello_fields(f"fuzz-{seed}", False, endpoint))[0]
-            session, epoch = reply.fields["session"], reply.boot_epoch
+            session, epoch = HelloReply.read(reply.fields).session, reply.boot_epoch
         except (DaemonError, DaemonTimeout, OSError):
             session, epoch = 0, 0
         conn.close()
@@ -279,7 +279,9 @@ class Admin:
                 if self.conn is None:
                     self.conn = Connection(self.endpoint, 5.0)
                     hello = hello_fields("chaos-admin", True, self.endpoint)
-                    self.conn.session = self.conn.call(Op.HELLO, hello)[0].fields["session"]
+                    self.conn.session = HelloReply.read(
+                        self.conn.call(Op.HELLO, hello)[0].fields
+                    ).session
                 return self.conn.call(Op.STATS, {"check": check})[0].fields
             except (DaemonError, DaemonTimeout, OSError, PermissionError):
                 if self.conn is not None:
@@ -301,7 +303,7 @@ def match_latencies(endpoint: str, seconds: float, stop: threading.Event) -> lis
             if conn is None:
                 conn = Connection(endpoint, 5.0)
                 hello = hello_fields("probe", False, endpoint)
-                conn.session = conn.call(Op.HELLO, hello)[0].fields["session"]
+                conn.session = HelloReply.read(conn.call(Op.HELLO, hello)[0].fields).session
             t0 = time.perf_counter()
             conn.call(Op.MATCH, {"lengths": [len(prompt)], "lock": False}, [prompt])
             out.append(time.perf_counter() - t0)

@@ -217,7 +217,7 @@ MUTATIONS = [
     Mutation(
         "stopping-goodbye-frees-at-once",
         "daemon/requests/handlers.py",
-        '        if bool_field(req.fields, "stopping", False):',
+        "        if report.stopping:",
         "        if False:",
         ("tests/test_vllm_sides.py",),
     ),

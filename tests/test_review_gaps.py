@@ -24,8 +24,10 @@ from hicache.errors import InvalidIndicesError
 from hicache.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
+    HelloReply,
     MatchReply,
     Op,
+    PingReply,
     Reply,
     Request,
     decode_reply,
@@ -484,7 +486,7 @@ class HoldingDaemon:
         while not self.stop.is_set():
             if self.answer_pings.is_set():
                 for who, request_id in self.held:
-                    self._reply(who, request_id, {"pong": True, "pid": 42, "held": True})
+                    self._reply(who, request_id, PingReply(True, 42, "held").fields())
                 self.held = []
             if not self.sock.poll(20):
                 continue
@@ -494,8 +496,8 @@ class HoldingDaemon:
             if req.op is Op.PING and not self.answer_pings.is_set():
                 self.held.append((who, req.request_id))
             elif req.op is Op.HELLO:
-                hello = {"session": 12345, "session_id": 1, "lease_s": 0.3}
-                self._reply(who, req.request_id, {**hello, "config": {"page_size": 4}})
+                hello = HelloReply(12345, 1, 0.3, 0.3, {}, config={"page_size": 4})
+                self._reply(who, req.request_id, hello.fields())
             else:
                 self._reply(who, req.request_id, {})
 
@@ -525,7 +527,7 @@ def test_the_heartbeat_beats_on_its_own_socket_while_a_call_waits(ep):
         assert not fake.identities(Op.HEARTBEAT) & calls  # and one of the heartbeat's own
         fake.answer_pings.set()
         caller.join(30)
-        assert got == [{"pong": True, "pid": 42, "held": True}]  # its own reply, not a beat's
+        assert got == [{"pong": True, "pid": 42, "state": "held"}]  # its own reply, not a beat's
         hc.close()
         assert fake.count(Op.GOODBYE) == 1
     finally:

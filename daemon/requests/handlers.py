@@ -50,17 +50,24 @@ from hicache.protocol import (
     MAX_MATCH_TOKENS,
     PROTOCOL_VERSION,
     ErrorCode,
+    EvictRequest,
+    FreedReply,
+    HeartbeatReply,
+    HelloReply,
     HelloRequest,
     HoldingsReply,
     Op,
+    PingReply,
     ProtocolError,
+    RegisterReply,
+    RegisterRequest,
     Reply,
+    ReportRequest,
     StatsRequest,
     TreeRequest,
     bool_field,
     decode_request,
     encode_reply,
-    int_field,
 )
 from hicache.tree import TreeNode
 
@@ -313,14 +320,14 @@ class Handlers:
         session = self.sessions.open(
             client, pid, self.clock(), admin, call.peer, where.user(), where.process()
         )
-        return {
-            "session": session.key,  # what requests name the session by (secret)
-            "session_id": session.id,  # public
-            "lease_s": session.lease_s,
-            "quarantine_s": self.sessions.quarantine_s,
-            "limits": {**vars(self.limits), "max_match_tokens": MAX_MATCH_TOKENS},
+        return HelloReply(
+            session=session.key,
+            session_id=session.id,
+            lease_s=session.lease_s,
+            quarantine_s=self.sessions.quarantine_s,
+            limits={**vars(self.limits), "max_match_tokens": MAX_MATCH_TOKENS},
             **self.info,
-        }, []
+        ).fields(), []
 
     def holdings(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """What the session holds: its lock ids, and its owned pages as a frame (answered
@@ -329,17 +336,19 @@ class Handlers:
         return HoldingsReply(sorted(session.locks), len(pages)).fields(), [pages.tobytes()]
 
     def heartbeat(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
-        return ({"draining": True} if self.draining else {}), []
+        return HeartbeatReply(self.draining).fields(), []
 
     def _goodbye(self, req: Any) -> bytes:
         """End the session now (live or in quarantine); a stale epoch is refused first."""
         self._check_epoch(req.epoch, required=True)
         refused = None
         try:
-            counts = reported(req.fields)  # an engine's last figures
+            report = ReportRequest.read(req.fields)  # an engine's last figures
         except ProtocolError as exc:  # refused, but the session still ends: its pages come back
-            counts, refused = None, exc
-        if bool_field(req.fields, "stopping", False):
+            report = ReportRequest(stopping=bool_field(req.fields, "stopping", False))
+            refused = exc
+        counts = EngineCounts(*report.counts) if any(report.counts) else None
+        if report.stopping:
             self._stopping(req, counts)
         else:
             ended = self.sessions.end(req.session)
@@ -374,21 +383,21 @@ class Handlers:
 
     def ping(self, _: Session | None, fields: dict, frames: Frames, call: Call) -> Result:
         state = "draining" if self.draining else "ready"
-        return {"pong": True, "pid": os.getpid(), "state": state}, []
+        return PingReply(True, os.getpid(), state).fields(), []
 
     def register(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """An engine that owns its device tier names its KV layout (engine_tier.py): the first
         one makes the pool; an equal one is accepted, another refused with both named."""
         if self.engine_tier is None:
             raise EngineTier.refusal()
-        layout, made = self.engine_tier.register(fields.get("layout"))
+        layout, made = self.engine_tier.register(RegisterRequest.read(fields).layout)
         if made is not None:
             self.cache, self.limits = made.cache, made.limits
             self.capacity = CapacityFeed.for_cache(made.cache, engine_tier=True)
             self.info.update(made.info)
             self._compose_ops()
         info = self.info
-        return {"layout": layout.as_dict(), "config": info["config"], "pools": info["pools"]}, []
+        return RegisterReply(layout.as_dict(), info["config"], info["pools"]).fields(), []
 
     # ---- maintenance (admin) ----
     def _settle(self) -> None:
@@ -405,13 +414,11 @@ class Handlers:
                 "this daemon has no device tier (the engines keep theirs): host_tokens evicts "
                 "from its pool",
             )
-        fields = self.tiers.request(fields, ("device_tokens", "host_tokens"))
-        device = int_field(fields, "device_tokens") if "device_tokens" in fields else 0
-        host = int_field(fields, "host_tokens") if "host_tokens" in fields else 0
-        freed = self._evict_device(device) if device else 0
+        req = EvictRequest.read(self.tiers.request(fields, EvictRequest._fields))
+        freed = self._evict_device(req.device_tokens) if req.device_tokens else 0
         assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
-        freed_host = self.cache.evict_host(host) if host else 0
-        return self.tiers.fields({"device_freed": freed, "host_freed": freed_host}), []
+        freed_host = self.cache.evict_host(req.host_tokens) if req.host_tokens else 0
+        return self.tiers.fields(FreedReply(freed, freed_host).fields()), []
 
     def _evict_device(self, tokens: int, to_l3: bool = True) -> int:
         """Evict and settle until ``tokens`` are freed or nothing moves. Backups started by the
@@ -435,7 +442,7 @@ class Handlers:
         freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens, to_l3=False)
         if self.cache.events is not None:
             self.cache.events.flushed()
-        return self.tiers.fields({"device_freed": freed, "host_freed": freed_host}), []
+        return self.tiers.fields(FreedReply(freed, freed_host).fields()), []
 
     def stats(self, session: Session | None, fields: dict, frames: Frames, call: Call) -> Result:
         """The daemon's figures, every session listed (up to MAX_SESSION_LIST), and with

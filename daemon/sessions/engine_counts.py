@@ -20,11 +20,9 @@ thread only.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
 
-from hicache.protocol import ENGINE_REPORT, ENGINE_REPORT_MAX, ErrorCode, ProtocolError
+from hicache.protocol import ENGINE_REPORT, ReportRequest
 
-MAX_TOKENS = ENGINE_REPORT_MAX  # a larger count in one report is not a count
 SATURATED = (1 << 62) - 1  # totals stop here: every figure stays an int64 on the wire
 
 
@@ -50,20 +48,8 @@ assert tuple(EngineCounts().as_dict()) == REPORT_FIELDS
 
 
 def reported(request: dict) -> EngineCounts | None:
-    """What a request's fields report (None: nothing). Raises ProtocolError (BAD_FIELD) for a
-    value that is not a count, or hits beyond what was queried."""
+    """What a request's fields report (None: nothing; any request may carry a report).
+    Raises ProtocolError (BAD_FIELD) as ``ReportRequest.read`` does."""
     if not any(name in request for name in REPORT_FIELDS):
         return None
-    values = []
-    for name in REPORT_FIELDS:
-        value: Any = request.get(name, 0)
-        if type(value) is not int or not 0 <= value < MAX_TOKENS:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{name}: a count of tokens, got {value!r}")
-        values.append(value)
-    counts = EngineCounts(*values)
-    if counts.hit > counts.queried:
-        raise ProtocolError(
-            ErrorCode.BAD_FIELD,
-            f"engine_hit_tokens {counts.hit} is more than engine_queried_tokens {counts.queried}",
-        )
-    return counts
+    return EngineCounts(*ReportRequest.read(request).counts)
