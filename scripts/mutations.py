@@ -246,6 +246,16 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "engine-hits-beyond-queries-accepted",
+        "hicache/protocol.py",
+        "        if hit > queried:",
+        "        if False:",
+        (
+            "tests/test_vllm_sides.py::"
+            "test_engine_figures_that_are_not_counts_are_refused_and_change_nothing",
+        ),
+    ),
+    Mutation(
         "stopped-link-reopens",
         "client/daemon_link.py",
         '        self.stopped, self.down_until = True, float("inf")',
