@@ -116,7 +116,7 @@ MUTATIONS = [
     ),
     Mutation(
         "daemon-ignores-namespaces",
-        "hicache/protocol.py",
+        "hicache/protocol/messages.py",
         "    if spaces is None:\n        return [None] * count",
         "    if True:\n        return [None] * count",
         ("tests/test_daemon.py", "-k", "namespaces"),
@@ -247,7 +247,7 @@ MUTATIONS = [
     ),
     Mutation(
         "engine-hits-beyond-queries-accepted",
-        "hicache/protocol.py",
+        "hicache/protocol/messages.py",
         "        if hit > queried:",
         "        if False:",
         (
@@ -661,7 +661,7 @@ MUTATIONS = [
     ),
     Mutation(
         "token-batch-block-head-dropped",
-        "hicache/protocol.py",
+        "hicache/protocol/frames.py",
         "            head = prev[: 4 * shared[i]]",
         '            head = b""',
         ("tests/test_fair_turns.py",),
@@ -781,7 +781,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a-store-match-allocates-under-a-lock",
-        "hicache/protocol.py",
+        "hicache/protocol/messages.py",
         "        if rest and lock:",
         "        if False:",
         ("tests/test_store_calls.py", "-k", "holds_nothing"),
