@@ -256,6 +256,40 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a-refused-request-adds-its-engine-counts",
+        "daemon/requests/handlers.py",
+        "            if self.cache is None and req.op not in NO_CACHE_OPS:\n"
+        "                raise no_layout()\n",
+        "            if counts is not None and session is not None:\n"
+        "                session.engine.add(counts)\n"
+        "                self.engine_counts.add(counts)\n"
+        "                counts = None\n"
+        "            if self.cache is None and req.op not in NO_CACHE_OPS:\n"
+        "                raise no_layout()\n",
+        ("tests/test_wire_refusals.py", "-k", "refused_request_adds"),
+    ),
+    Mutation(
+        "engine-counts-without-a-session-dropped",
+        "daemon/requests/handlers.py",
+        "            if counts is not None and session is None:",
+        "            if False:",
+        ("tests/test_wire_refusals.py", "-k", "without_a_session"),
+    ),
+    Mutation(
+        "a-huge-page-id-wraps-into-the-pool",
+        "daemon/requests/cache_ops.py",
+        "        if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= top):",
+        "        if False:",
+        ("tests/test_wire_refusals.py", "-k", "huge_page_id"),
+    ),
+    Mutation(
+        "release-all-takes-any-value",
+        "hicache/protocol/messages.py",
+        '        return cls(fields.get("lock_ids"), bool_field(fields, "all", False))',
+        '        return cls(fields.get("lock_ids"), fields.get("all") is True)',
+        ("tests/test_wire_refusals.py", "-k", "release_all"),
+    ),
+    Mutation(
         "stopped-link-reopens",
         "client/daemon_link.py",
         '        self.stopped, self.down_until = True, float("inf")',

@@ -24,6 +24,7 @@ from hicache.daemon.requests.capacity_feed import CapacityFeed
 from hicache.daemon.requests.context import Call
 from hicache.daemon.requests.l3_waits import Deferred
 from hicache.daemon.sessions import Session, SessionLimits, SessionTable, out_of_memory
+from hicache.errors import InvalidIndicesError
 from hicache.memory import OWNED, TREE
 from hicache.protocol import (
     AllocRequest,
@@ -126,8 +127,13 @@ class CacheOps:
         return np.unique(slots // self.cache.page_size).tolist()
 
     def _first_slots(self, frame: Any) -> np.ndarray:
-        """A page-id frame as the first slot of each page (checked to lie in the pool)."""
-        slots = decode_pages(frame) * self.cache.page_size
+        """A page-id frame as the first slot of each page (checked to lie in the pool, before
+        the product: a huge id must not wrap into the pool)."""
+        pages = decode_pages(frame)
+        top = self.cache.device_capacity_pages
+        if len(pages) and (int(pages.min()) < 0 or int(pages.max()) >= top):
+            raise InvalidIndicesError(f"a page id outside the pool (0 to {top - 1})")
+        slots = pages * self.cache.page_size
         self.cache.check_slots(slots)
         return slots
 

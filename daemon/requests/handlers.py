@@ -181,9 +181,9 @@ class Handlers:
             session = None
             if req.op is Op.GOODBYE:  # also ends a session in quarantine
                 return self._goodbye(req), []
+            counts = reported(req.fields)  # (checked before anything changes)
             if req.op not in NO_SESSION_OPS:
                 self._check_epoch(req.epoch, required=True)
-                counts = reported(req.fields)  # (checked before anything changes)
                 session = self.sessions.touch(req.session, self.clock())
                 if req.op in ADMIN_OPS and not session.admin:
                     raise ProtocolError(
@@ -191,16 +191,23 @@ class Handlers:
                         f"{req.op.name.lower()} acts for every session: open the session as "
                         "admin (HiCacheClient(admin=True), or the hicache CLI)",
                     )
-                if counts is not None:  # an engine's figures ride on any request
-                    session.engine.add(counts)
-                    self.engine_counts.add(counts)
             else:
                 self._check_epoch(req.epoch, required=False)
                 if req.session:  # (an admin's integrity check is not limited)
                     session = self.sessions.live(req.session, self.clock())
+            if counts is not None and session is None:
+                raise ProtocolError(
+                    ErrorCode.BAD_FIELD,
+                    f"engine counts are a session's: {req.op.name.lower()} without a session "
+                    "cannot carry them",
+                )
             if self.cache is None and req.op not in NO_CACHE_OPS:
                 raise no_layout()
             fields, out = self.table[req.op](session, req.fields, frames, call)
+            if counts is not None:  # an engine's figures ride on any request that succeeds
+                assert session is not None
+                session.engine.add(counts)
+                self.engine_counts.add(counts)
             return self._reply(ErrorCode.OK, request_id, fields), out
         except Deferred:
             raise  # (handle parks the request)
@@ -336,6 +343,8 @@ class Handlers:
         return HoldingsReply(sorted(session.locks), len(pages)).fields(), [pages.tobytes()]
 
     def heartbeat(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
+        if ReportRequest.read(fields).stopping:  # (its counts: read as on any request)
+            raise ProtocolError(ErrorCode.BAD_FIELD, "stopping: a goodbye's, not a heartbeat's")
         return HeartbeatReply(self.draining).fields(), []
 
     def _goodbye(self, req: Any) -> bytes:
@@ -408,13 +417,14 @@ class Handlers:
 
     def evict(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """Evict unlocked tokens from the tiers named as reported (tier_names.py)."""
-        if self.tiers.engine and fields.get("device_tokens"):
+        asked = EvictRequest.read(fields)  # (checked as the operator named the tiers)
+        if self.tiers.engine and asked.device_tokens:
             raise ProtocolError(
                 ErrorCode.BAD_FIELD,
                 "this daemon has no device tier (the engines keep theirs): host_tokens evicts "
                 "from its pool",
             )
-        req = EvictRequest.read(self.tiers.request(fields, EvictRequest._fields))
+        req = EvictRequest(**self.tiers.request(asked._asdict(), EvictRequest._fields))
         freed = self._evict_device(req.device_tokens) if req.device_tokens else 0
         assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
         freed_host = self.cache.evict_host(req.host_tokens) if req.host_tokens else 0

@@ -162,7 +162,7 @@ def _unpack(frame: bytes | memoryview, what: str, size: int, limit: int) -> list
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header is not msgpack: {exc}") from None
     if not isinstance(head, list) or not head:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"{what} header must be a {size}-element array")
-    if head[0] != PROTOCOL_VERSION:
+    if type(head[0]) is not int or head[0] != PROTOCOL_VERSION:
         raise ProtocolError(
             ErrorCode.WRONG_VERSION,
             f"a {what} in protocol version {head[0]!r}; this side speaks {PROTOCOL_VERSION}: "

@@ -225,7 +225,7 @@ class ReleaseRequest(NamedTuple):
 
     @classmethod
     def read(cls, fields: dict[str, Any]) -> ReleaseRequest:
-        return cls(fields.get("lock_ids"), fields.get("all") is True)
+        return cls(fields.get("lock_ids"), bool_field(fields, "all", False))
 
 
 class StatsRequest(NamedTuple):
