@@ -34,7 +34,7 @@ from hicache import __version__
 from hicache.client import kept_view
 from hicache.client.capacity_view import plot_capacity, render_capacity
 from hicache.client.connection import Connection, DaemonError, DaemonTimeout, hello_fields
-from hicache.client.info_view import heading, normal, sections
+from hicache.client.info_view import heading, normal, sections, text
 from hicache.client.top import render_shape, watch
 from hicache.curve import CurveKeyError, keygen
 from hicache.endpoints import env_endpoint
@@ -140,7 +140,7 @@ def _info(args: argparse.Namespace, conn: Connection) -> int:
         return 0
     for name, values in groups.items():
         print(f"# {heading(name)}")
-        print("\n".join(f"{k}:{'' if v is None else v}" for k, v in values.items()) + "\n")
+        print("\n".join(f"{k}:{text(v)}" for k, v in values.items()) + "\n")
     return 0
 
 

@@ -225,6 +225,13 @@ class HiCacheClient:
         page 0) is the padding slot, never handed out."""
         with self._attach_lock:
             if self.pools is None:
+                if self.info.get("pools") is None:  # (a daemon for engines, before a layout)
+                    raise DaemonError(
+                        ErrorCode.NO_LAYOUT,
+                        "this daemon (device_tier=engine) has no pool until an engine registers "
+                        "its KV layout (register_layout; the vLLM connector and the SGLang "
+                        "backend do when the engine starts)",
+                    )
                 link = self._link
                 self.pools = attach_pools(
                     self.config, self.info["pools"], link.daemon_uid, link.trusted

@@ -17,11 +17,23 @@ def _human(tokens: int, token_bytes: int) -> str:
     return ""
 
 
-def _ratio(part: int, whole: int) -> str:
-    return f"{part / whole:.4f}" if whole else "0.0000"
+def _ratio(part: int, whole: int) -> float:
+    """A ratio as a number (4 decimals; 0.0 of nothing): ``--json`` keeps it a number."""
+    return round(part / whole, 4) if whole else 0.0
 
 
-GC_SECONDS = ("gc_pause_seconds", "gc_pause_seconds_max")  # shown as 0.000086, never 8.6e-05
+def text(value: object) -> str:
+    """A value as an INFO line shows it: a float in fixed notation (0.000086, never 8.6e-05;
+    0.5, not 0.500000), None as nothing."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        shown = f"{value:.6f}".rstrip("0")
+        return shown + "0" if shown.endswith(".") else shown
+    return str(value)
+
+
+GC_SECONDS = ("gc_pause_seconds", "gc_pause_seconds_max")
 
 
 _EMPTY = dict.fromkeys(
@@ -89,7 +101,7 @@ def sections(stats: dict) -> dict[str, dict]:
     requested = stats["hit_device_tokens"] + stats["hit_host_tokens"] + stats["miss_tokens"]
     tb = stats.get("token_bytes", 0)
     return {
-        "server": shown(stats, "server") | {k: f"{stats[k]:.6f}" for k in GC_SECONDS if k in stats},
+        "server": shown(stats, "server") | {k: float(stats[k]) for k in GC_SECONDS if k in stats},
         "config": _config(stats),
         "memory": {
             "device_capacity_tokens": stats["device_capacity_tokens"],

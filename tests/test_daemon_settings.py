@@ -194,12 +194,12 @@ def test_info_sections_group_the_stats():
         "l3",
         "sessions",
     ]
-    assert info["engines"]["engine_hit_ratio"] == "0.0000"  # (no engine reported figures)
+    assert info["engines"]["engine_hit_ratio"] == 0.0  # (no engine reported figures)
     assert info["l3"] == {"enabled": 0}
     assert sections({**stats, "l3": {"url": "redis://h:1", "hit_pages": 3}})["l3"] == {
         "enabled": 1,
         "url": "redis://h:1",
         "hit_pages": 3,
     }
-    assert info["hits"]["hit_ratio_device"] == "0.3000" and info["hits"]["hit_ratio"] == "0.4000"
+    assert info["hits"]["hit_ratio_device"] == 0.3 and info["hits"]["hit_ratio"] == 0.4
     assert info["memory"]["device_capacity_human"] == "2.00M"

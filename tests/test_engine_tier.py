@@ -111,6 +111,9 @@ def test_the_first_layout_makes_the_pool_and_others_are_refused(ep):
         for name in ("hit_host_tokens", "load_tokens", "miss_tokens", "host_capacity_tokens"):
             assert stats[name] == 0, name
         held = hc.holdings()  # nothing can be held yet, and asking is no error
+        with pytest.raises(DaemonError, match="register") as err:
+            hc.attach()  # no pool to map yet: said, not a TypeError
+        assert err.value.code is ErrorCode.NO_LAYOUT
         assert held.lock_ids == [] and len(held.owned_slots) == 0
         served = hc.register_layout(layout(num_kv_heads=1, block_shape=(1, 32, 64), tp_size=2))
         assert hc.config.page_size == 32 and hc.config.device_tokens == 128 * 32  # 4 MiB
@@ -249,7 +252,7 @@ def test_a_daemon_for_engines_names_its_pool_the_host_tier_everywhere(ep):
     assert stats["host_cached_tokens"] == 64 and stats["host_evictable_tokens"] == 64
     info = sections(stats)
     assert (
-        info["hits"]["hit_ratio_host"] == "0.6667" and info["hits"]["hit_ratio_device"] == "0.0000"
+        info["hits"]["hit_ratio_host"] == 0.6667 and info["hits"]["hit_ratio_device"] == 0.0
     )
     assert info["host_pool"]["host_cached_tokens"] == 64
     metrics = {

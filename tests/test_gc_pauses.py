@@ -45,7 +45,7 @@ def test_a_daemon_freezes_at_start_and_stops_without_leak_reports(tmp_path):
     them back: the interpreter's exit then frees them, and nothing (triton's bindings) prints
     "leaked" lines."""
     from hicache.client import HiCacheClient
-    from hicache.client.info_view import sections
+    from hicache.client.info_view import sections, text
     from tests.daemon_helpers import start_daemon, stop_daemon
 
     endpoint = f"ipc://{tmp_path}/d.sock"
@@ -55,7 +55,9 @@ def test_a_daemon_freezes_at_start_and_stops_without_leak_reports(tmp_path):
             stats = hc.stats()
         assert stats["gc_frozen_objects"] > 50_000
         server = sections({**stats, "gc_pause_seconds_max": 8.6e-05})["server"]  # (`info`)
-        assert server["gc_pause_seconds_max"] == "0.000086"
+        assert server["gc_pause_seconds_max"] == 8.6e-05  # a number (--json), shown fixed:
+        assert text(server["gc_pause_seconds_max"]) == "0.000086"
+        assert text(0.5) == "0.5" and text(2.0) == "2.0" and text(None) == ""
         assert server["gc_frozen_objects"] == stats["gc_frozen_objects"]
     finally:
         said = stop_daemon(proc)

@@ -309,7 +309,7 @@ class EvictRequest(NamedTuple):
     host_tokens: int = 0
 
     def fields(self) -> dict[str, Any]:
-        return self._asdict()
+        return _sparse(self)
 
     @classmethod
     def read(cls, fields: dict[str, Any]) -> EvictRequest:
