@@ -251,9 +251,7 @@ def test_a_daemon_for_engines_names_its_pool_the_host_tier_everywhere(ep):
     assert stats["host_capacity_tokens"] == 128 * 32 and stats["device_capacity_tokens"] == 0
     assert stats["host_cached_tokens"] == 64 and stats["host_evictable_tokens"] == 64
     info = sections(stats)
-    assert (
-        info["hits"]["hit_ratio_host"] == 0.6667 and info["hits"]["hit_ratio_device"] == 0.0
-    )
+    assert info["hits"]["hit_ratio_host"] == 0.6667 and info["hits"]["hit_ratio_device"] == 0.0
     assert info["host_pool"]["host_cached_tokens"] == 64
     metrics = {
         (f.name, sample.labels.get("tier")): sample.value
