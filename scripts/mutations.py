@@ -290,6 +290,28 @@ MUTATIONS = [
         ("tests/test_wire_refusals.py", "-k", "release_all"),
     ),
     Mutation(
+        "disk-write-budget-ignored",
+        "hicache/disk/store.py",
+        "        if not self.budget.take(self.files.slot_bytes):\n            return False",
+        "        if False:\n            return False",
+        ("tests/test_disk_store.py", "-k", "budget_is_never"),
+    ),
+    Mutation(
+        "disk-header-checksum-skipped",
+        "hicache/disk/slots.py",
+        "        if SUM.unpack_from(block, end)[0] != xxhash.xxh3_64_intdigest(body):",
+        "        if False:",
+        ("tests/test_disk_store.py", "-k", "corrupted"),
+    ),
+    Mutation(
+        "disk-full-refuses-instead-of-evicting",
+        "hicache/disk/store.py",
+        "            self.evict(1)  # (the least recently used: a full tier makes room, never "
+        "refuses)",
+        "            return -1",
+        ("tests/test_disk_store.py", "-k", "full_tier"),
+    ),
+    Mutation(
         "stopped-link-reopens",
         "client/daemon_link.py",
         '        self.stopped, self.down_until = True, float("inf")',

@@ -340,3 +340,35 @@ def test_a_redis_node_stopped_in_the_middle_of_a_fetch_is_a_miss(tmp_path):
             hc_a.close(), hc_b.close()
         finally:
             m.stop()
+
+
+def test_a_daemon_restarted_cold_serves_from_its_own_disk(tmp_path):
+    """``--l3 disk://``: the store is this node's drive. A daemon stopped without keeping its
+    host pool, then started again on the same folder, serves what the first one computed from
+    the disk, with the logits of a full recompute; its stats name the store's figures."""
+    url = f"disk://{tmp_path}/disk?bytes=64MiB"
+    ep = f"ipc://{tmp_path}/d.sock"
+    flags = [*SHAPE, *l3_flags(url), "--keep-host", "false"]
+    ps = prompts(3, seed=4)
+    proc = start_daemon(ep, *flags)
+    try:
+        hc = HiCacheClient(ep, name="engine", admin=True, timeout_s=30)
+        engine = ReferenceEngine(hc)
+        assert [serve_checked(engine, p).computed_from for p in ps] == [0, 32, 32]
+        wait_written(ep, 8 + 3 * 10)
+        hc.close()
+    finally:
+        stop_daemon(proc)
+    proc = start_daemon(ep, *flags)  # cold: no host pool kept, the disk only
+    try:
+        hc = HiCacheClient(ep, name="engine", admin=True, timeout_s=30)
+        engine = ReferenceEngine(hc)
+        for p in ps:
+            served = serve_checked(engine, p)
+            assert served.computed_from == len(p) - 4  # all but the last page, from the disk
+        s = l3_stats(ep)
+        assert s["adopted_pages"] == 8 + 3 * 10 and s["corrupt_pages"] == 0
+        assert s["store_disk_recovered_values"] == 8 + 3 * 10 and s["store_disk_direct_io"]
+        hc.close()
+    finally:
+        stop_daemon(proc)

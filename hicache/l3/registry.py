@@ -1,9 +1,10 @@
 """Which store a URL names, and a store opened on first use: the registry of the third tier's
 stores, apart from their interface (``store.py``), so that the interface imports none of them.
 
-``memory://NAME`` (``memory.py``), ``redis://HOST:PORT[,...]`` (``redis_store.py``) and
-``mooncake://HOST:PORT`` (``mooncake.py``): each implementation, and its client library, is
-imported only when a URL names it.
+``memory://NAME`` (``memory.py``), ``redis://HOST:PORT[,...]`` (``redis_store.py``),
+``mooncake://HOST:PORT`` (``mooncake.py``) and ``disk:///PATH[,PATH...]?bytes=SIZE`` (the
+node's own drives: ``disk_store.py`` over ``hicache.disk``): each implementation, and its
+client library, is imported only when a URL names it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def check_url(url: str) -> str:
     ValueError naming the problem."""
     scheme, sep, rest = url.partition("://")
     if not sep or not rest:
-        raise ValueError(f"l3: {url!r} is not SCHEME://ADDRESS (memory, redis, mooncake)")
+        raise ValueError(f"l3: {url!r} is not SCHEME://ADDRESS (memory, redis, mooncake, disk)")
     if scheme == "redis":
         parse_hosts(rest)
     elif scheme == "mooncake":
@@ -27,8 +28,14 @@ def check_url(url: str) -> str:
         from hicache.l3.memory import parse_faults
 
         parse_faults(rest.partition("?")[2])
+    elif scheme == "disk":
+        from hicache.disk.url import parse_disk_url
+
+        parse_disk_url(rest)
     else:
-        raise ValueError(f"l3: unknown store {scheme!r} in {url!r} (memory, redis, mooncake)")
+        raise ValueError(
+            f"l3: unknown store {scheme!r} in {url!r} (memory, redis, mooncake, disk)"
+        )
     return url
 
 
@@ -83,7 +90,8 @@ class LazyStore(L3Store):
 
 def open_store(url: str, **options: Any) -> L3Store:
     """The store at ``url``: ``memory://NAME``, ``redis://HOST:PORT[,HOST:PORT...]`` (a Redis
-    Cluster, or one server) or ``mooncake://HOST:PORT`` (a Mooncake master). Raises
+    Cluster, or one server), ``mooncake://HOST:PORT`` (a Mooncake master) or
+    ``disk:///PATH[,PATH...]?bytes=SIZE`` (this node's drives). Raises
     ValueError for an unknown scheme or bad address, StoreDown when it cannot be reached."""
     check_url(url)
     scheme, _, rest = url.partition("://")
@@ -100,6 +108,12 @@ def open_store(url: str, **options: Any) -> L3Store:
 
         (master,) = parse_hosts(rest, at_most=1)
         return MooncakeStore(master, **options)
+    if scheme == "disk":
+        from hicache.disk.url import parse_disk_url
+        from hicache.l3.disk_store import DiskStore
+
+        where = parse_disk_url(rest)
+        return DiskStore(where.paths, where.capacity_bytes, where.budget_bytes_per_day, **options)
     raise AssertionError(scheme)  # (check_url knows every scheme)
 
 

@@ -1,0 +1,113 @@
+"""A disk tier's folder: private to the daemon's user, used by one daemon at a time, and its
+files opened for direct I/O where the file system allows it.
+
+``open_folder`` makes the folder (0700) or checks the one there (a real folder, not a symlink,
+owned by this user, no access for others), takes its lock (``lock``, flock: released by the
+kernel when the process dies, so a crash never leaves it held) and returns it. ``open_data``
+opens or makes a data file (0600, never through a symlink), preallocated to its size, with
+O_DIRECT when the file system takes it (tmpfs refuses it: buffered I/O then, said once).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import stat
+from dataclasses import dataclass
+
+log = logging.getLogger("hicache.disk")
+
+ALIGN = 4096  # direct I/O's alignment of offsets, lengths and buffers (a page: every drive's)
+LOCK_NAME = "lock"
+
+
+class FolderRefused(ValueError):
+    """A folder the tier may not use (not private, not ours, a symlink, locked by another)."""
+
+
+@dataclass
+class Folder:
+    path: str
+    lock_fd: int  # held for the folder's life (flock)
+
+    def close(self) -> None:
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)  # (the flock goes with it)
+            self.lock_fd = -1
+
+
+def open_folder(path: str) -> Folder:
+    """The folder at ``path``, made private if missing, checked if present, and locked.
+    Raises FolderRefused naming the problem (nothing is changed then)."""
+    path = os.path.abspath(path)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise FolderRefused(f"disk: {path} is not a folder (a symlink is not followed)")
+    if st.st_uid != os.getuid():
+        raise FolderRefused(f"disk: {path} belongs to uid {st.st_uid}, not this user")
+    if st.st_mode & 0o077:
+        raise FolderRefused(
+            f"disk: {path} is open to others (mode {stat.S_IMODE(st.st_mode):o}): chmod 700 {path}"
+        )
+    fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise FolderRefused(f"disk: {path} is used by another daemon (its lock is held)") from None
+    return Folder(path, fd)
+
+
+def open_data(path: str, size: int) -> tuple[int, bool]:
+    """A data file of ``size`` bytes (made 0600 and preallocated if missing or shorter):
+    ``(fd, direct)``. OSError from the file system (ENOSPC while preallocating included)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise OSError(errno.EPERM, f"disk: {path} is not this user's regular file")
+        if st.st_size < size:
+            os.posix_fallocate(fd, 0, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    direct = _direct(path)
+    if direct >= 0:
+        os.close(fd)
+        return direct, True
+    log.warning("disk: %s refuses O_DIRECT (tmpfs?): buffered I/O, through the page cache", path)
+    return fd, False
+
+
+def _direct(path: str) -> int:
+    """The file opened with O_DIRECT, or -1 where the file system refuses it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return -1
+        raise
+    buf = aligned(ALIGN)
+    try:  # (some file systems take the flag at open and refuse the first read)
+        os.preadv(fd, [buf], 0)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno == errno.EINVAL:
+            return -1
+        raise
+    finally:
+        buf.close()
+    return fd
+
+
+def aligned(size: int) -> mmap.mmap:
+    """A zeroed buffer of ``size`` bytes at a page-aligned address (direct I/O's buffers)."""
+    return mmap.mmap(-1, max(ALIGN, -(-size // ALIGN) * ALIGN))

@@ -1,0 +1,147 @@
+"""Fixed-size slots in a few large preallocated files, and what each slot says about itself.
+
+A slot is a header block (``ALIGN`` bytes) followed by the value, padded to ``ALIGN``; the
+slots are striped over the files (slot ``i`` is in file ``i % n`` at ``(i // n) *
+slot_bytes``), so a tier on several drives reads and writes all of them. The header names
+what the slot holds: its key, the value's length, the caller's trailer (the page checksum,
+verified by the caller after a read), a sequence number (the newer of two slots claiming a
+key wins at recovery) and a checksum of the header itself. A slot is written whole, header
+and value, in one call: a torn write leaves a header that does not verify or a value whose
+trailer does not, and either is a miss.
+
+``SlotFiles`` does the I/O (positional, one bounce buffer per call, never the caller's
+memory while it is being written) and holds no index. Not thread-safe: one thread at a time.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import xxhash
+
+from hicache.disk.folder import ALIGN, aligned
+
+MAGIC = b"hcdisk01"
+VERSION = 1
+FIXED = struct.Struct("<8sHHQ16sQ")  # magic, version, key length, value length, trailer, seq
+SUM = struct.Struct("<Q")
+MAX_KEY = 1024  # key bytes a header holds
+TRAILER_BYTES = 16
+assert FIXED.size + MAX_KEY + SUM.size <= ALIGN
+
+
+@dataclass(frozen=True)
+class Header:
+    key: str
+    value_len: int
+    trailer: bytes  # the caller's (16 bytes)
+    seq: int  # write order: the higher of two slots with one key is the newer
+
+    def pack(self) -> bytes:
+        key = self.key.encode()
+        fixed = FIXED.pack(MAGIC, VERSION, len(key), self.value_len, self.trailer, self.seq)
+        body = fixed + key
+        return body + SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+    @classmethod
+    def unpack(cls, block: bytes | memoryview) -> Header | None:
+        """The header in ``block``, or None where it does not verify (never written, torn,
+        another format)."""
+        try:
+            magic, version, key_len, value_len, trailer, seq = FIXED.unpack_from(block)
+        except struct.error:
+            return None
+        if magic != MAGIC or version != VERSION or key_len > MAX_KEY:
+            return None
+        end = FIXED.size + key_len
+        body = bytes(block[:end])
+        if SUM.unpack_from(block, end)[0] != xxhash.xxh3_64_intdigest(body):
+            return None
+        try:
+            key = body[FIXED.size :].decode()
+        except UnicodeDecodeError:
+            return None
+        return cls(key, value_len, trailer, seq)
+
+
+Fault = Callable[[str, int], None]  # (op "read"/"write", slot): raises OSError to inject one
+
+
+class SlotFiles:
+    """``count`` slots of ``value_bytes`` values over the open data files ``fds``."""
+
+    def __init__(self, fds: list[int], value_bytes: int, count: int, fault: Fault | None = None):
+        self.fds = fds
+        self.value_bytes = value_bytes
+        self.slot_bytes = ALIGN + -(-value_bytes // ALIGN) * ALIGN
+        self.count = count
+        self.fault = fault  # tests' fault layer (EIO, slowness) in front of every I/O
+        self._buf = aligned(self.slot_bytes)  # the bounce buffer (page-aligned)
+        self._view = memoryview(self._buf)
+
+    def where(self, slot: int) -> tuple[int, int]:
+        n = len(self.fds)
+        return self.fds[slot % n], (slot // n) * self.slot_bytes
+
+    def write(self, slot: int, header: Header, parts: list[memoryview] | list[bytes]) -> None:
+        """Write the slot whole: header, then ``parts`` (the value), padding. OSError."""
+        if self.fault is not None:
+            self.fault("write", slot)
+        view = self._view
+        head = header.pack()
+        view[: len(head)] = head
+        view[len(head) : ALIGN] = bytes(ALIGN - len(head))
+        at = ALIGN
+        for part in parts:
+            n = len(part)
+            view[at : at + n] = part
+            at += n
+        if at != ALIGN + header.value_len:
+            raise ValueError(f"disk: a value of {at - ALIGN} bytes, not {header.value_len}")
+        fd, offset = self.where(slot)
+        _all(os.pwritev, fd, view[: self.slot_bytes], offset)
+
+    def read_header(self, slot: int) -> Header | None:
+        """The slot's header, or None (OSError from the drive)."""
+        if self.fault is not None:
+            self.fault("read", slot)
+        fd, offset = self.where(slot)
+        _all(os.preadv, fd, self._view[:ALIGN], offset)
+        return Header.unpack(self._view[:ALIGN])
+
+    def read(self, slot: int, key: str) -> tuple[Header, memoryview] | None:
+        """The slot's header and value (a view of the bounce buffer, valid until the next
+        call), or None where the slot does not hold ``key`` whole. OSError from the drive."""
+        if self.fault is not None:
+            self.fault("read", slot)
+        fd, offset = self.where(slot)
+        _all(os.preadv, fd, self._view[: self.slot_bytes], offset)
+        header = Header.unpack(self._view[:ALIGN])
+        if header is None or header.key != key or header.value_len > self.value_bytes:
+            return None
+        return header, self._view[ALIGN : ALIGN + header.value_len]
+
+    def sync(self) -> None:
+        for fd in self.fds:
+            os.fdatasync(fd)
+
+    def close(self) -> None:
+        try:
+            self._view.release()
+            self._buf.close()
+        except BufferError:  # a slice still referenced (a traceback's frame): freed with it
+            pass
+
+
+def _all(call: Callable[..., int], fd: int, view: memoryview, offset: int) -> None:
+    """A whole positional read or write (a short one is finished, an end of file is EIO)."""
+    done = 0
+    while done < len(view):
+        n = call(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "disk: a short read or write (the file was truncated?)")
+        done += n

@@ -1,0 +1,282 @@
+"""SlotStore: whole values under string keys in a disk tier's slots, kept across restarts.
+
+Open: each folder is made private or checked and locked (``folder.py``), its data file
+preallocated to its share of ``capacity_bytes``; then the slots' headers are scanned, within
+``scan_s``, to find what the files hold (a slot not scanned in time, or whose header does not
+verify, is free). A key claimed by two slots keeps the newer. What follows:
+
+- ``put``: a value goes to a free slot, or to the least recently used one's (a full tier
+  evicts; it never refuses a write an eviction serves); a key already held is not written
+  again; past the write budget (``budget.py``) a put is refused and counted; a drive error is
+  a refused put (``ENOSPC``: space taken by others), counted, never raised.
+- ``get``: the slot is read whole and its header must name the key (else a miss, and the
+  slot is freed); the value is copied out with the header's trailer, which the caller
+  verifies (a torn or flipped value never verifies). A drive error is a miss.
+- Durability: a value is on the drive once ``put`` returns (direct I/O) and survives a crash
+  of the process; against a power loss, once ``sync`` ran (every ``sync_s`` after a put, and
+  at ``close``): what a power loss can lose is the last ``sync_s`` of writes, seen as misses.
+
+Not thread-safe: one thread calls it at a time (the third tier's IO thread). ``figures``
+reads plain fields and may be called from another.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from hicache.disk.budget import WriteBudget
+from hicache.disk.folder import ALIGN, Folder, open_data, open_folder
+from hicache.disk.slots import MAX_KEY, TRAILER_BYTES, Fault, Header, SlotFiles
+
+log = logging.getLogger("hicache.disk")
+DATA_NAME = "slots.dat"
+
+
+class SlotStore:
+    def __init__(
+        self,
+        paths: Sequence[str],
+        capacity_bytes: int,
+        value_bytes: int,
+        budget_bytes_per_day: int | None = None,
+        scan_s: float = 30.0,
+        sync_s: float = 5.0,
+        fault: Fault | None = None,
+    ):
+        """``paths``: one folder per drive; ``capacity_bytes``: slots' bytes over all of
+        them; ``value_bytes``: the largest value (a page and nothing else); the budget
+        defaults to one drive-write of ``capacity_bytes`` a day. FolderRefused, ValueError or
+        OSError (nothing is left open then)."""
+        if not paths:
+            raise ValueError("disk: no folder")
+        if value_bytes <= 0:
+            raise ValueError("disk: a value of at least one byte")
+        slot_bytes = ALIGN + -(-value_bytes // ALIGN) * ALIGN
+        per_file = capacity_bytes // len(paths) // slot_bytes
+        if per_file < 1:
+            raise ValueError(
+                f"disk: {capacity_bytes} bytes hold no slot of {slot_bytes} bytes per folder"
+            )
+        self.folders: list[Folder] = []
+        fds: list[int] = []
+        try:
+            for path in paths:
+                folder = open_folder(path)
+                self.folders.append(folder)
+                fd, direct = open_data(os.path.join(folder.path, DATA_NAME), per_file * slot_bytes)
+                fds.append(fd)
+                self.direct = direct
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            for folder in self.folders:
+                folder.close()
+            raise
+        self.files = SlotFiles(fds, value_bytes, per_file * len(paths), fault)
+        self.budget = WriteBudget(
+            capacity_bytes if budget_bytes_per_day is None else budget_bytes_per_day
+        )
+        self.sync_s = sync_s
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recent first
+        self._free: list[int] = []
+        self._seq = 0
+        self._dirty_since: float | None = None
+        # figures (read by other threads)
+        self.hits = self.misses = 0
+        self.written = self.written_bytes = self.read_bytes = 0
+        self.evicted = 0
+        self.read_errors = self.write_errors = self.refused_space = 0
+        self.bad_slots = 0  # slots read back that did not hold their key
+        self.scanned = self.recovered = 0
+        self.scan_seconds = 0.0
+        self._recover(scan_s)
+
+    # ---- what the drive holds ---------------------------------------------------------------
+    def _recover(self, scan_s: float) -> None:
+        """Scan headers until ``scan_s`` is spent; the rest of the slots are free."""
+        started = time.monotonic()
+        found: dict[str, tuple[int, int]] = {}  # key -> (seq, slot)
+        slot = 0
+        while slot < self.files.count and time.monotonic() - started < scan_s:
+            try:
+                header = self.files.read_header(slot)
+            except OSError as exc:
+                self.read_errors += 1
+                log.warning("disk: slot %d unreadable at start (%s): free", slot, str(exc))
+                header = None
+            if header is not None and header.value_len <= self.files.value_bytes:
+                held = found.get(header.key)
+                if held is None or held[0] < header.seq:
+                    if held is not None:
+                        self._free.append(held[1])
+                    found[header.key] = (header.seq, slot)
+                else:
+                    self._free.append(slot)
+            else:
+                self._free.append(slot)
+            slot += 1
+        self.scanned = slot
+        self._free.extend(range(slot, self.files.count))
+        for key, (seq, where) in sorted(found.items(), key=lambda item: item[1][0]):
+            self._index[key] = where
+            self._seq = max(self._seq, seq)
+        self.recovered = len(self._index)
+        self.scan_seconds = time.monotonic() - started
+        self._free.reverse()  # (pop() takes the lowest slots first)
+        if slot < self.files.count:
+            log.warning(
+                "disk: %d of %d slots scanned in %.1f s; the rest are taken as free",
+                slot, self.files.count, self.scan_seconds,
+            )  # fmt: skip
+
+    # ---- calls -------------------------------------------------------------------------------
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [key in self._index for key in keys]
+
+    def put(self, key: str, parts: list[memoryview] | list[bytes], trailer: bytes) -> bool:
+        """Store ``parts`` (the value) with ``trailer`` under ``key``; True when it is held
+        (already, or now)."""
+        if key in self._index:
+            self._index.move_to_end(key)
+            return True
+        size = sum(len(p) for p in parts)
+        if size > self.files.value_bytes or len(trailer) != TRAILER_BYTES:
+            raise ValueError(f"disk: a value of {size} bytes or a bad trailer")
+        if len(key.encode()) > MAX_KEY:
+            raise ValueError(f"disk: a key longer than {MAX_KEY} bytes")
+        if not self.budget.take(self.files.slot_bytes):
+            return False
+        slot = self._take_slot()
+        self._seq += 1
+        try:
+            self.files.write(slot, Header(key, size, bytes(trailer), self._seq), parts)
+        except OSError as exc:
+            self.budget.give_back(self.files.slot_bytes)
+            self._free.append(slot)  # (whatever it held before is gone: it was evicted)
+            if exc.errno == errno.ENOSPC:
+                self.refused_space += 1
+            else:
+                self.write_errors += 1
+            log.warning("disk: a write failed (%s): skipped", str(exc))
+            return False
+        self._index[key] = slot
+        self.written += 1
+        self.written_bytes += self.files.slot_bytes
+        self._maybe_sync()
+        return True
+
+    def get(self, key: str, into: list[memoryview]) -> bytes | None:
+        """Copy ``key``'s value into ``into`` (views summing to its length) and return its
+        trailer; None for a miss (``into`` is then left as it was or partly written)."""
+        slot = self._index.get(key)
+        if slot is None:
+            self.misses += 1
+            return None
+        try:
+            got = self.files.read(slot, key)
+        except OSError as exc:
+            self.read_errors += 1
+            self.misses += 1
+            log.warning("disk: a read failed (%s): a miss", str(exc))
+            return None
+        if got is None:  # (overwritten or torn: the slot is free)
+            self.bad_slots += 1
+            self.misses += 1
+            self._drop(key)
+            return None
+        header, value = got
+        if header.value_len != sum(len(v) for v in into):
+            raise ValueError(f"disk: {key}'s value is {header.value_len} bytes, not the views'")
+        at = 0
+        for view in into:
+            n = len(view)
+            view[:] = value[at : at + n]
+            at += n
+        self._index.move_to_end(key)
+        self.hits += 1
+        self.read_bytes += self.files.slot_bytes
+        return header.trailer
+
+    def remove(self, keys: Sequence[str]) -> None:
+        """Forget ``keys`` (their slots are free; the bytes are overwritten when reused)."""
+        for key in keys:
+            self._drop(key)
+
+    def evict(self, count: int) -> int:
+        """Free the ``count`` least recently used values; how many were freed."""
+        done = 0
+        while done < count and self._index:
+            self._free.append(self._index.popitem(last=False)[1])
+            done += 1
+        self.evicted += done
+        return done
+
+    def sync(self) -> None:
+        """Make every write so far durable against a power loss (fdatasync)."""
+        try:
+            self.files.sync()
+        except OSError as exc:
+            log.warning("disk: fdatasync failed (%s)", str(exc))
+        self._dirty_since = None
+
+    def figures(self) -> dict[str, Any]:
+        held = len(self._index)
+        return {
+            "disk_direct_io": self.direct,
+            "disk_slots": self.files.count,
+            "disk_slot_bytes": self.files.slot_bytes,
+            "disk_held_values": held,
+            "disk_held_bytes": held * self.files.slot_bytes,
+            "disk_capacity_bytes": self.files.count * self.files.slot_bytes,
+            "disk_hits": self.hits,
+            "disk_misses": self.misses,
+            "disk_written_values": self.written,
+            "disk_written_bytes": self.written_bytes,
+            "disk_read_bytes": self.read_bytes,
+            "disk_evicted_values": self.evicted,
+            "disk_budget_bytes_per_day": self.budget.bytes_per_day,
+            "disk_budget_left_bytes": self.budget.left(),
+            "disk_budget_refused_writes": self.budget.refused,
+            "disk_read_errors": self.read_errors,
+            "disk_write_errors": self.write_errors,
+            "disk_space_refusals": self.refused_space,
+            "disk_bad_slots": self.bad_slots,
+            "disk_recovered_values": self.recovered,
+            "disk_scan_seconds": round(self.scan_seconds, 3),
+        }
+
+    def close(self) -> None:
+        """Sync, close the files and release the folders' locks; idempotent."""
+        if not self.folders:
+            return
+        self.sync()
+        for fd in self.files.fds:
+            os.close(fd)
+        self.files.close()
+        for folder in self.folders:
+            folder.close()
+        self.folders = []
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _take_slot(self) -> int:
+        if not self._free:
+            self.evict(1)  # (the least recently used: a full tier makes room, never refuses)
+        return self._free.pop()
+
+    def _drop(self, key: str) -> None:
+        slot = self._index.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def _maybe_sync(self) -> None:
+        now = time.monotonic()
+        if self._dirty_since is None:
+            self._dirty_since = now
+        elif now - self._dirty_since >= self.sync_s:
+            self.sync()

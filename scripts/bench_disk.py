@@ -1,0 +1,119 @@
+"""The disk tier's store against fio on the same file system, side by side in one run.
+
+    .venv/bin/python -m scripts.bench_disk [--dir DIR] [--mib 512] [--pages-kib 256,1024]
+
+For each page size: a ``SlotStore`` in a fresh folder under DIR (default: a temp folder on the
+checkout's file system, where direct I/O works) writes MiB of distinct pages, then reads them
+back (direct I/O: no page cache in between), one call at a time; fio writes and reads a file
+of the same size with the store's own I/O size (a slot: its header block and the padded page),
+O_DIRECT, one I/O at a time (``psync``, depth 1: the store's own queue depth), and, as the
+drive's ceiling, with io_uring at depth 16. Prints a line per page size and one JSON object
+last: each throughput in GB/s and the store's ratio to fio at its own depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hicache.disk import SlotStore
+from hicache.disk.folder import ALIGN
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def fio(path: Path, rw: str, bs: int, size: int, engine: str, depth: int) -> float:
+    """fio's bandwidth in GB/s for ``rw`` (write or read) of ``size`` bytes in ``bs`` I/Os."""
+    out = subprocess.run(
+        [
+            "fio", "--name=bench", f"--filename={path}", f"--rw={rw}", f"--bs={bs}",
+            f"--size={size}", "--direct=1", f"--ioengine={engine}", f"--iodepth={depth}",
+            "--output-format=json", "--end_fsync=0",
+        ],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    job = json.loads(out[out.index("{") :])["jobs"][0]
+    return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
+
+
+def store_run(folder: Path, page_bytes: int, total: int) -> tuple[float, float, int]:
+    """(write GB/s, read GB/s, slot bytes) of the store, one value per call."""
+    slot = ALIGN + -(-page_bytes // ALIGN) * ALIGN
+    count = max(8, total // slot)
+    store = SlotStore([str(folder)], count * slot, page_bytes, budget_bytes_per_day=1 << 50)
+    try:
+        rng = np.random.default_rng(0)
+        pages = [rng.integers(0, 256, page_bytes, np.uint8) for _ in range(8)]
+        tail = bytes(16)
+        start = time.perf_counter()
+        for i in range(count):
+            assert store.put(f"k{i}", [memoryview(pages[i % 8])], tail)
+        store.sync()
+        wrote = count * slot / (time.perf_counter() - start) / 1e9
+        into = np.empty(page_bytes, np.uint8)
+        start = time.perf_counter()
+        for i in range(count):
+            assert store.get(f"k{i}", [memoryview(into)]) is not None
+        read = count * slot / (time.perf_counter() - start) / 1e9
+        assert bytes(into) == bytes(pages[(count - 1) % 8])
+    finally:
+        store.close()
+    return wrote, read, slot
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", type=Path, default=None, help="where (default: the temp folder)")
+    ap.add_argument("--mib", type=int, default=512, help="MiB written and read per page size")
+    ap.add_argument("--pages-kib", default="256,1024", help="page sizes, KiB, comma-separated")
+    args = ap.parse_args()
+    if shutil.which("fio") is None:
+        raise SystemExit("bench_disk: fio is not installed (apt-get install fio)")
+    base = Path(tempfile.mkdtemp(prefix="hicache-bench-disk-", dir=args.dir))
+    out: dict[str, object] = {"dir": str(base.parent), "mib": args.mib}
+    try:
+        for kib in (int(k) for k in args.pages_kib.split(",")):
+            total = args.mib << 20
+            wrote, read, slot = store_run(base / f"store-{kib}", kib << 10, total)
+            size = total // slot * slot
+            data = base / f"fio-{kib}.dat"
+            fio_w1 = fio(data, "write", slot, size, "psync", 1)
+            fio_r1 = fio(data, "read", slot, size, "psync", 1)
+            fio_w16 = fio(data, "write", slot, size, "io_uring", 16)
+            fio_r16 = fio(data, "read", slot, size, "io_uring", 16)
+            data.unlink()
+            row = {
+                "slot_bytes": slot,
+                "store_write_gbs": round(wrote, 3),
+                "store_read_gbs": round(read, 3),
+                "fio_write_gbs_depth1": round(fio_w1, 3),
+                "fio_read_gbs_depth1": round(fio_r1, 3),
+                "fio_write_gbs_uring16": round(fio_w16, 3),
+                "fio_read_gbs_uring16": round(fio_r16, 3),
+                "write_vs_fio_depth1": round(wrote / fio_w1, 3),
+                "read_vs_fio_depth1": round(read / fio_r1, 3),
+                "write_vs_fio_uring16": round(wrote / fio_w16, 3),
+                "read_vs_fio_uring16": round(read / fio_r16, 3),
+            }
+            out[f"page_{kib}k"] = row
+            print(
+                f"page {kib:5d} KiB (slot {slot} B): store write {wrote:.2f} GB/s, read "
+                f"{read:.2f} GB/s; fio depth 1 {fio_w1:.2f} / {fio_r1:.2f}, io_uring depth 16 "
+                f"{fio_w16:.2f} / {fio_r16:.2f}; store / fio depth 1: write "
+                f"{row['write_vs_fio_depth1']}, read {row['read_vs_fio_depth1']}",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

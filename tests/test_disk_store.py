@@ -1,0 +1,348 @@
+"""The disk tier's store (``hicache.disk``) on the machine's real disk (a temp folder: O_DIRECT)
+and on tmpfs (buffered): values come back byte-identical, after a close and after a SIGKILL
+mid-write (never a torn one); a full tier evicts the least recently used; the write budget is
+never exceeded; drive errors are misses or refused writes; folders that are not private, or
+are another daemon's, are refused; and a daemon restarted on its disk serves from it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache.disk import FolderRefused, SlotStore, WriteBudget
+from hicache.disk.url import parse_disk_url
+from hicache.l3 import open_store
+from hicache.l3.keys import KeyChain
+from hicache.l3.pages import PageSegments, trailer, verify
+from hicache.memory import HostPool
+from tests.test_l3_stores import config, digests, filled_pool, page_bytes
+
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture(params=["disk", "tmpfs"])
+def folder(request, tmp_path):
+    """A folder on the checkout's file system (direct I/O), or on tmpfs (buffered)."""
+    if request.param == "disk":
+        yield tmp_path / "disk"
+        return
+    where = SHM / f"hicache-test-disk-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        yield where
+    finally:
+        import shutil
+
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _store(folder: Path, pool: HostPool, pages: int = 16, **kw) -> SlotStore:
+    segs = PageSegments(pool)
+    slot = 4096 + -(-segs.page_bytes // 4096) * 4096
+    return SlotStore([str(folder)], pages * slot, segs.page_bytes, **kw)
+
+
+def _put_all(store: SlotStore, pool: HostPool, keys, d, pages) -> list[bool]:
+    segs = PageSegments(pool)
+    return [
+        store.put(k, segs.views(p), trailer(segs.views(p), x))
+        for k, x, p in zip(keys, d, pages, strict=True)
+    ]
+
+
+def _get(store: SlotStore, pool: HostPool, key: str, digest: bytes, page: int) -> bool:
+    """Whether ``key`` came back into ``page`` and verifies."""
+    segs = PageSegments(pool)
+    tail = store.get(key, segs.views(page))
+    return tail is not None and verify(segs.views(page), digest, tail)
+
+
+def test_values_come_back_byte_identical_and_after_a_reopen(folder, request):
+    cfg = config()
+    src, dst = filled_pool(cfg, 1), HostPool(cfg)
+    d = digests(8, salt="roundtrip")
+    keys = [KeyChain.name(x) for x in d]
+    store = _store(folder, src)
+    try:
+        if "disk" in request.node.name:
+            assert store.direct  # (tmpfs takes O_DIRECT since Linux 6.6; older ones refuse it)
+        assert _put_all(store, src, keys, d, range(8)) == [True] * 8
+        assert store.exists(keys + ["hc1:nothing"]) == [True] * 8 + [False]
+        for i in range(8):
+            assert _get(store, dst, keys[i], d[i], 20 + i)
+            assert page_bytes(dst, 20 + i) == page_bytes(src, i)
+        written = store.written
+        assert _put_all(store, src, keys[:2], d[:2], range(2)) == [True, True]
+        assert store.written == written  # a value held is never written again
+    finally:
+        store.close()
+    mode = os.stat(folder).st_mode & 0o777
+    assert mode == 0o700 and os.stat(folder / "slots.dat").st_mode & 0o777 == 0o600
+    again = _store(folder, src)
+    try:
+        assert again.recovered == 8 and again.exists(keys) == [True] * 8
+        dst.buffer.numpy()[:] = 0
+        for i in range(8):
+            assert _get(again, dst, keys[i], d[i], 24 + i)
+            assert page_bytes(dst, 24 + i) == page_bytes(src, i)
+    finally:
+        again.close()
+
+
+def test_a_full_tier_evicts_the_least_recently_used(tmp_path):
+    cfg = config()
+    src, dst = filled_pool(cfg, 2), HostPool(cfg)
+    d = digests(6, salt="full")
+    keys = [KeyChain.name(x) for x in d]
+    store = _store(tmp_path / "d", src, pages=4, budget_bytes_per_day=1 << 40)
+    try:
+        assert _put_all(store, src, keys[:4], d[:4], range(4)) == [True] * 4
+        assert _get(store, dst, keys[0], d[0], 10)  # 0 is now the most recent
+        assert _put_all(store, src, keys[4:], d[4:], range(4, 6)) == [True, True]
+        assert store.exists(keys) == [True, False, False, True, True, True]
+        assert store.evicted == 2
+        for i in (0, 3, 4, 5):
+            assert _get(store, dst, keys[i], d[i], 20 + i)
+            assert page_bytes(dst, 20 + i) == page_bytes(src, i)
+    finally:
+        store.close()
+
+
+def test_the_write_budget_is_never_exceeded(tmp_path):
+    cfg = config()
+    src = filled_pool(cfg, 3)
+    d = digests(5, salt="budget")
+    keys = [KeyChain.name(x) for x in d]
+    probe = _store(tmp_path / "probe", src, pages=1)
+    slot = probe.files.slot_bytes
+    probe.close()
+    store = _store(tmp_path / "d", src, pages=8, budget_bytes_per_day=2 * slot + slot // 2)
+    try:
+        assert _put_all(store, src, keys, d, range(5)) == [True, True, False, False, False]
+        assert store.budget.used() == 2 * slot <= store.budget.bytes_per_day
+        figures = store.figures()
+        assert figures["disk_budget_refused_writes"] == 3
+        assert figures["disk_written_bytes"] == 2 * slot
+    finally:
+        store.close()
+
+
+def test_the_budget_counts_any_24_hours():
+    now = [0.0]
+    budget = WriteBudget(100, clock=lambda: now[0])
+    assert budget.take(60) and not budget.take(50) and budget.take(40)
+    now[0] = 86_000.0  # not yet a day (and a minute) after the writes
+    assert not budget.take(1)
+    now[0] = 86_400.0 + 61.0
+    assert budget.left() == 100 and budget.take(100)
+    budget.give_back(100)
+    assert budget.left() == 100
+
+
+class Faults:
+    """The fault layer in front of every I/O: raise ``error`` for ``op`` while set."""
+
+    def __init__(self) -> None:
+        self.error: dict[str, int] = {}
+
+    def __call__(self, op: str, slot: int) -> None:
+        if op in self.error:
+            raise OSError(self.error[op], os.strerror(self.error[op]))
+
+
+def test_drive_errors_are_misses_and_refused_writes_and_pass(tmp_path):
+    cfg = config()
+    src, dst = filled_pool(cfg, 4), HostPool(cfg)
+    d = digests(4, salt="faults")
+    keys = [KeyChain.name(x) for x in d]
+    faults = Faults()
+    store = _store(tmp_path / "d", src, pages=8, fault=faults)
+    try:
+        assert _put_all(store, src, keys[:2], d[:2], range(2)) == [True, True]
+        faults.error = {"write": errno.EIO}
+        assert _put_all(store, src, keys[2:3], d[2:3], [2]) == [False]
+        faults.error = {"write": errno.ENOSPC}
+        assert _put_all(store, src, keys[3:], d[3:], [3]) == [False]
+        faults.error = {"read": errno.EIO}
+        assert not _get(store, dst, keys[0], d[0], 10)
+        faults.error = {}  # the drive is back: used again
+        assert _get(store, dst, keys[0], d[0], 10) and _get(store, dst, keys[1], d[1], 11)
+        assert _put_all(store, src, keys[2:], d[2:], [2, 3]) == [True, True]
+        f = store.figures()
+        assert (f["disk_write_errors"], f["disk_space_refusals"], f["disk_read_errors"]) == (
+            1,
+            1,
+            1,
+        )
+        assert store.budget.used() == 4 * store.files.slot_bytes  # refused writes gave theirs back
+    finally:
+        store.close()
+
+
+def test_a_corrupted_or_truncated_slot_is_a_miss_never_wrong_bytes(tmp_path):
+    cfg = config()
+    src, dst = filled_pool(cfg, 5), HostPool(cfg)
+    d = digests(3, salt="corrupt")
+    keys = [KeyChain.name(x) for x in d]
+    where = tmp_path / "d"
+    store = _store(where, src, pages=4)
+    slot = store.files.slot_bytes
+    try:
+        assert _put_all(store, src, keys, d, range(3)) == [True] * 3
+    finally:
+        store.close()
+    data = where / "slots.dat"
+    with open(data, "r+b") as f:  # a bit of slot 0's value, and slot 1's header
+        f.seek(4096 + 100)
+        byte = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([byte[0] ^ 1]))
+        f.seek(slot + 20)
+        f.write(b"\xff")
+    store = _store(where, src, pages=4)
+    try:
+        assert store.exists(keys) == [True, False, True]  # a header that does not verify: free
+        assert not _get(store, dst, keys[0], d[0], 10)  # read back, its trailer refuses it
+        assert _get(store, dst, keys[2], d[2], 12)
+        os.truncate(data, 2 * slot)  # slot 2 cut away underneath
+        assert not _get(store, dst, keys[2], d[2], 12) and store.read_errors == 1
+    finally:
+        store.close()
+
+
+_WRITER = """
+import sys
+from hicache.l3.keys import KeyChain
+from hicache.l3.pages import PageSegments, trailer
+from tests.test_l3_stores import config, digests, filled_pool
+from tests.test_disk_store import _store
+folder = sys.argv[1]
+cfg = config()
+src = filled_pool(cfg, 6)
+segs = PageSegments(src)
+store = _store(folder, src, pages=64)
+d = digests(64, salt="kill")
+for i, x in enumerate(d):
+    page = i % 32
+    assert store.put(KeyChain.name(x), segs.views(page), trailer(segs.views(page), x))
+    print(i, flush=True)
+"""
+
+
+def test_a_sigkill_mid_write_loses_nothing_written_and_serves_nothing_torn(tmp_path):
+    folder = tmp_path / "d"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(folder)], stdout=subprocess.PIPE, text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        done = [int(proc.stdout.readline()) for _ in range(20)]  # 20 puts returned
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    cfg = config()
+    src, dst = filled_pool(cfg, 6), HostPool(cfg)
+    d = digests(64, salt="kill")
+    store = _store(folder, src, pages=64)  # (the lock died with the writer)
+    try:
+        for i, x in enumerate(d):
+            got = _get(store, dst, KeyChain.name(x), x, 31)
+            if i in done:
+                assert got and page_bytes(dst, 31) == page_bytes(src, i % 32)
+            elif store.exists([KeyChain.name(x)])[0]:  # written whole before the kill
+                assert got and page_bytes(dst, 31) == page_bytes(src, i % 32)
+    finally:
+        store.close()
+
+
+def test_folders_that_are_not_private_or_are_taken_are_refused(tmp_path):
+    cfg = config()
+    src = filled_pool(cfg, 7)
+    open_to_others = tmp_path / "open"
+    open_to_others.mkdir(mode=0o755)
+    os.chmod(open_to_others, 0o755)
+    with pytest.raises(FolderRefused, match="chmod 700"):
+        _store(open_to_others, src)
+    link = tmp_path / "link"
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link.symlink_to(real)
+    with pytest.raises(FolderRefused, match="symlink"):
+        _store(link, src)
+    first = _store(tmp_path / "mine", src)
+    try:
+        with pytest.raises(FolderRefused, match="another daemon"):
+            _store(tmp_path / "mine", src)
+    finally:
+        first.close()
+    _store(tmp_path / "mine", src).close()  # free again once closed
+
+
+@pytest.mark.parametrize(
+    ("rest", "problem"),
+    [
+        ("relative/path?bytes=1GiB", "absolute"),
+        ("/a?bytes=lots", "not a size"),
+        ("/a", "give its size"),
+        ("/a?bytes=1G&color=red", "unknown option"),
+        ("/a,/a?bytes=1G", "twice"),
+    ],
+)
+def test_bad_disk_urls_are_refused_naming_the_problem(rest, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_disk_url(rest)
+    with pytest.raises(ValueError, match=problem):
+        open_store("disk://" + rest)
+
+
+def test_the_url_names_folders_size_and_budget():
+    got = parse_disk_url("/a,/b?bytes=2GiB&budget=512MiB")
+    assert got == (["/a", "/b"], 2 << 30, 512 << 20)
+    store = open_store("disk:///x?bytes=1G")
+    assert store.url == "disk:///x"
+
+
+def test_pages_stripe_over_two_folders(tmp_path):
+    cfg = config()
+    src, dst = filled_pool(cfg, 8), HostPool(cfg)
+    segs = PageSegments(src)
+    slot = 4096 + -(-segs.page_bytes // 4096) * 4096
+    paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    store = SlotStore(paths, 8 * slot, segs.page_bytes)
+    d = digests(8, salt="stripe")
+    keys = [KeyChain.name(x) for x in d]
+    try:
+        assert _put_all(store, src, keys, d, range(8)) == [True] * 8
+        assert {store.files.where(s)[0] for s in range(8)} == set(store.files.fds)
+        for i in range(8):
+            assert _get(store, dst, keys[i], d[i], 16 + i)
+            assert page_bytes(dst, 16 + i) == page_bytes(src, i)
+    finally:
+        store.close()
+    assert all(os.path.getsize(os.path.join(p, "slots.dat")) == 4 * slot for p in paths)
+
+
+def test_a_file_system_that_refuses_direct_io_is_used_buffered(tmp_path, monkeypatch, caplog):
+    import hicache.disk.folder as folder_module
+
+    monkeypatch.setattr(folder_module, "_direct", lambda path: -1)  # as an old tmpfs answers
+    cfg = config()
+    src, dst = filled_pool(cfg, 9), HostPool(cfg)
+    d = digests(2, salt="buffered")
+    keys = [KeyChain.name(x) for x in d]
+    with caplog.at_level("WARNING", logger="hicache.disk"):
+        store = _store(tmp_path / "d", src)
+    try:
+        assert not store.direct and "refuses O_DIRECT" in caplog.text
+        assert _put_all(store, src, keys, d, range(2)) == [True, True]
+        assert _get(store, dst, keys[1], d[1], 5) and page_bytes(dst, 5) == page_bytes(src, 1)
+    finally:
+        store.close()
