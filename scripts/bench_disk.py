@@ -4,11 +4,12 @@
 
 For each page size: a ``SlotStore`` in a fresh folder under DIR (default: a temp folder on the
 checkout's file system, where direct I/O works) writes MiB of distinct pages, then reads them
-back (direct I/O: no page cache in between), one call at a time; fio writes and reads a file
-of the same size with the store's own I/O size (a slot: its header block and the padded page),
-O_DIRECT, one I/O at a time (``psync``, depth 1: the store's own queue depth), and, as the
-drive's ceiling, with io_uring at depth 16. Prints a line per page size and one JSON object
-last: each throughput in GB/s and the store's ratio to fio at its own depth.
+back (direct I/O: no page cache in between), 32 pages per call (its I/O threads, 4, write
+and read them at once); fio writes and reads a file of the same size with the store's own I/O
+size (a slot: its header block and the padded page), O_DIRECT, with 4 jobs of depth 1
+(``psync``: the store's four threads) and, as the drive's ceiling, io_uring at depth 16.
+Prints a line per page size and one JSON object last: each throughput in GB/s and the store's
+ratio to fio at its own concurrency and to the ceiling.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from hicache.disk.folder import ALIGN
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def fio(path: Path, rw: str, bs: int, size: int, engine: str, depth: int) -> float:
-    """fio's bandwidth in GB/s for ``rw`` (write or read) of ``size`` bytes in ``bs`` I/Os."""
+def fio(path: Path, rw: str, bs: int, size: int, engine: str, depth: int, jobs: int = 1) -> float:
+    """fio's bandwidth in GB/s for ``rw`` (write or read) of ``size`` bytes in ``bs`` I/Os,
+    ``jobs`` jobs each on its own part of the file."""
+    part = size // jobs // bs * bs
     out = subprocess.run(
         [
             "fio", "--name=bench", f"--filename={path}", f"--rw={rw}", f"--bs={bs}",
-            f"--size={size}", "--direct=1", f"--ioengine={engine}", f"--iodepth={depth}",
+            f"--size={part}", f"--offset_increment={part}", f"--numjobs={jobs}",
+            "--group_reporting", "--direct=1", f"--ioengine={engine}", f"--iodepth={depth}",
             "--output-format=json", "--end_fsync=0",
         ],
         capture_output=True, text=True, check=True,
@@ -43,8 +47,12 @@ def fio(path: Path, rw: str, bs: int, size: int, engine: str, depth: int) -> flo
     return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
 
 
+BATCH = 32  # values per call (the third tier's calls carry a batch of pages)
+THREADS = 4  # the store's I/O threads (SlotStore's default)
+
+
 def store_run(folder: Path, page_bytes: int, total: int) -> tuple[float, float, int]:
-    """(write GB/s, read GB/s, slot bytes) of the store, one value per call."""
+    """(write GB/s, read GB/s, slot bytes) of the store, BATCH values per call."""
     slot = ALIGN + -(-page_bytes // ALIGN) * ALIGN
     count = max(8, total // slot)
     store = SlotStore([str(folder)], count * slot, page_bytes, budget_bytes_per_day=1 << 50)
@@ -53,16 +61,21 @@ def store_run(folder: Path, page_bytes: int, total: int) -> tuple[float, float, 
         pages = [rng.integers(0, 256, page_bytes, np.uint8) for _ in range(8)]
         tail = bytes(16)
         start = time.perf_counter()
-        for i in range(count):
-            assert store.put(f"k{i}", [memoryview(pages[i % 8])], tail)
+        for at in range(0, count, BATCH):
+            span = range(at, min(count, at + BATCH))
+            assert all(store.put_many([(f"k{i}", [memoryview(pages[i % 8])], tail) for i in span]))
         store.sync()
         wrote = count * slot / (time.perf_counter() - start) / 1e9
-        into = np.empty(page_bytes, np.uint8)
+        into = [np.empty(page_bytes, np.uint8) for _ in range(BATCH)]
         start = time.perf_counter()
-        for i in range(count):
-            assert store.get(f"k{i}", [memoryview(into)]) is not None
+        last = 0
+        for at in range(0, count, BATCH):
+            keys = [f"k{i}" for i in range(at, min(count, at + BATCH))]
+            got = store.get_many([(k, [memoryview(into[j])]) for j, k in enumerate(keys)])
+            assert all(t is not None for t in got)
+            last = at
         read = count * slot / (time.perf_counter() - start) / 1e9
-        assert bytes(into) == bytes(pages[(count - 1) % 8])
+        assert bytes(into[0]) == bytes(pages[last % 8])  # (the last batch's first value)
     finally:
         store.close()
     return wrote, read, slot
@@ -84,8 +97,8 @@ def main() -> None:
             wrote, read, slot = store_run(base / f"store-{kib}", kib << 10, total)
             size = total // slot * slot
             data = base / f"fio-{kib}.dat"
-            fio_w1 = fio(data, "write", slot, size, "psync", 1)
-            fio_r1 = fio(data, "read", slot, size, "psync", 1)
+            fio_w1 = fio(data, "write", slot, size, "psync", 1, THREADS)
+            fio_r1 = fio(data, "read", slot, size, "psync", 1, THREADS)
             fio_w16 = fio(data, "write", slot, size, "io_uring", 16)
             fio_r16 = fio(data, "read", slot, size, "io_uring", 16)
             data.unlink()
@@ -93,21 +106,21 @@ def main() -> None:
                 "slot_bytes": slot,
                 "store_write_gbs": round(wrote, 3),
                 "store_read_gbs": round(read, 3),
-                "fio_write_gbs_depth1": round(fio_w1, 3),
-                "fio_read_gbs_depth1": round(fio_r1, 3),
+                "fio_write_gbs_4x1": round(fio_w1, 3),
+                "fio_read_gbs_4x1": round(fio_r1, 3),
                 "fio_write_gbs_uring16": round(fio_w16, 3),
                 "fio_read_gbs_uring16": round(fio_r16, 3),
-                "write_vs_fio_depth1": round(wrote / fio_w1, 3),
-                "read_vs_fio_depth1": round(read / fio_r1, 3),
+                "write_vs_fio_4x1": round(wrote / fio_w1, 3),
+                "read_vs_fio_4x1": round(read / fio_r1, 3),
                 "write_vs_fio_uring16": round(wrote / fio_w16, 3),
                 "read_vs_fio_uring16": round(read / fio_r16, 3),
             }
             out[f"page_{kib}k"] = row
             print(
                 f"page {kib:5d} KiB (slot {slot} B): store write {wrote:.2f} GB/s, read "
-                f"{read:.2f} GB/s; fio depth 1 {fio_w1:.2f} / {fio_r1:.2f}, io_uring depth 16 "
-                f"{fio_w16:.2f} / {fio_r16:.2f}; store / fio depth 1: write "
-                f"{row['write_vs_fio_depth1']}, read {row['read_vs_fio_depth1']}",
+                f"{read:.2f} GB/s; fio 4 jobs x depth 1 {fio_w1:.2f} / {fio_r1:.2f}, io_uring "
+                f"depth 16 {fio_w16:.2f} / {fio_r16:.2f}; store / fio 4 x 1: write "
+                f"{row['write_vs_fio_4x1']}, read {row['read_vs_fio_4x1']}",
                 flush=True,
             )
     finally:

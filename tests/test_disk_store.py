@@ -346,3 +346,27 @@ def test_a_file_system_that_refuses_direct_io_is_used_buffered(tmp_path, monkeyp
         assert _get(store, dst, keys[1], d[1], 5) and page_bytes(dst, 5) == page_bytes(src, 1)
     finally:
         store.close()
+
+
+def test_a_daemon_refuses_a_disk_folder_it_may_not_use_at_start(tmp_path):
+    from hicache.daemon.config import build_parser, resolve
+
+    open_to_others = tmp_path / "open"
+    open_to_others.mkdir()
+    os.chmod(open_to_others, 0o755)
+    taken = _store(tmp_path / "taken", filled_pool(config(), 10))
+    try:
+        for where, text in [
+            (open_to_others, "chmod 700"),
+            (tmp_path / "taken", "another daemon"),
+            (tmp_path / "no" / "such", "does not exist"),
+        ]:
+            argv = ["--l3", f"disk://{where}?bytes=64MiB", "--l3-model", "m"]
+            with pytest.raises(ValueError, match=text):
+                resolve(build_parser().parse_args(argv), {})
+    finally:
+        taken.close()
+    assert not (tmp_path / "fresh").exists()
+    argv = ["--l3", f"disk://{tmp_path}/fresh?bytes=64MiB", "--l3-model", "m"]
+    resolve(build_parser().parse_args(argv), {})  # a folder to be made is fine, and not made yet
+    assert not (tmp_path / "fresh").exists()

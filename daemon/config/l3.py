@@ -65,6 +65,15 @@ def l3_config(values: dict[str, Any], parse_bytes: Any) -> L3Config | None:
     if not url:
         return None
     check_url(url)
+    if url.startswith("disk://"):  # (the folders are this node's: refused now, not later)
+        from hicache.disk import FolderRefused, check_folder
+        from hicache.disk.url import parse_disk_url
+
+        for path in parse_disk_url(url[len("disk://") :]).paths:
+            try:
+                check_folder(path)
+            except FolderRefused as exc:
+                raise ValueError(f"l3: {exc}") from None
     kw = {
         name[3:]: values[name]
         for name in L3_FIELDS

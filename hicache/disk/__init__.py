@@ -23,14 +23,15 @@ _EXPORTS = {
     "WriteBudget": "hicache.disk.budget",
     "ALIGN": "hicache.disk.folder",
     "FolderRefused": "hicache.disk.folder",
+    "check_folder": "hicache.disk.folder",
     "Header": "hicache.disk.slots",
     "SlotStore": "hicache.disk.store",
 }
-__all__ = ["ALIGN", "FolderRefused", "Header", "SlotStore", "WriteBudget"]
+__all__ = ["ALIGN", "FolderRefused", "Header", "SlotStore", "WriteBudget", "check_folder"]
 __getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:
     from hicache.disk.budget import WriteBudget
-    from hicache.disk.folder import ALIGN, FolderRefused
+    from hicache.disk.folder import ALIGN, FolderRefused, check_folder
     from hicache.disk.slots import Header
     from hicache.disk.store import SlotStore

@@ -39,6 +39,17 @@ class Folder:
             self.lock_fd = -1
 
 
+def check_folder(path: str) -> None:
+    """What ``open_folder`` would refuse, said before a daemon starts (nothing is made or
+    kept: a missing folder is fine, its parent must exist). FolderRefused."""
+    path = os.path.abspath(path)
+    if not os.path.lexists(path):
+        if not os.path.isdir(os.path.dirname(path)):
+            raise FolderRefused(f"disk: {os.path.dirname(path)} does not exist")
+        return
+    open_folder(path).close()
+
+
 def open_folder(path: str) -> Folder:
     """The folder at ``path``, made private if missing, checked if present, and locked.
     Raises FolderRefused naming the problem (nothing is changed then)."""
@@ -47,6 +58,8 @@ def open_folder(path: str) -> Folder:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
+    except OSError as exc:
+        raise FolderRefused(f"disk: cannot make {path}: {exc.strerror}") from None
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise FolderRefused(f"disk: {path} is not a folder (a symlink is not followed)")

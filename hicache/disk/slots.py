@@ -9,16 +9,19 @@ key wins at recovery) and a checksum of the header itself. A slot is written who
 and value, in one call: a torn write leaves a header that does not verify or a value whose
 trailer does not, and either is a miss.
 
-``SlotFiles`` does the I/O (positional, one bounce buffer per call, never the caller's
-memory while it is being written) and holds no index. Not thread-safe: one thread at a time.
+``SlotFiles`` does the I/O (positional, through a page-aligned bounce buffer per thread,
+never the caller's memory while it is being written) and holds no index: several threads may
+read and write distinct slots at once.
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import struct
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -80,18 +83,28 @@ class SlotFiles:
         self.slot_bytes = ALIGN + -(-value_bytes // ALIGN) * ALIGN
         self.count = count
         self.fault = fault  # tests' fault layer (EIO, slowness) in front of every I/O
-        self._buf = aligned(self.slot_bytes)  # the bounce buffer (page-aligned)
-        self._view = memoryview(self._buf)
+        self._local = threading.local()  # each thread's bounce buffer (page-aligned)
+        self._buffers: list[tuple[mmap.mmap, memoryview]] = []
+        self._lock = threading.Lock()
+
+    def _buffer(self) -> memoryview:
+        view = getattr(self._local, "view", None)
+        if view is None:
+            buf = aligned(self.slot_bytes)
+            view = self._local.view = memoryview(buf)
+            with self._lock:
+                self._buffers.append((buf, view))
+        return view
 
     def where(self, slot: int) -> tuple[int, int]:
         n = len(self.fds)
         return self.fds[slot % n], (slot // n) * self.slot_bytes
 
-    def write(self, slot: int, header: Header, parts: list[memoryview] | list[bytes]) -> None:
+    def write(self, slot: int, header: Header, parts: Sequence[memoryview | bytes]) -> None:
         """Write the slot whole: header, then ``parts`` (the value), padding. OSError."""
         if self.fault is not None:
             self.fault("write", slot)
-        view = self._view
+        view = self._buffer()
         head = header.pack()
         view[: len(head)] = head
         view[len(head) : ALIGN] = bytes(ALIGN - len(head))
@@ -110,31 +123,36 @@ class SlotFiles:
         if self.fault is not None:
             self.fault("read", slot)
         fd, offset = self.where(slot)
-        _all(os.preadv, fd, self._view[:ALIGN], offset)
-        return Header.unpack(self._view[:ALIGN])
+        view = self._buffer()
+        _all(os.preadv, fd, view[:ALIGN], offset)
+        return Header.unpack(view[:ALIGN])
 
     def read(self, slot: int, key: str) -> tuple[Header, memoryview] | None:
-        """The slot's header and value (a view of the bounce buffer, valid until the next
-        call), or None where the slot does not hold ``key`` whole. OSError from the drive."""
+        """The slot's header and value (a view of this thread's bounce buffer, valid until its
+        next call), or None where the slot does not hold ``key`` whole. OSError."""
         if self.fault is not None:
             self.fault("read", slot)
         fd, offset = self.where(slot)
-        _all(os.preadv, fd, self._view[: self.slot_bytes], offset)
-        header = Header.unpack(self._view[:ALIGN])
+        view = self._buffer()
+        _all(os.preadv, fd, view[: self.slot_bytes], offset)
+        header = Header.unpack(view[:ALIGN])
         if header is None or header.key != key or header.value_len > self.value_bytes:
             return None
-        return header, self._view[ALIGN : ALIGN + header.value_len]
+        return header, view[ALIGN : ALIGN + header.value_len]
 
     def sync(self) -> None:
         for fd in self.fds:
             os.fdatasync(fd)
 
     def close(self) -> None:
-        try:
-            self._view.release()
-            self._buf.close()
-        except BufferError:  # a slice still referenced (a traceback's frame): freed with it
-            pass
+        with self._lock:
+            buffers, self._buffers = self._buffers, []
+        for buf, view in buffers:
+            try:
+                view.release()
+                buf.close()
+            except BufferError:  # a slice still referenced (a traceback's frame): freed with it
+                pass
 
 
 def _all(call: Callable[..., int], fd: int, view: memoryview, offset: int) -> None:

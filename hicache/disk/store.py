@@ -16,8 +16,10 @@ verify, is free). A key claimed by two slots keeps the newer. What follows:
   of the process; against a power loss, once ``sync`` ran (every ``sync_s`` after a put, and
   at ``close``): what a power loss can lose is the last ``sync_s`` of writes, seen as misses.
 
-Not thread-safe: one thread calls it at a time (the third tier's IO thread). ``figures``
-reads plain fields and may be called from another.
+Not thread-safe: one thread calls it at a time (the third tier's IO thread); a batch
+(``put_many``, ``get_many``) runs its I/Os on ``io_threads`` threads at once, each through
+its own bounce buffer, and keeps the index on the caller's thread. ``figures`` reads plain
+fields and may be called from another.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hicache.disk.budget import WriteBudget
@@ -48,6 +51,7 @@ class SlotStore:
         scan_s: float = 30.0,
         sync_s: float = 5.0,
         fault: Fault | None = None,
+        io_threads: int = 4,
     ):
         """``paths``: one folder per drive; ``capacity_bytes``: slots' bytes over all of
         them; ``value_bytes``: the largest value (a page and nothing else); the budget
@@ -83,6 +87,7 @@ class SlotStore:
             capacity_bytes if budget_bytes_per_day is None else budget_bytes_per_day
         )
         self.sync_s = sync_s
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-disk")
         self._index: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recent first
         self._free: list[int] = []
         self._seq = 0
@@ -142,66 +147,107 @@ class SlotStore:
     def put(self, key: str, parts: list[memoryview] | list[bytes], trailer: bytes) -> bool:
         """Store ``parts`` (the value) with ``trailer`` under ``key``; True when it is held
         (already, or now)."""
-        if key in self._index:
-            self._index.move_to_end(key)
-            return True
-        size = sum(len(p) for p in parts)
-        if size > self.files.value_bytes or len(trailer) != TRAILER_BYTES:
-            raise ValueError(f"disk: a value of {size} bytes or a bad trailer")
-        if len(key.encode()) > MAX_KEY:
-            raise ValueError(f"disk: a key longer than {MAX_KEY} bytes")
-        if not self.budget.take(self.files.slot_bytes):
-            return False
-        slot = self._take_slot()
-        self._seq += 1
-        try:
-            self.files.write(slot, Header(key, size, bytes(trailer), self._seq), parts)
-        except OSError as exc:
+        return self.put_many([(key, parts, trailer)])[0]
+
+    def put_many(self, items: Sequence[tuple[str, Sequence[Any], bytes]]) -> list[bool]:
+        """``put`` of each ``(key, parts, trailer)``, the writes at once; ValueError (nothing
+        written) for a value larger than a slot, a bad trailer or a key too long."""
+        for key, parts, trailer in items:
+            if sum(len(p) for p in parts) > self.files.value_bytes or len(trailer) != TRAILER_BYTES:
+                raise ValueError(f"disk: {key}: a value larger than a slot, or a bad trailer")
+            if len(key.encode()) > MAX_KEY:
+                raise ValueError(f"disk: a key longer than {MAX_KEY} bytes")
+        out = [False] * len(items)
+        jobs: list[tuple[int, int, Header]] = []  # (item, slot, header)
+        taking: set[str] = set()
+        for i, (key, parts, trailer) in enumerate(items):
+            if key in self._index:
+                self._index.move_to_end(key)
+                out[i] = True
+            elif key in taking:  # (twice in one batch: written once)
+                out[i] = True
+            elif self.budget.take(self.files.slot_bytes):
+                self._seq += 1
+                size = sum(len(p) for p in parts)
+                jobs.append((i, self._take_slot(), Header(key, size, bytes(trailer), self._seq)))
+                taking.add(key)
+
+        def write(job: tuple[int, int, Header]) -> OSError | None:
+            i, slot, header = job
+            try:
+                self.files.write(slot, header, items[i][1])
+            except OSError as exc:
+                return exc
+            return None
+
+        for (i, slot, header), error in zip(jobs, self._pool.map(write, jobs), strict=True):
+            if error is None:
+                self._index[header.key] = slot
+                self.written += 1
+                self.written_bytes += self.files.slot_bytes
+                out[i] = True
+                continue
             self.budget.give_back(self.files.slot_bytes)
             self._free.append(slot)  # (whatever it held before is gone: it was evicted)
-            if exc.errno == errno.ENOSPC:
+            if error.errno == errno.ENOSPC:
                 self.refused_space += 1
             else:
                 self.write_errors += 1
-            log.warning("disk: a write failed (%s): skipped", str(exc))
-            return False
-        self._index[key] = slot
-        self.written += 1
-        self.written_bytes += self.files.slot_bytes
-        self._maybe_sync()
-        return True
+            log.warning("disk: a write failed (%s): skipped", str(error))
+        for i, (key, _, _) in enumerate(items):  # (a duplicate is held if its first is)
+            if key in taking and not out[i]:
+                out[i] = key in self._index
+        if jobs:
+            self._maybe_sync()
+        return out
 
     def get(self, key: str, into: list[memoryview]) -> bytes | None:
         """Copy ``key``'s value into ``into`` (views summing to its length) and return its
         trailer; None for a miss (``into`` is then left as it was or partly written)."""
-        slot = self._index.get(key)
-        if slot is None:
-            self.misses += 1
-            return None
-        try:
-            got = self.files.read(slot, key)
-        except OSError as exc:
-            self.read_errors += 1
-            self.misses += 1
-            log.warning("disk: a read failed (%s): a miss", str(exc))
-            return None
-        if got is None:  # (overwritten or torn: the slot is free)
-            self.bad_slots += 1
-            self.misses += 1
-            self._drop(key)
-            return None
-        header, value = got
-        if header.value_len != sum(len(v) for v in into):
-            raise ValueError(f"disk: {key}'s value is {header.value_len} bytes, not the views'")
-        at = 0
-        for view in into:
-            n = len(view)
-            view[:] = value[at : at + n]
-            at += n
-        self._index.move_to_end(key)
-        self.hits += 1
-        self.read_bytes += self.files.slot_bytes
-        return header.trailer
+        return self.get_many([(key, into)])[0]
+
+    def get_many(self, items: Sequence[tuple[str, Sequence[memoryview]]]) -> list[bytes | None]:
+        """``get`` of each ``(key, into)``, the reads at once (each ``into`` its own memory).
+        ValueError where ``into`` is not as long as the value held."""
+        slots = [self._index.get(key) for key, _ in items]
+
+        def read(i: int) -> bytes | OSError | None:
+            key, into = items[i]
+            slot = slots[i]
+            assert slot is not None
+            try:
+                got = self.files.read(slot, key)
+            except OSError as exc:
+                return exc
+            if got is None:
+                return None
+            header, value = got
+            if header.value_len != sum(len(v) for v in into):
+                raise ValueError(f"disk: {key}'s value is {header.value_len} bytes, not the views'")
+            at = 0
+            for view in into:
+                n = len(view)
+                view[:] = value[at : at + n]
+                at += n
+            return header.trailer
+
+        wanted = [i for i, slot in enumerate(slots) if slot is not None]
+        out: list[bytes | None] = [None] * len(items)
+        for i, got in zip(wanted, self._pool.map(read, wanted), strict=True):
+            key = items[i][0]
+            if isinstance(got, OSError):
+                self.read_errors += 1
+                log.warning("disk: a read failed (%s): a miss", str(got))
+            elif got is None:  # (overwritten or torn: the slot is free)
+                self.bad_slots += 1
+                self._drop(key)
+            else:
+                out[i] = got
+                self._index.move_to_end(key)
+                self.hits += 1
+                self.read_bytes += self.files.slot_bytes
+        self.misses += sum(1 for got in out if got is None)
+        return out
 
     def remove(self, keys: Sequence[str]) -> None:
         """Forget ``keys`` (their slots are free; the bytes are overwritten when reused)."""
@@ -256,6 +302,7 @@ class SlotStore:
         if not self.folders:
             return
         self.sync()
+        self._pool.shutdown(wait=True)
         for fd in self.files.fds:
             os.close(fd)
         self.files.close()

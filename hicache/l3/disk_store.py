@@ -37,16 +37,14 @@ class DiskStore(L3Store):
         return self._store().exists(keys)
 
     def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
-        store = self._store()
-        return [
-            store.put(key, self.pages.views(page), tail)
-            for key, page, tail in zip(keys, pages, trailers, strict=True)
-        ]
+        views = self.pages.views
+        items = [(k, views(p), t) for k, p, t in zip(keys, pages, trailers, strict=True)]
+        return self._store().put_many(items)
 
     def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
-        store = self._store()
         views = self.pages.views
-        return [store.get(key, views(page)) for key, page in zip(keys, pages, strict=True)]
+        got = self._store().get_many([(k, views(p)) for k, p in zip(keys, pages, strict=True)])
+        return list(got)
 
     def remove(self, keys: list[str]) -> None:
         self._store().remove(keys)

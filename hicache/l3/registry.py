@@ -33,9 +33,7 @@ def check_url(url: str) -> str:
 
         parse_disk_url(rest)
     else:
-        raise ValueError(
-            f"l3: unknown store {scheme!r} in {url!r} (memory, redis, mooncake, disk)"
-        )
+        raise ValueError(f"l3: unknown store {scheme!r} in {url!r} (memory, redis, mooncake, disk)")
     return url
 
 
