@@ -312,6 +312,13 @@ MUTATIONS = [
         ("tests/test_disk_store.py", "-k", "full_tier"),
     ),
     Mutation(
+        "disk-over-a-store-never-reads-the-disk",
+        "hicache/l3/disk_store.py",
+        "        got: list[Got] = list(self.disk.get(keys, pages))",
+        "        got: list[Got] = [None] * len(keys)",
+        ("tests/test_disk_store.py", "-k", "disk_over_a_remote"),
+    ),
+    Mutation(
         "stopped-link-reopens",
         "client/daemon_link.py",
         '        self.stopped, self.down_until = True, float("inf")',

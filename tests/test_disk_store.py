@@ -370,3 +370,70 @@ def test_a_daemon_refuses_a_disk_folder_it_may_not_use_at_start(tmp_path):
     argv = ["--l3", f"disk://{tmp_path}/fresh?bytes=64MiB", "--l3-model", "m"]
     resolve(build_parser().parse_args(argv), {})  # a folder to be made is fine, and not made yet
     assert not (tmp_path / "fresh").exists()
+
+
+def test_the_disk_over_a_remote_store_reads_the_disk_first_and_keeps_what_came_from_below(
+    tmp_path,
+):
+    from hicache.disk.url import DiskUrl
+    from hicache.l3.memory import drop_space, space
+
+    drop_space("below")
+    cfg = config()
+    src = filled_pool(cfg, 11)
+    disk = DiskUrl([str(tmp_path / "d")], 16 << 20, None)
+    store = open_store("memory://below", disk=disk)
+    store.attach(PageSegments(src))
+    other = open_store("memory://below")  # another machine, on the store alone
+    other.attach(PageSegments(src))
+    d = digests(4, salt="above")
+    keys = [KeyChain.name(x) for x in d]
+    segs = PageSegments(src)
+    tails = [trailer(segs.views(p), x) for p, x in zip(range(4), d, strict=True)]
+    try:
+        assert store.put(keys[:2], [0, 1], tails[:2]) == [True, True]
+        assert other.exists(keys) == [True, True, False, False]  # written below too
+        assert other.put(keys[2:], [2, 3], tails[2:]) == [True, True]  # only below
+        assert store.exists(keys) == [True] * 4
+        disk_figures = store.describe()
+        assert disk_figures["disk_held_values"] == 2
+        want = [page_bytes(src, i) for i in range(4)]  # (gets land in the store's own pool)
+        got = store.get(keys, [10, 11, 12, 13])
+        for i in range(4):
+            assert verify(segs.views(10 + i), d[i], got[i])
+            assert page_bytes(src, 10 + i) == want[i]
+        assert store.describe()["disk_held_values"] == 4  # what came from below stays
+        space("below").values.clear()  # the store loses everything: the disk still serves
+        got = store.get(keys, [20, 21, 22, 23])
+        assert all(verify(segs.views(20 + i), d[i], got[i]) for i in range(4))
+        assert [page_bytes(src, 20 + i) for i in range(4)] == want
+    finally:
+        store.close()
+        other.close()
+        drop_space("below")
+
+
+def test_disk_flags_make_the_tiers_store(tmp_path):
+    from hicache.daemon.config import build_parser, resolve
+
+    def settings(*argv: str):
+        return resolve(build_parser().parse_args([*argv, "--l3-model", "m"]), {})
+
+    alone = settings("--disk", f"{tmp_path}/a,{tmp_path}/b", "--disk-bytes", "1GiB")
+    assert (
+        alone.l3 is not None and alone.l3.url == f"disk://{tmp_path}/a,{tmp_path}/b?bytes={1 << 30}"
+    )
+    over = settings("--disk", f"{tmp_path}/a", "--disk-bytes", "1GiB",
+                    "--disk-write-budget", "2GiB", "--l3", "memory://x")  # fmt: skip
+    assert over.l3 is not None and over.l3.url == "memory://x"
+    assert over.l3.options["disk"] == ([f"{tmp_path}/a"], 1 << 30, 2 << 30)
+    for argv, text in [
+        (["--disk", f"{tmp_path}/a"], "disk_bytes"),
+        (["--disk", "relative", "--disk-bytes", "1G"], "absolute"),
+        (["--disk-bytes", "1G"], "names no folder"),
+        (["--disk", f"{tmp_path}/a", "--disk-bytes", "lots"], "not a size"),
+        (["--disk", f"{tmp_path}/a", "--disk-bytes", "1G", "--l3", f"disk://{tmp_path}/b?bytes=1G"],
+         "remote store"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=text):
+            settings(*argv)

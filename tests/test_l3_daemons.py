@@ -342,13 +342,18 @@ def test_a_redis_node_stopped_in_the_middle_of_a_fetch_is_a_miss(tmp_path):
             m.stop()
 
 
-def test_a_daemon_restarted_cold_serves_from_its_own_disk(tmp_path):
-    """``--l3 disk://``: the store is this node's drive. A daemon stopped without keeping its
-    host pool, then started again on the same folder, serves what the first one computed from
-    the disk, with the logits of a full recompute; its stats name the store's figures."""
-    url = f"disk://{tmp_path}/disk?bytes=64MiB"
+@pytest.mark.parametrize("how", ["l3-url", "disk-over-a-store"])
+def test_a_daemon_restarted_cold_serves_from_its_own_disk(tmp_path, how):
+    """``--l3 disk://`` (the store is this node's drive), or ``--disk`` with a store under it
+    (an in-process one, which a restart empties). A daemon stopped without keeping its host
+    pool, then started again on the same folder, serves what the first one computed from the
+    disk, with the logits of a full recompute; its stats name the disk's figures."""
     ep = f"ipc://{tmp_path}/d.sock"
-    flags = [*SHAPE, *l3_flags(url), "--keep-host", "false"]
+    if how == "l3-url":
+        tier = l3_flags(f"disk://{tmp_path}/disk?bytes=64MiB")
+    else:
+        tier = [*l3_flags("memory://below"), "--disk", f"{tmp_path}/disk", "--disk-bytes", "64MiB"]
+    flags = [*SHAPE, *tier, "--keep-host", "false"]
     ps = prompts(3, seed=4)
     proc = start_daemon(ep, *flags)
     try:

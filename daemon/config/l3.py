@@ -51,6 +51,19 @@ def _fields() -> dict[str, tuple[type, Any, str]]:
         "address of the interface that routes to the master)",
     )
     out["l3_redis_pipeline"] = (int, 8, "redis: commands per pipeline to one node")
+    out["disk"] = (
+        str,
+        "",
+        "folders on this node's drives under the host tier, one per drive, comma-separated "
+        "(off when empty; with --l3, that store sits under the disk): docs/disk-tier.md",
+    )
+    out["disk_bytes"] = (str, "", "the disk tier's size over all its folders (e.g. 2TiB)")
+    out["disk_write_budget"] = (
+        str,
+        "",
+        "bytes the disk tier may write in any 24 hours (default: --disk-bytes, one drive-write "
+        "a day); past it, writes are refused and counted",
+    )
     out["l3_store_timeout_s"] = (float, 1.0, "redis: seconds before a node counts as down")
     return out
 
@@ -62,18 +75,21 @@ def l3_config(values: dict[str, Any], parse_bytes: Any) -> L3Config | None:
     """The L3Config of resolved setting values (None when ``l3`` is empty); ValueError
     naming the setting."""
     url = str(values.get("l3") or "")
+    disk = _disk(values, parse_bytes)
+    if disk is not None and not url:  # the disk alone: the tier's store
+        url = "disk://" + ",".join(disk.paths) + f"?bytes={disk.capacity_bytes}"
+        if disk.budget_bytes_per_day is not None:
+            url += f"&budget={disk.budget_bytes_per_day}"
+        disk = None
     if not url:
         return None
     check_url(url)
-    if url.startswith("disk://"):  # (the folders are this node's: refused now, not later)
-        from hicache.disk import FolderRefused, check_folder
+    if url.startswith("disk://"):
+        if disk is not None:
+            raise ValueError("disk: --disk with --l3 names a remote store under it, not a disk")
         from hicache.disk.url import parse_disk_url
 
-        for path in parse_disk_url(url[len("disk://") :]).paths:
-            try:
-                check_folder(path)
-            except FolderRefused as exc:
-                raise ValueError(f"l3: {exc}") from None
+        _check_folders(parse_disk_url(url[len("disk://") :]).paths)
     kw = {
         name[3:]: values[name]
         for name in L3_FIELDS
@@ -88,4 +104,37 @@ def l3_config(values: dict[str, Any], parse_bytes: Any) -> L3Config | None:
         "batch_pages": int(values["l3_redis_pipeline"]),
         "timeout_s": store_timeout,
     }
+    if disk is not None:
+        options["disk"] = disk
     return L3Config(url, options=options, **kw)
+
+
+def _disk(values: dict[str, Any], parse_bytes: Any) -> Any:
+    """The DiskUrl of ``--disk``/``--disk-bytes``/``--disk-write-budget`` (None: no disk)."""
+    from hicache.disk.url import DiskUrl
+
+    where = str(values.get("disk") or "")
+    if not where:
+        if values.get("disk_bytes") or values.get("disk_write_budget"):
+            raise ValueError("disk_bytes: a size for --disk, which names no folder")
+        return None
+    paths = [p.strip() for p in where.split(",")]
+    if not all(p.startswith("/") for p in paths) or len(set(paths)) != len(paths):
+        raise ValueError(f"disk: {where!r}: expected distinct absolute folders, comma-separated")
+    if not values.get("disk_bytes"):
+        raise ValueError("disk_bytes: give the disk tier's size (--disk-bytes 2TiB)")
+    capacity = parse_bytes(values["disk_bytes"], "disk_bytes")
+    budget = values.get("disk_write_budget")
+    _check_folders(paths)
+    return DiskUrl(paths, capacity, parse_bytes(budget, "disk_write_budget") if budget else None)
+
+
+def _check_folders(paths: list[str]) -> None:
+    """The folders are this node's: refused at start, not at the first write."""
+    from hicache.disk import FolderRefused, check_folder
+
+    for path in paths:
+        try:
+            check_folder(path)
+        except FolderRefused as exc:
+            raise ValueError(f"l3: {exc}") from None

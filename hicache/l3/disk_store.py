@@ -8,7 +8,7 @@ from typing import Any
 
 from hicache.disk import SlotStore
 from hicache.l3.pages import PageSegments
-from hicache.l3.store import Check, Got, L3Store
+from hicache.l3.store import Check, Got, L3Store, StoreDown
 
 
 class DiskStore(L3Store):
@@ -57,3 +57,79 @@ class DiskStore(L3Store):
         if self.slots is not None:
             self.slots.close()
             self.slots = None
+
+
+class DiskAbove(L3Store):
+    """This node's disk (``disk``) with a remote store (``below``) under it, both under the
+    host pool (``--disk`` with ``--l3``): a page goes to both; a read asks the disk first and
+    the store for what the disk lacks, and what the store had is kept on the disk too (its
+    trailer with it: verified by the tier like any value, on every read). The store down is
+    the disk alone."""
+
+    def __init__(self, disk: DiskStore, below: L3Store):
+        self.disk, self.below = disk, below
+        self.url = f"{disk.url} over {below.url}"
+        self.read_chunk_bytes = below.read_chunk_bytes
+
+    def attach(self, pages: PageSegments) -> None:
+        self.pages = pages
+        self.disk.attach(pages)
+        try:
+            self.below.attach(pages)
+        except BaseException:
+            self.disk.close()
+            raise
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        on_disk = self.disk.exists(keys)
+        lacking = [i for i, held in enumerate(on_disk) if not held]
+        if lacking:
+            try:
+                below = self.below.exists([keys[i] for i in lacking])
+            except StoreDown:
+                below = [False] * len(lacking)
+            for i, held in zip(lacking, below, strict=True):
+                on_disk[i] = held
+        return on_disk
+
+    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
+        held = self.disk.put(keys, pages, trailers)
+        try:
+            below = self.below.put(keys, pages, trailers)
+        except StoreDown:
+            return held
+        return [a or b for a, b in zip(held, below, strict=True)]
+
+    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+        got: list[Got] = list(self.disk.get(keys, pages))
+        lacking = [i for i, value in enumerate(got) if value is None]
+        if not lacking:
+            return got
+        try:
+            below = self.below.get([keys[i] for i in lacking], [pages[i] for i in lacking], check)
+        except StoreDown:
+            return got
+        keep = []
+        for i, value in zip(lacking, below, strict=True):
+            got[i] = value
+            if isinstance(value, bytes):  # (a trailer: kept on the disk; checked when read)
+                keep.append(i)
+        if keep:
+            self.disk.put([keys[i] for i in keep], [pages[i] for i in keep],
+                          [got[i] for i in keep])  # type: ignore[misc]  # fmt: skip
+        return got
+
+    def remove(self, keys: list[str]) -> None:
+        self.disk.remove(keys)
+        try:
+            self.below.remove(keys)
+        except StoreDown:
+            pass
+
+    def describe(self) -> dict[str, Any]:
+        below = {f"below_{k}": v for k, v in self.below.describe().items()}
+        return {**self.disk.describe(), **below}
+
+    def close(self) -> None:
+        self.disk.close()
+        self.below.close()

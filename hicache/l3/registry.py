@@ -86,12 +86,19 @@ class LazyStore(L3Store):
             self.inner = None
 
 
-def open_store(url: str, **options: Any) -> L3Store:
+def open_store(url: str, disk: Any = None, **options: Any) -> L3Store:
     """The store at ``url``: ``memory://NAME``, ``redis://HOST:PORT[,HOST:PORT...]`` (a Redis
     Cluster, or one server), ``mooncake://HOST:PORT`` (a Mooncake master) or
-    ``disk:///PATH[,PATH...]?bytes=SIZE`` (this node's drives). Raises
-    ValueError for an unknown scheme or bad address, StoreDown when it cannot be reached."""
+    ``disk:///PATH[,PATH...]?bytes=SIZE`` (this node's drives); with ``disk`` (a
+    ``hicache.disk.url.DiskUrl``: ``--disk`` with ``--l3``), this node's disk over that store.
+    Raises ValueError for an unknown scheme or bad address, StoreDown when it cannot be
+    reached."""
     check_url(url)
+    if disk is not None:  # (--disk with --l3: this node's disk over the store)
+        from hicache.l3.disk_store import DiskAbove, DiskStore
+
+        above = DiskStore(disk.paths, disk.capacity_bytes, disk.budget_bytes_per_day)
+        return DiskAbove(above, open_store(url, **options))
     scheme, _, rest = url.partition("://")
     if scheme == "memory":
         from hicache.l3.memory import MemoryStore
