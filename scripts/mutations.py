@@ -319,6 +319,13 @@ MUTATIONS = [
         ("tests/test_disk_store.py", "-k", "disk_over_a_remote"),
     ),
     Mutation(
+        "disk-admits-pages-never-reused",
+        "daemon/config/l3.py",
+        '    "reused": {"write_policy": "write_through_selective", "write_threshold": 2},',
+        '    "reused": {"write_policy": "write_through"},',
+        ("tests/test_l3_daemons.py", "-k", "earned_it"),
+    ),
+    Mutation(
         "stopped-link-reopens",
         "client/daemon_link.py",
         '        self.stopped, self.down_until = True, float("inf")',

@@ -437,3 +437,23 @@ def test_disk_flags_make_the_tiers_store(tmp_path):
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=text):
             settings(*argv)
+
+
+def test_disk_admission_is_the_tiers_write_policy(tmp_path):
+    from hicache.daemon.config import build_parser, resolve
+
+    def l3(*argv: str):
+        disk = ["--disk", f"{tmp_path}/a", "--disk-bytes", "1GiB", "--l3-model", "m"]
+        got = resolve(build_parser().parse_args([*disk, *argv]), {}).l3
+        assert got is not None
+        return str(got.write_policy), got.write_threshold
+
+    assert l3() == ("write_through_selective", 2)  # reused once (1 at creation): the default
+    assert l3("--disk-admission", "all")[0] == "write_through"
+    assert l3("--disk-admission", "none")[0] == "none"
+    for argv, text in [
+        (["--disk-admission", "some"], "not one of"),
+        (["--l3-write-policy", "write_back"], "--disk-admission"),
+    ]:
+        with pytest.raises(ValueError, match=text):
+            l3(*argv)

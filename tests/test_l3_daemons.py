@@ -352,7 +352,8 @@ def test_a_daemon_restarted_cold_serves_from_its_own_disk(tmp_path, how):
     if how == "l3-url":
         tier = l3_flags(f"disk://{tmp_path}/disk?bytes=64MiB")
     else:
-        tier = [*l3_flags("memory://below"), "--disk", f"{tmp_path}/disk", "--disk-bytes", "64MiB"]
+        disk = ["--disk", f"{tmp_path}/disk", "--disk-bytes", "64MiB", "--disk-admission", "all"]
+        tier = [*l3_flags("memory://below"), *disk]
     flags = [*SHAPE, *tier, "--keep-host", "false"]
     ps = prompts(3, seed=4)
     proc = start_daemon(ep, *flags)
@@ -375,5 +376,30 @@ def test_a_daemon_restarted_cold_serves_from_its_own_disk(tmp_path, how):
         assert s["adopted_pages"] == 8 + 3 * 10 and s["corrupt_pages"] == 0
         assert s["store_disk_recovered_values"] == 8 + 3 * 10 and s["store_disk_direct_io"]
         hc.close()
+    finally:
+        stop_daemon(proc)
+
+
+@pytest.mark.parametrize("admission", ["reused", "none"])
+def test_the_disk_takes_only_pages_that_earned_it(tmp_path, admission):
+    """``--disk-admission reused`` (the default): a prompt computed once goes nowhere; once a
+    later prompt hits it, its pages (prefix first) go to the disk. ``none``: nothing does."""
+    ep = f"ipc://{tmp_path}/d.sock"
+    disk = ["--disk", f"{tmp_path}/disk", "--disk-bytes", "64MiB", "--disk-admission", admission]
+    proc = start_daemon(ep, *SHAPE, "--l3-model", "tiny-llama@test", *disk)
+    try:
+        with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+            engine = ReferenceEngine(hc)
+            p = prompts(1, seed=5)[0]
+            serve_checked(engine, p)
+            s = l3_stats(ep)
+            assert s["written_pages"] == 0 and s["queued_pages"] == 0
+            assert serve_checked(engine, p).computed_from == len(p) - 4  # reused: a hit
+            if admission == "reused":
+                wait_written(ep, 18)  # the prompt's 18 full pages (72 tokens / 4)
+                assert l3_stats(ep)["store_disk_held_values"] == 18
+            else:
+                s = l3_stats(ep)
+                assert s["written_pages"] == 0 and s["store_disk_held_values"] == 0
     finally:
         stop_daemon(proc)

@@ -58,6 +58,12 @@ def _fields() -> dict[str, tuple[type, Any, str]]:
         "(off when empty; with --l3, that store sits under the disk): docs/disk-tier.md",
     )
     out["disk_bytes"] = (str, "", "the disk tier's size over all its folders (e.g. 2TiB)")
+    out["disk_admission"] = (
+        str,
+        "reused",
+        "which pages go to the disk (one of: reused: pages hit at least once while cached, or "
+        "a longer prompt through them; all; none: the disk is only read)",
+    )
     out["disk_write_budget"] = (
         str,
         "",
@@ -106,7 +112,32 @@ def l3_config(values: dict[str, Any], parse_bytes: Any) -> L3Config | None:
     }
     if disk is not None:
         options["disk"] = disk
+    if values.get("disk"):
+        kw.update(_admission(values))
     return L3Config(url, options=options, **kw)
+
+
+ADMISSION: dict[str, dict[str, Any]] = {  # --disk-admission: the tier's write policy
+    # (a node counts 1 at creation: reused once is 2)
+    "reused": {"write_policy": "write_through_selective", "write_threshold": 2},
+    "all": {"write_policy": "write_through"},
+    "none": {"write_policy": "none"},
+}
+
+
+def _admission(values: dict[str, Any]) -> dict[str, Any]:
+    """The write policy ``--disk-admission`` makes (one way of saying it: a write policy of
+    the third tier's own given too is refused)."""
+    choice = str(values.get("disk_admission") or "reused")
+    if choice not in ADMISSION:
+        raise ValueError(f"disk_admission: {choice!r} is not one of {', '.join(ADMISSION)}")
+    default = L3_FIELDS["l3_write_policy"][1]
+    if str(values.get("l3_write_policy") or default) != default:
+        raise ValueError(
+            "disk_admission: with --disk, say which pages go down with --disk-admission "
+            "(reused, all, none), not --l3-write-policy"
+        )
+    return ADMISSION[choice]
 
 
 def _disk(values: dict[str, Any], parse_bytes: Any) -> Any:

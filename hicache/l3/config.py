@@ -15,6 +15,7 @@ class L3WritePolicy(StrEnum):
     WRITE_THROUGH = "write_through"  # once their host copy exists
     WRITE_THROUGH_SELECTIVE = "write_through_selective"  # once they were hit write_threshold times
     WRITE_BACK = "write_back"  # when the host tier evicts them
+    NONE = "none"  # never: the store is only read (filled before, or by other daemons)
 
 
 class PrefetchPolicy(StrEnum):
