@@ -326,6 +326,13 @@ MUTATIONS = [
         ("tests/test_l3_daemons.py", "-k", "earned_it"),
     ),
     Mutation(
+        "a-stop-drops-the-disks-queued-writes",
+        "hicache/l3/worker.py",
+        "            queues = (self.fetches,) if drain_s > 0 else (self.fetches, self.writes)",
+        "            queues = (self.fetches, self.writes)",
+        ("tests/test_disk_store.py", "-k", "drains"),
+    ),
+    Mutation(
         "stopped-link-reopens",
         "client/daemon_link.py",
         '        self.stopped, self.down_until = True, float("inf")',

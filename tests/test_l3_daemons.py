@@ -404,3 +404,29 @@ def test_the_disk_takes_only_pages_that_earned_it(tmp_path, admission):
                 assert s["written_pages"] == 0 and s["store_disk_held_values"] == 0
     finally:
         stop_daemon(proc)
+
+
+def test_a_clean_stop_lets_the_disks_queued_writes_land(tmp_path):
+    """Stopped at once after serving (its writes still queued), a daemon with a disk lets them
+    land before it exits (``close_drain_s``, 10 s for a disk): the next one serves them all."""
+    ep = f"ipc://{tmp_path}/d.sock"
+    disk = ["--disk", f"{tmp_path}/disk", "--disk-bytes", "64MiB", "--disk-admission", "all"]
+    flags = [*SHAPE, "--l3-model", "tiny-llama@test", *disk, "--keep-host", "false"]
+    ps = prompts(3, seed=6)
+    proc = start_daemon(ep, *flags)
+    try:
+        with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+            engine = ReferenceEngine(hc)
+            for p in ps:
+                serve_checked(engine, p)
+            hc.evict(device_tokens=4)  # (settles the copies: their writes are queued now)
+    finally:
+        stop_daemon(proc)
+    proc = start_daemon(ep, *flags)
+    try:
+        with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+            engine = ReferenceEngine(hc)
+            for p in ps:
+                assert serve_checked(engine, p).computed_from == len(p) - 4
+    finally:
+        stop_daemon(proc)

@@ -114,8 +114,12 @@ def l3_config(values: dict[str, Any], parse_bytes: Any) -> L3Config | None:
         options["disk"] = disk
     if values.get("disk"):
         kw.update(_admission(values))
+    if (values.get("disk") or url.startswith("disk://")) and not float(kw["close_drain_s"]):
+        kw["close_drain_s"] = DISK_DRAIN_S  # (a local drive: a stop lets its writes land)
     return L3Config(url, options=options, **kw)
 
+
+DISK_DRAIN_S = 10.0  # a disk tier's writes at a clean stop: at most this long
 
 ADMISSION: dict[str, dict[str, Any]] = {  # --disk-admission: the tier's write policy
     # (a node counts 1 at creation: reused once is 2)

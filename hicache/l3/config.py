@@ -75,6 +75,13 @@ class L3Config:
         metadata={"help": "pages waiting to be written; past this, writes are dropped"},
     )
     batch_pages: int = field(default=128, metadata={"help": "pages per store call"})
+    close_drain_s: float = field(
+        default=0.0,
+        metadata={
+            "help": "at a clean stop, queued writes still run for up to this long (0: they end "
+            "unrun; --disk: 10 s by default, so a restart finds them)"
+        },
+    )
     breaker_failures: int = field(
         default=3, metadata={"help": "failed calls in a row that open the breaker"}
     )
@@ -109,7 +116,8 @@ class L3Config:
             raise ValueError(f"l3_min_tokens: must be an integer, got {self.min_tokens!r}")
         if self.min_tokens < 0:
             raise ValueError(f"l3_min_tokens: must be >= 0, got {self.min_tokens}")
-        for name in ("timeout_s", "timeout_per_ki_s", "timeout_max_s", "prefill_tokens_per_s"):
+        names = ("timeout_s", "timeout_per_ki_s", "timeout_max_s", "prefill_tokens_per_s")
+        for name in (*names, "close_drain_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
                 raise ValueError(f"l3_{name}: must be a finite number >= 0, got {value!r}")

@@ -396,7 +396,7 @@ class L3Tier:
     def close(self) -> None:
         """Stop the IO thread (queued jobs end unrun, a running store call gets a second) and
         the store; frees what jobs held. Never waits longer on a store that hangs."""
-        stopped = self.io.close()
+        stopped = self.io.close(drain_s=self.config.close_drain_s)
         self.poll()
         if not stopped:
             return  # (its job's pages and the store stay with the thread until the exit)

@@ -48,6 +48,7 @@ class IOWorker:
         self.done: deque[Fetch | Write] = deque()  # appended here, popped by the control thread
         self.cv = threading.Condition()
         self.stopping = False
+        self.drain_until = 0.0  # stopping: queued writes still run until then (monotonic)
         self.busy = False
         self.calls = self.call_errors = 0
         self.chunk = max(1, min(batch, CHUNK_BYTES // max(1, pages.page_bytes)))
@@ -71,20 +72,20 @@ class IOWorker:
     def pending(self) -> int:
         return len(self.fetches) + len(self.writes) + self.busy
 
-    def close(self, wait_s: float = CLOSE_WAIT_S) -> bool:
-        """Stop after the job running now; queued jobs end unrun (error "closing"). Returns
-        False when a store call still runs after ``wait_s`` (a store that hangs): the thread
-        is left to the process's exit, holding its views of the host pool (which keeps the
-        pool mapped), and the store must not be closed under it."""
+    def close(self, wait_s: float = CLOSE_WAIT_S, drain_s: float = 0.0) -> bool:
+        """Stop after the job running now; queued fetches end unrun (error "closing"), and so
+        do queued writes, or (``drain_s``) those still queued after ``drain_s``. Returns
+        False when a store call still runs after that and ``wait_s`` (a store that hangs): the
+        thread is left to the process's exit, holding its views of the host pool (which keeps
+        the pool mapped), and the store must not be closed under it."""
         with self.cv:
             self.stopping = True
-            for queue in (self.fetches, self.writes):
-                while queue:
-                    job = queue.popleft()
-                    job.error = "closing"
-                    self.done.append(job)
+            self.drain_until = time.monotonic() + drain_s
+            queues = (self.fetches,) if drain_s > 0 else (self.fetches, self.writes)
+            for queue in queues:
+                self._end_unrun(queue)
             self.cv.notify()
-        self.thread.join(wait_s)
+        self.thread.join(drain_s + wait_s)
         if self.thread.is_alive():
             log.warning("L3: a store call still runs at shutdown; left to the process's exit")
             self.sums.shutdown(wait=False)
@@ -98,6 +99,8 @@ class IOWorker:
             with self.cv:
                 while not (self.fetches or self.writes or self.stopping):
                     self.cv.wait()
+                if self.stopping and time.monotonic() >= self.drain_until:
+                    self._end_unrun(self.writes)  # (past the drain: what is left ends unrun)
                 if self.stopping and not (self.fetches or self.writes):
                     return
                 job = self.fetches.popleft() if self.fetches else self.writes.popleft()
@@ -128,6 +131,13 @@ class IOWorker:
                     self.notify()
                 except Exception:  # noqa: BLE001  (waking the loop is best effort)
                     log.debug("notify failed", exc_info=True)
+
+    def _end_unrun(self, queue: deque) -> None:
+        """Every job of ``queue`` done with error "closing" (under ``cv``)."""
+        while queue:
+            job = queue.popleft()
+            job.error = "closing"
+            self.done.append(job)
 
     def _failed(self, exc: BaseException) -> None:
         """A job failed as a whole: the breaker counts it; its opening is logged."""
