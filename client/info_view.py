@@ -5,7 +5,7 @@ stats dict, so a test groups the sections without a daemon.
 
 from __future__ import annotations
 
-from hicache.observe import shown
+from hicache.observe import DISK_FIGURES, shown
 
 
 def _human(tokens: int, token_bytes: int) -> str:
@@ -56,6 +56,11 @@ def _l3_section(stats: dict) -> dict:
     if url:  # a daemon for engines: the tier starts with the pool, at the first layout
         return {"enabled": 1, "url": url, "waiting_for": "the first engine's KV layout"}
     return {"enabled": 0}
+
+
+def _disk_section(stats: dict) -> dict:
+    l3 = stats.get("l3") or {}
+    return {f.name: l3[f.name] for f in DISK_FIGURES if f.name in l3}
 
 
 # the cache's shape: for a daemon for engines (device_tier=engine), the first engine's layout
@@ -134,6 +139,8 @@ def sections(stats: dict) -> dict[str, dict]:
         "transfers": shown(stats, "transfers"),
         # the third tier: the store under the daemon's pool (off unless --l3)
         "l3": _l3_section(stats),
+        # the disk tier (--disk, or --l3 disk://): its store's figures, once it opened
+        "disk": _disk_section(stats),
         "sessions": shown(stats, "sessions")
         | {
             f"session_{s['id']}": f"client={s['client']},pid={s['pid']},"

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TextIO
 
-from hicache.observe.figures import BY_NAME, FIGURES, L3_FIGURES, Figure
+from hicache.observe.figures import BY_NAME, DISK_FIGURES, FIGURES, L3_FIGURES, Figure
 
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear screen (only on a terminal)
 MOVING_SHOWN = 16  # counters listed as moving, at most
@@ -30,7 +30,7 @@ def _counter(name: str, table: dict[str, Figure] = BY_NAME) -> str:
     return name
 
 
-_L3_BY_NAME = {f.name: f for f in L3_FIGURES}
+_L3_BY_NAME = {f.name: f for f in (*L3_FIGURES, *DISK_FIGURES)}
 HIT_DEVICE, HIT_HOST, MISS = map(_counter, ("hit_device_tokens", "hit_host_tokens", "miss_tokens"))
 BACKUP, LOAD = _counter("backup_tokens"), _counter("load_tokens")
 EVICTED = {tier: _counter(f"evicted_{tier}_tokens") for tier in ("device", "host")}
@@ -68,7 +68,7 @@ class Rates:
         asked = dev + host + delta(MISS)
         moving = [
             (f"{section}.{f.name}" if section else f.name, f.unit, delta(f.name, section) / dt)
-            for section, table in ((None, FIGURES), ("l3", L3_FIGURES))
+            for section, table in ((None, FIGURES), ("l3", L3_FIGURES), ("l3", DISK_FIGURES))
             for f in table
             if f.kind == "counter"
         ]

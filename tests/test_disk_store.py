@@ -491,3 +491,40 @@ def test_a_stop_drains_queued_writes_for_close_drain_s(drain_s):
     finally:
         store.close()
         drop_space("drain")
+
+
+def test_the_disks_figures_reach_info_top_and_metrics(tmp_path):
+    """Every DISK_FIGURES name is what the store reports (in the third tier's ``l3``
+    structure, as ``store_*``), shown in ``hicache info``'s disk section, exported as
+    ``hicache_disk_*`` and moving in ``hicache top``."""
+    from hicache.client.info_view import sections
+    from hicache.client.top import Rates
+    from hicache.daemon.observe import families
+    from hicache.observe import DISK_FIGURES
+
+    cfg = config()
+    pool = filled_pool(cfg, 13)
+    store = open_store(f"disk://{tmp_path}/d?bytes=16MiB")
+    store.attach(PageSegments(pool))
+    try:
+
+        def report() -> dict:
+            figures = store.describe()
+            return {"l3": {"url": store.url, **{f"store_{k}": v for k, v in figures.items()}}}
+
+        before = report()
+        names = {f.name for f in DISK_FIGURES}
+        assert names == {k for k in before["l3"] if k.startswith("store_disk_")}
+        d = digests(3, salt="figures")
+        keys = [KeyChain.name(x) for x in d]
+        segs = PageSegments(pool)
+        assert store.put(keys, [0, 1, 2], [trailer(segs.views(i), d[i]) for i in range(3)])
+        after = report()
+        assert sections(after)["disk"]["store_disk_written_values"] == 3
+        exported = {family.name for family in families(after)}
+        for f in DISK_FIGURES:
+            assert not f.metric or f"hicache_{f.metric}" in exported, f.name
+        moving = {name: rate for name, _, rate in Rates.between(before, after, 1.0).moving}
+        assert moving["l3.store_disk_written_values"] == 3
+    finally:
+        store.close()

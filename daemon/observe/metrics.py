@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hicache.observe import FIGURES, L3_FIGURES, Figure
+from hicache.observe import DISK_FIGURES, FIGURES, L3_FIGURES, Figure
 
 log = logging.getLogger("hicache.daemon.metrics")
 LIVE_S = 10.0  # /healthz fails when the control loop has not gone round for this long
@@ -115,6 +115,7 @@ def families(stats: dict[str, Any]) -> Iterator[Any]:
     l3 = stats.get("l3")
     if l3:
         yield from _exported(L3_FIGURES, l3)
+        yield from _exported(DISK_FIGURES, l3)  # (a disk's: only when it reports them)
         yield GaugeMetricFamily(
             "hicache_l3_breaker_open", "1 while the third tier's breaker is open",
             value=float(l3.get("breaker") != "closed"),

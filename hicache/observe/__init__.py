@@ -21,6 +21,7 @@ from hicache.lazy import lazy_exports
 
 _EXPORTS = {
     "CacheStats": "hicache.observe.stats",
+    "DISK_FIGURES": "hicache.observe.figures",
     "FIGURES": "hicache.observe.figures",
     "Figure": "hicache.observe.figures",
     "L3_FIGURES": "hicache.observe.figures",
@@ -48,6 +49,7 @@ _EXPORTS = {
 }
 __all__ = [
     "COLD",
+    "DISK_FIGURES",
     "FIGURES",
     "Figure",
     "L3_FIGURES",
@@ -84,7 +86,14 @@ if TYPE_CHECKING:
         TierPoint,
         recommend,
     )
-    from hicache.observe.figures import FIGURES, L3_FIGURES, STRUCTURES, Figure, shown
+    from hicache.observe.figures import (
+        DISK_FIGURES,
+        FIGURES,
+        L3_FIGURES,
+        STRUCTURES,
+        Figure,
+        shown,
+    )
     from hicache.observe.histogram import BYTES, SECONDS, Histogram
     from hicache.observe.kv_events import (
         AllBlocksCleared,

@@ -155,11 +155,53 @@ L3_FIGURES: tuple[Figure, ...] = (
            "l3_queued_pages"),
 )  # fmt: skip
 
+
+def _disk(name: str, kind: Kind, unit: str, help_: str, metric: str) -> Figure:
+    return Figure(f"store_disk_{name}", kind, unit, help_, "disk", f"disk_{metric}", always=False)
+
+
+# the disk tier's figures (--disk, or --l3 disk://), in the reply's ``l3`` structure, where the
+# store's own figures are ``store_*`` (``hicache info``'s disk section; ``hicache_disk_*``)
+DISK_FIGURES: tuple[Figure, ...] = (
+    Figure("store_disk_direct_io", "info", "", "the disk is read and written with O_DIRECT "
+           "(false: buffered, its file system refused it)", "disk", always=False),
+    _disk("slots", "gauge", "pages", "slots of the disk tier (a page each)", "slots"),
+    _disk("slot_bytes", "gauge", "bytes", "bytes of one slot (a header block and the padded "
+          "page)", "slot_bytes"),
+    _disk("capacity_bytes", "gauge", "bytes", "the disk tier's size", "capacity_bytes"),
+    _disk("held_bytes", "gauge", "bytes", "bytes the disk tier holds", "held_bytes"),
+    _disk("held_values", "gauge", "pages", "pages the disk tier holds", "held_pages"),
+    _disk("hits", "counter", "pages", "pages read from the disk", "hit_pages"),
+    _disk("misses", "counter", "pages", "pages asked of the disk it lacked or could not read",
+          "miss_pages"),
+    _disk("read_bytes", "counter", "bytes", "bytes read from the disk", "read_bytes"),
+    _disk("written_values", "counter", "pages", "pages written to the disk", "written_pages"),
+    _disk("written_bytes", "counter", "bytes", "bytes written to the disk", "written_bytes"),
+    _disk("evicted_values", "counter", "pages", "pages evicted from the disk", "evicted_pages"),
+    _disk("budget_bytes_per_day", "gauge", "bytes", "bytes the disk may write in any 24 hours",
+          "budget_bytes"),
+    _disk("budget_left_bytes", "gauge", "bytes", "bytes the disk may still write in the last "
+          "24 hours' budget", "budget_left_bytes"),
+    _disk("budget_refused_writes", "counter", "", "writes refused past the budget",
+          "budget_refused_writes"),
+    _disk("read_errors", "counter", "", "reads the drive failed (misses)", "read_errors"),
+    _disk("write_errors", "counter", "", "writes the drive failed (skipped)", "write_errors"),
+    _disk("space_refusals", "counter", "", "writes the drive refused for space (ENOSPC)",
+          "space_refusals"),
+    _disk("bad_slots", "counter", "", "slots read back that did not hold their page (torn, "
+          "overwritten): misses", "bad_slots"),
+    _disk("recovered_values", "gauge", "pages", "pages found on the disk at start",
+          "recovered_pages"),
+    _disk("scan_seconds", "gauge", "seconds", "time the start's scan of the disk took",
+          "scan_seconds"),
+)  # fmt: skip
+
 # what the reply holds beside the figures: structures each reader renders its own way
 STRUCTURES = {
     "config": "the settings in use",
     "layout": "the KV layout engines registered (a daemon for engines; else null)",
-    "l3": "the third tier's settings and figures (L3_FIGURES); absent without one",
+    "l3": "the third tier's settings and figures (L3_FIGURES; a disk's: DISK_FIGURES); absent "
+    "without one",
     "op_latency": "time to handle a request, per op (histograms)",
     "errors_by_code": "error replies, per error code",
     "transfer_seconds": "submit to ack of a copy, per direction (histograms)",
