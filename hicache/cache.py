@@ -275,8 +275,9 @@ class HiRadixCache:
         for node in host:  # keep the host part alive while a backup may evict host leaves
             node.host_ref += 1
         self.book.backup_hot(path[:n_dev])
-        for node in host:
+        for node in host:  # (a host heap pop during the backups dropped their entries)
             node.host_ref -= 1
+            self.tiering.push_host(node)
 
     # ---- locks -------------------------------------------------------------------------------
     def inc_lock_ref(self, node: TreeNode) -> int:

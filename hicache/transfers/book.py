@@ -170,8 +170,9 @@ class TransferBook:
         device = self.tiering.alloc_device(tokens // self.page_size, PageState.TREE)
         self.tree.dec_lock(anchor)
         if device is None:
-            for n in chain:
+            for n in chain:  # (making room may have popped them from the host heap meanwhile)
                 n.host_ref -= 1
+                self.tiering.push_host(n)
             self.tiering.push_device(anchor)
             return None
         host = np.concatenate([n.host_pages for n in chain])
@@ -279,8 +280,9 @@ class TransferBook:
             self.counters.load_bytes += record.tokens * self.config.token_bytes
         else:
             self._drop_failed_load(record)
-        for node in record.nodes:
+        for node in record.nodes:  # (a host heap pop during the load dropped their entries)
             self.tiering.push_device(node)
+            self.tiering.push_host(node)
 
     def _drop_failed_load(self, record: TransferRecord) -> None:
         """A failed load's device pages hold garbage: every node of the chain loses its device
