@@ -68,7 +68,7 @@ MUTATIONS = [
     Mutation(
         "top-shows-only-the-third-tier-s-counters",
         "client/top.py",
-        'for section, table in ((None, FIGURES), ("l3", L3_FIGURES))',
+        'for section, table in ((None, FIGURES), ("l3", L3_FIGURES), ("l3", DISK_FIGURES))',
         'for section, table in (("l3", L3_FIGURES),)',
         ("tests/test_live_view.py::test_rates_are_the_interval_not_the_lifetime",),
     ),
@@ -292,8 +292,8 @@ MUTATIONS = [
     Mutation(
         "disk-write-budget-ignored",
         "hicache/disk/store.py",
-        "        if not self.budget.take(self.files.slot_bytes):\n            return False",
-        "        if False:\n            return False",
+        "            elif self.budget.take(self.files.slot_bytes):",
+        "            elif True:",
         ("tests/test_disk_store.py", "-k", "budget_is_never"),
     ),
     Mutation(
