@@ -333,6 +333,13 @@ MUTATIONS = [
         ("tests/test_disk_store.py", "-k", "drains"),
     ),
     Mutation(
+        "a-load-without-room-leaves-its-chain-out-of-the-host-heap",
+        "hicache/transfers/book.py",
+        "                n.host_ref -= 1\n                self.tiering.push_host(n)\n",
+        "                n.host_ref -= 1\n",
+        ("tests/test_failed_copies.py", "-k", "no_device_room"),
+    ),
+    Mutation(
         "stopped-link-reopens",
         "client/daemon_link.py",
         '        self.stopped, self.down_until = True, float("inf")',

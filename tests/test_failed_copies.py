@@ -130,3 +130,34 @@ def test_allocation_never_runs_past_the_callers_page(op):
     assert set((ok // 4).tolist()) == {int(mine[0]) // 4}  # stays in the caller's own page
     assert not set(ok.tolist()) & set(theirs.tolist())
     cache.check_integrity()
+
+
+def test_a_load_that_finds_no_device_room_leaves_its_chain_evictable_from_the_host():
+    """The host pages a load would read are protected while it makes device room; a host
+    eviction during that drops their heap entries. When no room came, they are candidates
+    again and must be back in the host heap (the integrity check; the host still evicts)."""
+    cache = make_cache(page_size=2, device_tokens=8, host_tokens=10, write_policy="write_back")
+
+    def to_host(tokens):  # write-back: eviction backs up, then frees at the ack
+        put(cache, tokens)
+        for _ in range(2):
+            cache.evict(10_000)
+            settle(cache)
+        m = cache.match_prefix(tokens)
+        assert (m.device_hit_length, m.host_hit_length) == (0, len(tokens))
+        return m
+
+    p = to_host([1, 2, 3, 4])  # two host pages
+    q = to_host([20, 21, 22, 23, 24, 25])  # three: the host pool is full
+    cache.load_back(q.last_host_node)
+    settle(cache)
+    cache.inc_lock_ref(q.last_host_node)  # on both tiers now, and locked on the device
+    put(cache, [9, 9])  # a device-only page (write-back): the device pool is full
+    # p's load needs two device pages: evicting the device-only page wants a host page for
+    # its backup, the host's only candidate is p itself (protected), so that page is dropped
+    # instead; one page is not enough, and the load gets none
+    assert cache.load_back(p.last_host_node) is None
+    cache.check_integrity()
+    assert cache.evict_host(4) == 4  # p leaves the host as any candidate does
+    cache.dec_lock_ref(q.last_host_node)
+    cache.check_integrity()
