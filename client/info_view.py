@@ -59,8 +59,16 @@ def _l3_section(stats: dict) -> dict:
 
 
 def _disk_section(stats: dict) -> dict:
+    """The disk tier's figures (``enabled: 0`` without one; ``opened: 0`` before its first
+    use: the store opens on the third tier's thread)."""
     l3 = stats.get("l3") or {}
-    return {f.name: l3[f.name] for f in DISK_FIGURES if f.name in l3}
+    figures = {f.name: l3[f.name] for f in DISK_FIGURES if f.name in l3}
+    config = stats.get("config") or {}
+    if figures:
+        return {"enabled": 1, **figures}
+    if config.get("disk") or str(config.get("l3") or "").startswith("disk://"):
+        return {"enabled": 1, "opened": 0}
+    return {"enabled": 0}
 
 
 # the cache's shape: for a daemon for engines (device_tier=engine), the first engine's layout

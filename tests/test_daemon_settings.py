@@ -192,10 +192,13 @@ def test_info_sections_group_the_stats():
         "engines",
         "transfers",
         "l3",
+        "disk",
         "sessions",
     ]
     assert info["engines"]["engine_hit_ratio"] == 0.0  # (no engine reported figures)
-    assert info["l3"] == {"enabled": 0}
+    assert info["l3"] == {"enabled": 0} and info["disk"] == {"enabled": 0}
+    disk = {**stats, "config": {"disk": "/nvme/hc"}}
+    assert sections(disk)["disk"] == {"enabled": 1, "opened": 0}  # (opens at its first use)
     assert sections({**stats, "l3": {"url": "redis://h:1", "hit_pages": 3}})["l3"] == {
         "enabled": 1,
         "url": "redis://h:1",
