@@ -56,7 +56,7 @@ def open_folder(path: str) -> Folder:
     path = os.path.abspath(path)
     try:
         os.mkdir(path, 0o700)
-    except FileExistsError:
+    except FileExistsError:  # (checked below: ours, private, not a symlink)
         pass
     except OSError as exc:
         raise FolderRefused(f"disk: cannot make {path}: {exc.strerror}") from None

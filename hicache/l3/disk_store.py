@@ -4,6 +4,7 @@ its pool (a slot's size is a page's), on the tier's IO thread; one daemon per fo
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from hicache.disk import SlotStore
@@ -121,10 +122,8 @@ class DiskAbove(L3Store):
 
     def remove(self, keys: list[str]) -> None:
         self.disk.remove(keys)
-        try:
+        with contextlib.suppress(StoreDown):  # (best effort, as the interface says)
             self.below.remove(keys)
-        except StoreDown:
-            pass
 
     def describe(self) -> dict[str, Any]:
         below = {f"below_{k}": v for k, v in self.below.describe().items()}
