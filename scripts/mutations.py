@@ -306,10 +306,53 @@ MUTATIONS = [
     Mutation(
         "disk-full-refuses-instead-of-evicting",
         "hicache/disk/store.py",
-        "            self.evict(1)  # (the least recently used: a full tier makes room, never "
-        "refuses)",
-        "            return -1",
+        "            if not self._index or next(iter(self._index)) in keep:\n"
+        "                return None\n            self.evict(1)\n",
+        "            return None\n",
         ("tests/test_disk_store.py", "-k", "full_tier"),
+    ),
+    Mutation(
+        "disk-eviction-takes-a-prefix-before-its-tail",
+        "hicache/disk/store.py",
+        "                at = parent_of[at]\n",
+        "                at = None\n",
+        ("tests/test_disk_store.py", "-k", "leaves_before"),
+    ),
+    Mutation(
+        "disk-restart-orders-by-write-not-by-use-of-the-tail",
+        "hicache/disk/store.py",
+        "    return sorted(found, key=lambda k: (newest[k], -depth[k]))",
+        "    return sorted(found, key=lambda k: found[k][0])",
+        ("tests/test_disk_store.py", "-k", "leaves_before"),
+    ),
+    Mutation(
+        "disk-writes-a-page-without-its-prefix",
+        "hicache/disk/store.py",
+        "            elif parent is not None and parent not in self._index and parent not in "
+        "taking:",
+        "            elif False:",
+        ("tests/test_disk_store.py", "-k", "only_with_its_prefix"),
+    ),
+    Mutation(
+        "disk-keeps-a-tail-whose-prefix-write-failed",
+        "hicache/disk/store.py",
+        "            if error is None and (header.parent is None or header.parent in self._index):",
+        "            if error is None:",
+        ("tests/test_disk_store.py", "-k", "only_with_its_prefix"),
+    ),
+    Mutation(
+        "disk-evicts-a-writes-own-prefix-for-it",
+        "hicache/disk/store.py",
+        "            if not self._index or next(iter(self._index)) in keep:",
+        "            if not self._index:",
+        ("tests/test_disk_store.py", "-k", "only_with_its_prefix"),
+    ),
+    Mutation(
+        "the-tier-never-writes-again-a-prefix-the-disk-let-go",
+        "hicache/l3/tier.py",
+        "                while up is not None and up.l3 is True:",
+        "                while False:",
+        ("tests/test_disk_store.py", "-k", "let_go"),
     ),
     Mutation(
         "disk-over-a-store-never-reads-the-disk",

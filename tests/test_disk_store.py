@@ -115,6 +115,121 @@ def test_a_full_tier_evicts_the_least_recently_used(tmp_path):
         store.close()
 
 
+VALUE = 64  # bytes of a value in the prefix tests (one 8 KiB slot each)
+TAIL = bytes(16)
+
+
+def _chain_store(folder: Path, slots: int, **kw) -> SlotStore:
+    return SlotStore([str(folder)], slots * 8192, VALUE, budget_bytes_per_day=1 << 40, **kw)
+
+
+def _put_chain(store: SlotStore, keys: list[str], parent: str | None = None) -> list[bool]:
+    """Put ``keys`` as one chain after ``parent``, in one batch."""
+    items = [(k, [k.encode()[:VALUE].ljust(VALUE, b".")], TAIL) for k in keys]
+    return store.put_many(items, [parent, *keys[:-1]])
+
+
+def _closed_under_prefixes(store: SlotStore) -> bool:
+    """Every held value's chain parent is held (what the tier holds of a prompt is its first
+    pages)."""
+    held = set(store.held())
+    return all(store.parent(k) is None or store.parent(k) in held for k in held)
+
+
+def test_a_page_goes_to_disk_only_with_its_prefix(tmp_path):
+    faults = Faults()
+    store = _chain_store(tmp_path / "d", 8, fault=faults)
+    try:
+        assert _put_chain(store, ["a", "b"]) == [True, True]
+        written = store.written_bytes
+        assert _put_chain(store, ["d"], parent="c") == [False]  # c was never written
+        assert store.refused_no_prefix == 1 and store.written_bytes == written  # not written
+        assert _put_chain(store, ["c", "d"], parent="b") == [True, True]  # with its parent
+        # a parent whose write fails takes its tail with it (the tail is never held alone)
+        faults.slots, faults.error = {4}, {"write": errno.EIO}  # x's (lowest free slot first)
+        assert _put_chain(store, ["x", "y"]) == [False, False]
+        assert store.exists(["x", "y"]) == [False, False] and _closed_under_prefixes(store)
+        assert store.check() == []
+        # bigger than the disk: only the prefixes that fit, never a tail without its head
+        faults.error = {}
+        long = [f"p{i}" for i in range(12)]
+        got = _put_chain(store, long, parent="d")
+        assert got == [True] * got.count(True) + [False] * got.count(False)
+        assert _closed_under_prefixes(store) and store.check() == []
+        assert store.exists(["a", "b", "c", "d"]) == [True] * 4  # the batch's own prefixes stay
+    finally:
+        store.close()
+
+
+def test_the_disk_evicts_leaves_before_their_prefixes(tmp_path):
+    """A use of a tail is a use of its prefix: the least recently used value is a leaf, and
+    the order holds after a restart (rebuilt from the slots' headers)."""
+    store = _chain_store(tmp_path / "d", 5)
+    try:
+        assert _put_chain(store, ["a", "b", "c"]) == [True] * 3
+        assert _put_chain(store, ["x"]) == [True]
+        got = store.get_many([("c", [memoryview(bytearray(VALUE))])])  # only the tail is read
+        assert got[0] == TAIL
+        assert _put_chain(store, ["y"]) == [True]  # the disk is full now
+        order = []
+        for new in ("z1", "z2", "z3"):
+            held = set(store.held())
+            assert _put_chain(store, [new]) == [True]
+            order += sorted(held - set(store.held()))
+            assert _closed_under_prefixes(store) and store.check() == []
+        assert order == ["x", "c", "b"]  # x was least recent; then the chain, tail first
+    finally:
+        store.close()
+    store = _chain_store(tmp_path / "e", 5)
+    try:
+        assert _put_chain(store, ["a", "b", "c"]) == [True] * 3
+        assert _put_chain(store, ["x"]) == [True]
+        assert _put_chain(store, ["d"], parent="c") == [True]  # a write under the chain: used
+    finally:
+        store.close()
+    store = _chain_store(tmp_path / "e", 5)  # reopened: the order comes from the headers
+    try:
+        assert store.recovered == 5 and store.check() == []
+        assert store.evict(2) == 2
+        assert store.exists(["x", "d", "c", "b", "a"]) == [False, False, True, True, True]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_chains_keep_the_prefix_rule_and_the_order(tmp_path, seed):
+    """Random prompts sharing prefixes, reads and restarts on a small disk: after every step
+    what the disk holds is closed under prefixes and the recency order is sound."""
+    import random
+
+    rng = random.Random(seed)
+    store = _chain_store(tmp_path / "d", 12)
+    evicted = 0
+    try:
+        for step in range(300):
+            # a prompt: a shared stem (one of 3) and a random tail, written where it is lacking
+            stem = [f"s{rng.randrange(3)}-{i}" for i in range(rng.randrange(1, 4))]
+            tail = [f"{stem[-1]}/t{rng.randrange(4)}-{i}" for i in range(rng.randrange(0, 4))]
+            keys = stem + tail
+            held = store.exists(keys)
+            start = held.index(False) if False in held else len(keys)
+            if rng.random() < 0.3:  # read the run held from some point on
+                at = rng.randrange(0, max(1, start))
+                store.get_many([(k, [memoryview(bytearray(VALUE))]) for k in keys[at:start]])
+            elif start < len(keys):
+                parent = keys[start - 1] if start else None
+                _put_chain(store, keys[start:], parent=parent)
+            if step % 100 == 99:  # a restart
+                evicted += store.evicted
+                store.close()
+                store = _chain_store(tmp_path / "d", 12)
+            assert store.check() == [], step
+            assert _closed_under_prefixes(store), step
+        assert evicted + store.evicted > 50  # (the disk was full most of the time)
+    finally:
+        store.close()
+
+
 def test_the_write_budget_is_never_exceeded(tmp_path):
     cfg = config()
     src = filled_pool(cfg, 3)
@@ -151,9 +266,10 @@ class Faults:
 
     def __init__(self) -> None:
         self.error: dict[str, int] = {}
+        self.slots: set[int] | None = None  # only these slots' I/O (None: every slot)
 
     def __call__(self, op: str, slot: int) -> None:
-        if op in self.error:
+        if op in self.error and (self.slots is None or slot in self.slots):
             raise OSError(self.error[op], os.strerror(self.error[op]))
 
 
@@ -204,7 +320,7 @@ def test_a_corrupted_or_truncated_slot_is_a_miss_never_wrong_bytes(tmp_path):
         byte = f.read(1)
         f.seek(4096 + 100)
         f.write(bytes([byte[0] ^ 1]))
-        f.seek(slot + 20)
+        f.seek(slot + 30)  # (in the trailer's bytes: only the header's checksum sees it)
         f.write(b"\xff")
     store = _store(where, src, pages=4)
     try:
@@ -528,3 +644,42 @@ def test_the_disks_figures_reach_info_top_and_metrics(tmp_path):
         assert moving["l3.store_disk_written_values"] == 3
     finally:
         store.close()
+
+
+def test_the_tier_writes_again_a_prefix_the_disk_let_go(tmp_path):
+    """The tree takes a page written to the disk as stored; when the disk has evicted it since,
+    a longer prompt's write is not made without it (never a tail alone), and the next offer
+    writes the whole chain."""
+    from hicache.l3.config import L3Config
+    from hicache.l3.tier import L3Tier
+    from tests.conftest import make_cache
+    from tests.test_l3_tier import PS, store, tokens_of
+
+    cache = make_cache(
+        manual=False, page_size=PS, num_kv_heads=2, head_dim=4, device_tokens=64,
+        host_tokens=128, load_back_threshold=0,
+    )  # fmt: skip
+    url = f"disk://{tmp_path / 'd'}?bytes=40KiB&budget=1GiB"  # (5 slots of 8 KiB)
+    cache.attach_l3(L3Tier(cache, L3Config(url, "test-model"), open_store(url)))
+    disk = cache.l3.store.slots
+    try:
+        assert disk.files.count == 5
+        a = tokens_of(3 * PS, 1)
+        store(cache, a)
+        store(cache, tokens_of(5 * PS, 2))  # another prompt fills the disk: a's pages go
+        assert disk.evicted == 3 and cache.l3.counters.no_prefix_writes == 0
+        longer = np.concatenate([a, tokens_of(PS, 3)])
+        store(cache, longer)  # the tree held a's pages as stored: the write is not made
+        assert cache.l3.counters.no_prefix_writes == 1
+        assert disk.figures()["disk_refused_no_prefix"] == 0  # (not even tried on the disk)
+        assert len(disk.held()) == 5
+        written = cache.l3.counters.written_pages
+        store(cache, np.concatenate([longer, tokens_of(PS, 4)]))  # the next offer: all of it
+        assert cache.l3.counters.written_pages - written == 5  # a's 3 pages and the 2 after
+        held = disk.held()
+        assert len(held) == 5 and all(disk.parent(k) in (None, *held) for k in held)
+        assert disk.check() == []
+    finally:
+        cache.l3.drain()
+        cache.check_integrity()
+        cache.close()

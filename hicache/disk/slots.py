@@ -3,7 +3,8 @@
 A slot is a header block (``ALIGN`` bytes) followed by the value, padded to ``ALIGN``; the
 slots are striped over the files (slot ``i`` is in file ``i % n`` at ``(i // n) *
 slot_bytes``), so a tier on several drives reads and writes all of them. The header names
-what the slot holds: its key, the value's length, the caller's trailer (the page checksum,
+what the slot holds: its key, its chain parent's key (the page before it in its prompt; empty
+for a prompt's first page), the value's length, the caller's trailer (the page checksum,
 verified by the caller after a read), a sequence number (the newer of two slots claiming a
 key wins at recovery) and a checksum of the header itself. A slot is written whole, header
 and value, in one call: a torn write leaves a header that does not verify or a value whose
@@ -29,12 +30,13 @@ import xxhash
 from hicache.disk.folder import ALIGN, aligned
 
 MAGIC = b"hcdisk01"
-VERSION = 1
-FIXED = struct.Struct("<8sHHQ16sQ")  # magic, version, key length, value length, trailer, seq
+VERSION = 2  # (1: no parent; its slots read as free)
+# magic, version, key length, parent length, value length, trailer, seq
+FIXED = struct.Struct("<8sHHHQ16sQ")
 SUM = struct.Struct("<Q")
-MAX_KEY = 1024  # key bytes a header holds
+MAX_KEY = 1024  # bytes of a key (and of a parent's key) a header holds
 TRAILER_BYTES = 16
-assert FIXED.size + MAX_KEY + SUM.size <= ALIGN
+assert FIXED.size + 2 * MAX_KEY + SUM.size <= ALIGN
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,14 @@ class Header:
     value_len: int
     trailer: bytes  # the caller's (16 bytes)
     seq: int  # write order: the higher of two slots with one key is the newer
+    parent: str | None = None  # the chain parent's key (None: a prompt's first page)
 
     def pack(self) -> bytes:
-        key = self.key.encode()
-        fixed = FIXED.pack(MAGIC, VERSION, len(key), self.value_len, self.trailer, self.seq)
-        body = fixed + key
+        key, parent = self.key.encode(), (self.parent or "").encode()
+        fixed = FIXED.pack(
+            MAGIC, VERSION, len(key), len(parent), self.value_len, self.trailer, self.seq
+        )
+        body = fixed + key + parent
         return body + SUM.pack(xxhash.xxh3_64_intdigest(body))
 
     @classmethod
@@ -55,20 +60,21 @@ class Header:
         """The header in ``block``, or None where it does not verify (never written, torn,
         another format)."""
         try:
-            magic, version, key_len, value_len, trailer, seq = FIXED.unpack_from(block)
+            magic, version, key_len, parent_len, value_len, trailer, seq = FIXED.unpack_from(block)
         except struct.error:
             return None
-        if magic != MAGIC or version != VERSION or key_len > MAX_KEY:
+        if magic != MAGIC or version != VERSION or key_len > MAX_KEY or parent_len > MAX_KEY:
             return None
-        end = FIXED.size + key_len
+        end = FIXED.size + key_len + parent_len
         body = bytes(block[:end])
         if SUM.unpack_from(block, end)[0] != xxhash.xxh3_64_intdigest(body):
             return None
         try:
-            key = body[FIXED.size :].decode()
+            key = body[FIXED.size : FIXED.size + key_len].decode()
+            parent = body[FIXED.size + key_len :].decode()
         except UnicodeDecodeError:
             return None
-        return cls(key, value_len, trailer, seq)
+        return cls(key, value_len, trailer, seq, parent or None)
 
 
 Fault = Callable[[str, int], None]  # (op "read"/"write", slot): raises OSError to inject one

@@ -9,6 +9,12 @@ verify, is free). A key claimed by two slots keeps the newer. What follows:
   evicts; it never refuses a write an eviction serves); a key already held is not written
   again; past the write budget (``budget.py``) a put is refused and counted; a drive error is
   a refused put (``ENOSPC``: space taken by others), counted, never raised.
+- Prefixes: a value may name its chain parent (the page before it in its prompt). It is held
+  only with its parent (held already, or written in the same batch before it): otherwise, or
+  when the parent's write failed, it is refused and counted, so what the tier holds of a
+  prompt is always its first pages. Recency keeps every parent more recent than its children
+  (a use of a value is a use of its prefix), so the least recently used value, the one
+  eviction takes, is always a leaf: a prefix never leaves before its tail.
 - ``get``: the slot is read whole and its header must name the key (else a miss, and the
   slot is freed); the value is copied out with the header's trailer, which the caller
   verifies (a torn or flipped value never verifies). A drive error is a miss.
@@ -88,7 +94,9 @@ class SlotStore:
         )
         self.sync_s = sync_s
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-disk")
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> slot, least recent first
+        # key -> slot, least recent first; a held parent is always after its held children
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self._parent: dict[str, str | None] = {}  # held key -> its chain parent's key
         self._free: list[int] = []
         self._seq = 0
         self._dirty_since: float | None = None
@@ -98,6 +106,8 @@ class SlotStore:
         self.evicted = 0
         self.read_errors = self.write_errors = self.refused_space = 0
         self.bad_slots = 0  # slots read back that did not hold their key
+        self.refused_no_prefix = 0  # puts refused: their chain parent is not held
+        self.refused_no_room = 0  # puts refused: only the batch's own prefixes to evict
         self.scanned = self.recovered = 0
         self.scan_seconds = 0.0
         self._recover(scan_s)
@@ -106,7 +116,7 @@ class SlotStore:
     def _recover(self, scan_s: float) -> None:
         """Scan headers until ``scan_s`` is spent; the rest of the slots are free."""
         started = time.monotonic()
-        found: dict[str, tuple[int, int]] = {}  # key -> (seq, slot)
+        found: dict[str, tuple[int, int, str | None]] = {}  # key -> (seq, slot, parent)
         slot = 0
         while slot < self.files.count and time.monotonic() - started < scan_s:
             try:
@@ -120,7 +130,7 @@ class SlotStore:
                 if held is None or held[0] < header.seq:
                     if held is not None:
                         self._free.append(held[1])
-                    found[header.key] = (header.seq, slot)
+                    found[header.key] = (header.seq, slot, header.parent)
                 else:
                     self._free.append(slot)
             else:
@@ -128,8 +138,10 @@ class SlotStore:
             slot += 1
         self.scanned = slot
         self._free.extend(range(slot, self.files.count))
-        for key, (seq, where) in sorted(found.items(), key=lambda item: item[1][0]):
+        for key in _recency_order({k: (seq, parent) for k, (seq, _, parent) in found.items()}):
+            seq, where, parent = found[key]
             self._index[key] = where
+            self._parent[key] = parent
             self._seq = max(self._seq, seq)
         self.recovered = len(self._index)
         self.scan_seconds = time.monotonic() - started
@@ -144,32 +156,62 @@ class SlotStore:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [key in self._index for key in keys]
 
-    def put(self, key: str, parts: list[memoryview] | list[bytes], trailer: bytes) -> bool:
-        """Store ``parts`` (the value) with ``trailer`` under ``key``; True when it is held
-        (already, or now)."""
-        return self.put_many([(key, parts, trailer)])[0]
+    def held(self) -> list[str]:
+        """The keys held, least recently used first."""
+        return list(self._index)
 
-    def put_many(self, items: Sequence[tuple[str, Sequence[Any], bytes]]) -> list[bool]:
-        """``put`` of each ``(key, parts, trailer)``, the writes at once; ValueError (nothing
-        written) for a value larger than a slot, a bad trailer or a key too long."""
-        for key, parts, trailer in items:
+    def parent(self, key: str) -> str | None:
+        """The chain parent ``key`` was written after (None: a first page, or not held)."""
+        return self._parent.get(key)
+
+    def put(
+        self,
+        key: str,
+        parts: list[memoryview] | list[bytes],
+        trailer: bytes,
+        parent: str | None = None,
+    ) -> bool:
+        """Store ``parts`` (the value) with ``trailer`` under ``key`` (after ``parent`` in its
+        chain); True when it is held (already, or now)."""
+        return self.put_many([(key, parts, trailer)], [parent])[0]
+
+    def put_many(
+        self,
+        items: Sequence[tuple[str, Sequence[Any], bytes]],
+        parents: Sequence[str | None] | None = None,
+    ) -> list[bool]:
+        """``put`` of each ``(key, parts, trailer)``, the writes at once, ``parents[i]`` the
+        chain parent of item ``i`` (None, or no ``parents``: a prompt's first page).
+        ValueError (nothing written) for a value larger than a slot, a bad trailer or a key
+        too long."""
+        parent_of = list(parents) if parents is not None else [None] * len(items)
+        if len(parent_of) != len(items):
+            raise ValueError("disk: one parent per item")
+        for (key, parts, trailer), parent in zip(items, parent_of, strict=True):
             if sum(len(p) for p in parts) > self.files.value_bytes or len(trailer) != TRAILER_BYTES:
                 raise ValueError(f"disk: {key}: a value larger than a slot, or a bad trailer")
-            if len(key.encode()) > MAX_KEY:
+            if len(key.encode()) > MAX_KEY or len((parent or "").encode()) > MAX_KEY:
                 raise ValueError(f"disk: a key longer than {MAX_KEY} bytes")
         out = [False] * len(items)
+        # the batch's held prefixes become the most recent (and are never evicted for it)
+        keep = self._touch([p for p in parent_of if p is not None] + [k for k, _, _ in items])
         jobs: list[tuple[int, int, Header]] = []  # (item, slot, header)
         taking: set[str] = set()
         for i, (key, parts, trailer) in enumerate(items):
-            if key in self._index:
-                self._index.move_to_end(key)
+            parent = parent_of[i]
+            if key in self._index or key in taking:  # (twice in one batch: written once)
                 out[i] = True
-            elif key in taking:  # (twice in one batch: written once)
-                out[i] = True
+            elif parent is not None and parent not in self._index and parent not in taking:
+                self.refused_no_prefix += 1
             elif self.budget.take(self.files.slot_bytes):
+                slot = self._take_slot(keep)
+                if slot is None:
+                    self.budget.give_back(self.files.slot_bytes)
+                    self.refused_no_room += 1
+                    continue
                 self._seq += 1
                 size = sum(len(p) for p in parts)
-                jobs.append((i, self._take_slot(), Header(key, size, bytes(trailer), self._seq)))
+                jobs.append((i, slot, Header(key, size, bytes(trailer), self._seq, parent)))
                 taking.add(key)
 
         def write(job: tuple[int, int, Header]) -> OSError | None:
@@ -180,20 +222,28 @@ class SlotStore:
                 return exc
             return None
 
+        written: list[str] = []
         for (i, slot, header), error in zip(jobs, self._pool.map(write, jobs), strict=True):
-            if error is None:
+            if error is None and (header.parent is None or header.parent in self._index):
                 self._index[header.key] = slot
+                self._parent[header.key] = header.parent
+                written.append(header.key)
                 self.written += 1
                 self.written_bytes += self.files.slot_bytes
                 out[i] = True
                 continue
-            self.budget.give_back(self.files.slot_bytes)
             self._free.append(slot)  # (whatever it held before is gone: it was evicted)
+            if error is None:  # written, but its parent's write failed: never held alone
+                self.written_bytes += self.files.slot_bytes
+                self.refused_no_prefix += 1
+                continue
+            self.budget.give_back(self.files.slot_bytes)
             if error.errno == errno.ENOSPC:
                 self.refused_space += 1
             else:
                 self.write_errors += 1
             log.warning("disk: a write failed (%s): skipped", str(error))
+        self._touch(written)  # (each parent after its children again)
         for i, (key, _, _) in enumerate(items):  # (a duplicate is held if its first is)
             if key in taking and not out[i]:
                 out[i] = key in self._index
@@ -243,9 +293,9 @@ class SlotStore:
                 self._drop(key)
             else:
                 out[i] = got
-                self._index.move_to_end(key)
                 self.hits += 1
                 self.read_bytes += self.files.slot_bytes
+        self._touch([key for (key, _), got in zip(items, out, strict=True) if got is not None])
         self.misses += sum(1 for got in out if got is None)
         return out
 
@@ -258,10 +308,30 @@ class SlotStore:
         """Free the ``count`` least recently used values; how many were freed."""
         done = 0
         while done < count and self._index:
-            self._free.append(self._index.popitem(last=False)[1])
+            key, slot = self._index.popitem(last=False)  # (a leaf: see _touch)
+            del self._parent[key]
+            self._free.append(slot)
             done += 1
         self.evicted += done
         return done
+
+    def check(self) -> list[str]:
+        """The index's invariants (messages of those broken): every slot held or free once,
+        and every held parent more recent than its held children."""
+        bad = []
+        where = {key: at for at, key in enumerate(self._index)}
+        for key, at in where.items():
+            parent = self._parent.get(key, "?")
+            if parent == "?":
+                bad.append(f"disk: {key} has no parent entry")
+            elif parent is not None and where.get(parent, at + 1) < at:
+                bad.append(f"disk: {key}'s parent is less recent than it (evicted first)")
+        slots = [*self._index.values(), *self._free]
+        if sorted(slots) != list(range(self.files.count)):
+            bad.append("disk: slots not each held or free exactly once")
+        if set(self._parent) != set(self._index):
+            bad.append("disk: parents kept for keys not held")
+        return bad
 
     def sync(self) -> None:
         """Make every write so far durable against a power loss (fdatasync)."""
@@ -293,6 +363,8 @@ class SlotStore:
             "disk_write_errors": self.write_errors,
             "disk_space_refusals": self.refused_space,
             "disk_bad_slots": self.bad_slots,
+            "disk_refused_no_prefix": self.refused_no_prefix,
+            "disk_refused_no_room": self.refused_no_room,
             "disk_recovered_values": self.recovered,
             "disk_scan_seconds": round(self.scan_seconds, 3),
         }
@@ -311,14 +383,36 @@ class SlotStore:
         self.folders = []
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _take_slot(self) -> int:
+    def _take_slot(self, keep: set[str]) -> int | None:
+        """A free slot, evicting the least recently used value for it (a full tier makes
+        room, never refuses), unless that is one of ``keep`` (a prefix of the batch): None."""
         if not self._free:
-            self.evict(1)  # (the least recently used: a full tier makes room, never refuses)
+            if not self._index or next(iter(self._index)) in keep:
+                return None
+            self.evict(1)
         return self._free.pop()
+
+    def _touch(self, keys: Sequence[str]) -> set[str]:
+        """Make the held ``keys`` and their held prefixes the most recent, each parent after
+        its children (the invariant that makes the least recent value a leaf); what moved."""
+        moved: set[str] = set()
+        index, parent_of = self._index, self._parent
+        for key in reversed(keys):
+            if key in moved:
+                continue  # (its prefixes moved after it already)
+            walked: set[str] = set()
+            at: str | None = key
+            while at is not None and at in index and at not in walked:
+                index.move_to_end(at)
+                walked.add(at)
+                at = parent_of[at]
+            moved |= walked
+        return moved
 
     def _drop(self, key: str) -> None:
         slot = self._index.pop(key, None)
         if slot is not None:
+            del self._parent[key]
             self._free.append(slot)
 
     def _maybe_sync(self) -> None:
@@ -327,3 +421,24 @@ class SlotStore:
             self._dirty_since = now
         elif now - self._dirty_since >= self.sync_s:
             self.sync()
+
+
+def _recency_order(found: dict[str, tuple[int, str | None]]) -> list[str]:
+    """Keys found at start (key -> (seq, parent)), least recent first, each parent after its
+    children: a key is as recent as the newest write under it (its own or a descendant's)."""
+    depth: dict[str, int] = {}
+    for key in found:
+        path: list[str] = []
+        at: str | None = key
+        while at is not None and at in found and at not in depth and at not in path:
+            path.append(at)
+            at = found[at][1]
+        base = depth.get(at, -1) if at is not None else -1  # (a cycle: from its start)
+        for n, k in enumerate(reversed(path)):
+            depth[k] = base + 1 + n
+    newest = {key: seq for key, (seq, _) in found.items()}
+    for key in sorted(found, key=depth.__getitem__, reverse=True):
+        parent = found[key][1]
+        if parent is not None and parent in newest and depth[parent] < depth[key]:
+            newest[parent] = max(newest[parent], newest[key])
+    return sorted(found, key=lambda k: (newest[k], -depth[k]))

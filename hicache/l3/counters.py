@@ -27,6 +27,7 @@ class L3Counters:
     write_back_pages: int = 0  # pages eviction handed to a write (write_back)
     dropped_pages: int = 0  # writes dropped: queue full
     failed_write_pages: int = 0  # writes the store refused or could not take
+    no_prefix_writes: int = 0  # writes not made: the store let their prefix go (made again)
     corrupt_pages: int = 0  # values that did not verify (never served)
     skipped_cost: int = 0  # fetches skipped: slower than recomputing
     skipped_breaker: int = 0  # fetches not started: the breaker is open

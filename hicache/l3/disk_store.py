@@ -9,10 +9,12 @@ from typing import Any
 
 from hicache.disk import SlotStore
 from hicache.l3.pages import PageSegments
-from hicache.l3.store import Check, Got, L3Store, StoreDown
+from hicache.l3.store import Check, Got, L3Store, Parents, StoreDown
 
 
 class DiskStore(L3Store):
+    keeps_prefixes = True  # (SlotStore: a page only with its prefix)
+
     def __init__(
         self,
         paths: list[str],
@@ -37,12 +39,16 @@ class DiskStore(L3Store):
     def exists(self, keys: list[str]) -> list[bool]:
         return self._store().exists(keys)
 
-    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
+    def put(
+        self, keys: list[str], pages: list[int], trailers: list[bytes], parents: Parents = None
+    ) -> list[bool]:
         views = self.pages.views
         items = [(k, views(p), t) for k, p, t in zip(keys, pages, trailers, strict=True)]
-        return self._store().put_many(items)
+        return self._store().put_many(items, parents)
 
-    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+    def get(
+        self, keys: list[str], pages: list[int], check: Check | None = None, parents: Parents = None
+    ) -> list[Got]:
         views = self.pages.views
         got = self._store().get_many([(k, views(p)) for k, p in zip(keys, pages, strict=True)])
         return list(got)
@@ -69,6 +75,7 @@ class DiskAbove(L3Store):
 
     def __init__(self, disk: DiskStore, below: L3Store):
         self.disk, self.below = disk, below
+        self.keeps_prefixes = True  # (the disk's rule; the store below is given no parents)
         self.url = f"{disk.url} over {below.url}"
         self.read_chunk_bytes = below.read_chunk_bytes
 
@@ -93,15 +100,19 @@ class DiskAbove(L3Store):
                 on_disk[i] = held
         return on_disk
 
-    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
-        held = self.disk.put(keys, pages, trailers)
+    def put(
+        self, keys: list[str], pages: list[int], trailers: list[bytes], parents: Parents = None
+    ) -> list[bool]:
+        held = self.disk.put(keys, pages, trailers, parents)
         try:
             below = self.below.put(keys, pages, trailers)
         except StoreDown:
             return held
         return [a or b for a, b in zip(held, below, strict=True)]
 
-    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+    def get(
+        self, keys: list[str], pages: list[int], check: Check | None = None, parents: Parents = None
+    ) -> list[Got]:
         got: list[Got] = list(self.disk.get(keys, pages))
         lacking = [i for i, value in enumerate(got) if value is None]
         if not lacking:
@@ -115,9 +126,10 @@ class DiskAbove(L3Store):
             got[i] = value
             if isinstance(value, bytes):  # (a trailer: kept on the disk; checked when read)
                 keep.append(i)
-        if keep:
+        if keep:  # (with their chain parents: a page without its prefix is refused there)
             self.disk.put([keys[i] for i in keep], [pages[i] for i in keep],
-                          [got[i] for i in keep])  # type: ignore[misc]  # fmt: skip
+                          [got[i] for i in keep],  # type: ignore[misc]
+                          None if parents is None else [parents[i] for i in keep])  # fmt: skip
         return got
 
     def remove(self, keys: list[str]) -> None:

@@ -30,6 +30,7 @@ class Write:
     present: int = 0  # pages the store had already
     failed: int = 0  # pages that could not be put
     corrupt: int = 0  # host pages that changed since written (verify_pages): not put
+    no_prefix: bool = False  # not made: the store lacks the page before the first one
     error: str = ""  # why the whole write failed (store down, breaker open)
     io_s: float = 0.0
 

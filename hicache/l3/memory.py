@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from hicache.l3.store import Check, Got, L3Store, StoreDown
+from hicache.l3.store import Check, Got, L3Store, Parents, StoreDown
 
 
 @dataclass
@@ -96,7 +96,9 @@ class MemoryStore(L3Store):
         with self.space.lock:
             return [k in self.space.values for k in keys]
 
-    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
+    def put(
+        self, keys: list[str], pages: list[int], trailers: list[bytes], parents: Parents = None
+    ) -> list[bool]:
         faults = self._enter()
         values = [self.pages.read(p) + t for p, t in zip(pages, trailers, strict=True)]
         with self.space.lock:
@@ -108,7 +110,9 @@ class MemoryStore(L3Store):
                 stored.popitem(last=False)
         return [True] * len(keys)
 
-    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+    def get(
+        self, keys: list[str], pages: list[int], check: Check | None = None, parents: Parents = None
+    ) -> list[Got]:
         """(Trailers only: ``check`` is not used.)"""
         faults = self._enter()
         out: list[Got] = []

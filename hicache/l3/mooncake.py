@@ -37,7 +37,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hicache.l3.pages import TRAILER_BYTES, PageSegments
-from hicache.l3.store import ZERO_COPY_READ_BYTES, Check, Got, L3Store, StoreDown
+from hicache.l3.store import ZERO_COPY_READ_BYTES, Check, Got, L3Store, Parents, StoreDown
 
 DOWN_CODES = (-800, -900)
 MAX_BATCH = 512  # pages per call (the trailer arrays are sized for it)
@@ -135,7 +135,9 @@ class MooncakeStore(L3Store):
             out.extend(c == 1 for c in codes)
         return out
 
-    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
+    def put(
+        self, keys: list[str], pages: list[int], trailers: list[bytes], parents: Parents = None
+    ) -> list[bool]:
         def call(part: slice) -> list[int]:
             for i, tail in enumerate(trailers[part]):
                 self.tails[0, i] = np.frombuffer(tail, dtype=np.uint8)
@@ -144,7 +146,9 @@ class MooncakeStore(L3Store):
 
         return self._split(keys, "put", call, lambda i, c: c == 0, False)
 
-    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+    def get(
+        self, keys: list[str], pages: list[int], check: Check | None = None, parents: Parents = None
+    ) -> list[Got]:
         """(Trailers only: the values land in the pool, zero-copy; ``check`` is not used.)"""
         want = self.pages.page_bytes + TRAILER_BYTES
 

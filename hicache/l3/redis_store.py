@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hicache.l3.pages import TRAILER_BYTES
-from hicache.l3.store import Check, Got, L3Store, StoreDown
+from hicache.l3.store import Check, Got, L3Store, Parents, StoreDown
 
 KEY_PIPELINE = 256  # commands per pipeline that carry only a key (exists, delete): small replies
 
@@ -123,7 +123,9 @@ class RedisStore(L3Store):
         self._run(keys, exists, out, lambda i, r: bool(r), KEY_PIPELINE)
         return out
 
-    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
+    def put(
+        self, keys: list[str], pages: list[int], trailers: list[bytes], parents: Parents = None
+    ) -> list[bool]:
         out = [False] * len(keys)
 
         def add(pipe: Any, i: int) -> None:
@@ -132,7 +134,9 @@ class RedisStore(L3Store):
         self._run(keys, add, out, lambda i, r: bool(r))
         return out
 
-    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+    def get(
+        self, keys: list[str], pages: list[int], check: Check | None = None, parents: Parents = None
+    ) -> list[Got]:
         out: list[Got] = [None] * len(keys)
         size = self.pages.page_bytes
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hicache.l3.store import ZERO_COPY_READ_BYTES, Check, Got, L3Store, StoreDown
+from hicache.l3.store import ZERO_COPY_READ_BYTES, Check, Got, L3Store, Parents, StoreDown
 
 
 def check_url(url: str) -> str:
@@ -67,11 +67,15 @@ class LazyStore(L3Store):
     def exists(self, keys: list[str]) -> list[bool]:
         return self._store().exists(keys)
 
-    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
-        return self._store().put(keys, pages, trailers)
+    def put(
+        self, keys: list[str], pages: list[int], trailers: list[bytes], parents: Parents = None
+    ) -> list[bool]:
+        return self._store().put(keys, pages, trailers, parents)
 
-    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
-        return self._store().get(keys, pages, check)
+    def get(
+        self, keys: list[str], pages: list[int], check: Check | None = None, parents: Parents = None
+    ) -> list[Got]:
+        return self._store().get(keys, pages, check, parents)
 
     def remove(self, keys: list[str]) -> None:
         self._store().remove(keys)

@@ -25,12 +25,17 @@ class StoreDown(Exception):
 
 Check = Callable[[int, memoryview, bytes], bool]  # (index, a value's page bytes, its trailer)
 Got = bytes | bool | None  # a trailer to verify, a verdict of ``check``, or a miss
+# each key's chain parent (the page before it; None: a prompt's first page), or None: unknown
+Parents = list[str | None] | None
 
 
 class L3Store(ABC):
     """A batch key-value store for whole pages. One thread calls it at a time."""
 
     url: str = ""  # where it is, for messages and stats (no credentials)
+    # holds a key only with its chain parent (the disk): puts and gets are given ``parents``,
+    # and a write whose first page's parent the store lacks is not made
+    keeps_prefixes: bool = False
     read_chunk_bytes: int = 0  # pages per get, in bytes, when the caller checks them (0: its own)
 
     def attach(self, pages: PageSegments) -> None:
@@ -43,17 +48,23 @@ class L3Store(ABC):
         """Whether each key is stored (a hint: a later get may still miss)."""
 
     @abstractmethod
-    def put(self, keys: list[str], pages: list[int], trailers: list[bytes]) -> list[bool]:
+    def put(
+        self, keys: list[str], pages: list[int], trailers: list[bytes], parents: Parents = None
+    ) -> list[bool]:
         """Store host page ``pages[i]`` followed by ``trailers[i]`` under ``keys[i]``. A key
-        that is already stored counts as stored (values under one key are the same bytes)."""
+        that is already stored counts as stored (values under one key are the same bytes).
+        ``parents`` (for a store that ``keeps_prefixes``): each key's chain parent."""
 
     @abstractmethod
-    def get(self, keys: list[str], pages: list[int], check: Check | None = None) -> list[Got]:
+    def get(
+        self, keys: list[str], pages: list[int], check: Check | None = None, parents: Parents = None
+    ) -> list[Got]:
         """Read each key's page bytes into page ``pages[i]``; its trailer, or None for a miss
         (then the page's bytes are undefined). The caller verifies the trailers. A store that
         holds a value's bytes in one buffer before copying them (Redis) may instead call
         ``check(i, page_bytes, trailer)`` there, while they are hot in the cache, and return
-        its verdict (True, or False: then the page is not written)."""
+        its verdict (True, or False: then the page is not written). ``parents``: as for
+        ``put`` (a store that keeps what it read on a faster level of its own)."""
 
     def remove(self, keys: list[str]) -> None:
         """Drop values that failed to verify, so the next write of those pages puts them again

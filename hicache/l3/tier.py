@@ -173,6 +173,13 @@ class L3Tier:
         for node in job.nodes:
             if node.l3 is job:
                 node.l3 = True if ok else None
+        if job.no_prefix:  # the store let a prefix go: its next offer writes it again
+            c.no_prefix_writes += 1
+            for node in job.nodes:
+                up = node.parent
+                while up is not None and up.l3 is True:
+                    up.l3 = None
+                    up = up.parent
         for pages in job.held:
             self.side.alloc.release(pages)
 

@@ -182,13 +182,20 @@ class IOWorker:
             if len(bad):
                 job.corrupt = len(bad)
                 pages = pages[: pages.index(int(bad[0]))]  # the run before the first bad page
-        digests = self._digests(job, job.first + len(pages))[job.first :]
+        chain = self._digests(job, job.first + len(pages))
+        digests = chain[job.first :]
         names = [KeyChain.name(d) for d in digests]
+        parents = self._parents(chain, job.first, len(names))
         todo: list[int] = []  # indices of the pages the store lacks
         for at in range(0, len(names), self.batch):
             have = self._call(self.store.exists, names[at : at + self.batch])
             todo += [at + i for i, h in enumerate(have) if not h]
         job.present += len(names) - len(todo)
+        first_parent = parents[0] if parents and todo[:1] == [0] else None
+        if first_parent is not None and not self._call(self.store.exists, [first_parent])[0]:
+            job.no_prefix = True  # (the store lost a prefix the tier took as stored)
+            job.failed += len(todo)
+            return
         chunks = [todo[at : at + self.chunk] for at in range(0, len(todo), self.chunk)]
 
         def sums(chunk: list[int]) -> Future:
@@ -202,9 +209,17 @@ class IOWorker:
             tails = ahead.result()
             ahead = sums(chunks[n + 1]) if n + 1 < len(chunks) else None
             keys = [names[i] for i in chunk]
-            ok = self._call(self.store.put, keys, [pages[i] for i in chunk], tails)
+            up = [parents[i] for i in chunk] if parents else None
+            ok = self._call(self.store.put, keys, [pages[i] for i in chunk], tails, up)
             job.stored += sum(ok)
             job.failed += len(ok) - sum(ok)
+
+    def _parents(self, chain: list[bytes], first: int, count: int) -> list[str | None]:
+        """Each page's chain parent's key, for pages [first, first + count) of ``chain``
+        (digests from the root), where the store ``keeps_prefixes``; else []."""
+        if not self.store.keeps_prefixes:
+            return []
+        return [KeyChain.name(chain[i - 1]) if i else None for i in range(first, first + count)]
 
     def _exists(self, job: Fetch) -> None:
         job.digests = self._digests(job, job.first + job.want)
@@ -235,6 +250,7 @@ class IOWorker:
         assert job.pages is not None
         ds = job.digests[job.first : job.first + len(job.pages)]
         names = [KeyChain.name(d) for d in ds]
+        parents = self._parents(job.digests, job.first, len(names))
         pages = job.pages.tolist()
         checks: list[tuple[int, Future]] = []
         try:
@@ -242,7 +258,8 @@ class IOWorker:
                 part = slice(at, at + self.read_chunk)
                 mine = ds[part]
                 hot = lambda i, data, tail, mine=mine: verify([data], mine[i], tail)  # noqa: E731
-                tails = self._call(self.store.get, names[part], pages[part], hot)
+                up = parents[part] if parents else None
+                tails = self._call(self.store.get, names[part], pages[part], hot, up)
                 check = self.sums.submit(self._check, pages[part], ds[part], tails)
                 checks.append((len(tails), check))
                 if any(t is None or t is False for t in tails):

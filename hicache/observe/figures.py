@@ -153,6 +153,9 @@ L3_FIGURES: tuple[Figure, ...] = (
            "fetch ended", "l3", "l3_wait_timeouts"),
     Figure("queued_pages", "gauge", "pages", "pages waiting to be written", "l3",
            "l3_queued_pages"),
+    Figure("no_prefix_writes", "counter", "", "writes not made because the store had let "
+           "their prefix go (a disk): made again with it at their next offer", "l3",
+           "l3_no_prefix_writes"),
 )  # fmt: skip
 
 
@@ -190,6 +193,10 @@ DISK_FIGURES: tuple[Figure, ...] = (
           "space_refusals"),
     _disk("bad_slots", "counter", "", "slots read back that did not hold their page (torn, "
           "overwritten): misses", "bad_slots"),
+    _disk("refused_no_prefix", "counter", "pages", "pages not written: their prefix is not "
+          "on the disk (a page goes only with its prefix)", "refused_no_prefix_pages"),
+    _disk("refused_no_room", "counter", "pages", "pages not written: the disk held only the "
+          "write's own prefixes to evict", "refused_no_room_pages"),
     _disk("recovered_values", "gauge", "pages", "pages found on the disk at start",
           "recovered_pages"),
     _disk("scan_seconds", "gauge", "seconds", "time the start's scan of the disk took",
