@@ -15,7 +15,8 @@
                                      prefixes (--nodes: the first --max-nodes nodes instead)
     hicache keygen --dir D --name N  CurveZMQ key pair D/N.key (public) and D/N.key_secret
     hicache evict --device-tokens N  admin: evict unlocked tokens (also --host-tokens)
-    hicache flush                    admin: evict every unlocked token from both tiers
+    hicache flush [--disk]           admin: evict every unlocked token from both tiers
+                                     (--disk: the disk tier forgets everything too)
 
 Imports no torch: a call costs a round trip, not seconds.
 """
@@ -38,7 +39,7 @@ from hicache.client.info_view import heading, normal, sections, text
 from hicache.client.top import render_shape, watch
 from hicache.curve import CurveKeyError, keygen
 from hicache.endpoints import env_endpoint
-from hicache.protocol import EvictRequest, HelloReply, Op, PingReply
+from hicache.protocol import EvictRequest, FlushRequest, HelloReply, Op, PingReply
 
 
 def _seconds(least: float) -> Callable[[str], float]:
@@ -242,8 +243,13 @@ def _evict(args: argparse.Namespace, conn: Connection) -> int:
     return 0
 
 
+def _flush_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--disk", action="store_true", help="the disk tier forgets everything too")
+
+
 def _flush(args: argparse.Namespace, conn: Connection) -> int:
-    print("\n".join(f"{k}:{v}" for k, v in _in_session(conn, Op.FLUSH, {}).items()))
+    fields = FlushRequest(args.disk).fields()
+    print("\n".join(f"{k}:{v}" for k, v in _in_session(conn, Op.FLUSH, fields).items()))
     return 0
 
 
@@ -279,7 +285,11 @@ COMMANDS: dict[str, Command | LocalCommand] = {
     ),
     "tree": Command("the tree's shape: heaviest shared prefixes per namespace", _tree_args, _tree),
     "evict": Command("admin: evict unlocked tokens", _evict_args, _evict, _evict_refuse),
-    "flush": Command("admin: evict every unlocked token from both tiers", _none, _flush),
+    "flush": Command(
+        "admin: evict every unlocked token from both tiers (--disk: and the disk's)",
+        _flush_args,
+        _flush,
+    ),
     "kept": LocalCommand(kept_view.HELP, kept_view.add_arguments, kept_view.run),
     "keygen": LocalCommand("write a CurveZMQ key pair (for tcp endpoints)", _keygen_args, _keygen),
 }

@@ -48,6 +48,7 @@ from hicache.protocol import (
     AllocRequest,
     ErrorCode,
     EvictRequest,
+    FlushRequest,
     FreedReply,
     FreeRequest,
     HoldingsReply,
@@ -616,9 +617,12 @@ class HiCacheClient:
         fields = EvictRequest(device_tokens, host_tokens).fields()
         return FreedReply.read(self._call(Op.EVICT, fields)[0].fields).fields()
 
-    def flush(self) -> dict:
-        """Admin: evict every unlocked token from both tiers (locked prefixes stay)."""
-        return FreedReply.read(self._call(Op.FLUSH)[0].fields).fields()
+    def flush(self, disk: bool = False) -> dict:
+        """Admin: evict every unlocked token from both tiers (locked prefixes stay); ``disk``:
+        the daemon's disk tier forgets everything too (``disk_freed``: its tokens; -1: it
+        happens once the disk's running call ends)."""
+        fields = FlushRequest(disk).fields()
+        return FreedReply.read(self._call(Op.FLUSH, fields)[0].fields).fields()
 
     def stats(self, check: bool = False) -> dict:
         """The daemon's counters and pool figures; ``check=True`` also runs its integrity check

@@ -1,6 +1,12 @@
-"""The disk tier's store against fio on the same file system, side by side in one run.
+"""The disk tier: its store against fio on the same file system, and end to end, side by side
+in one run.
 
-    .venv/bin/python -m scripts.bench_disk [--dir DIR] [--mib 512] [--pages-kib 256,1024]
+    .venv/bin/python -m scripts.bench_disk [--part raw|e2e|both] [--dir DIR] [--mib 512]
+        [--pages-kib 256,1024] [--seed 11]
+
+``--part e2e`` (``disk_e2e.py``): a real transformer through the daemon on traces 4x its host
+pool, host only against the disk (admission ``all`` and ``reused``) and the unbounded cache,
+and a cold restart on the disk; its docstring says what is measured. ``raw`` (the default):
 
 For each page size: a ``SlotStore`` in a fresh folder under DIR (default: a temp folder on the
 checkout's file system, where direct I/O works) writes MiB of distinct pages, then reads them
@@ -86,11 +92,21 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="where (default: the temp folder)")
     ap.add_argument("--mib", type=int, default=512, help="MiB written and read per page size")
     ap.add_argument("--pages-kib", default="256,1024", help="page sizes, KiB, comma-separated")
+    ap.add_argument("--part", choices=("raw", "e2e", "both"), default="raw")
+    ap.add_argument("--seed", type=int, default=11, help="the e2e traces' seed")
     args = ap.parse_args()
+    out: dict[str, object] = {}
+    if args.part in ("e2e", "both"):
+        from scripts import disk_e2e
+
+        out["e2e"] = disk_e2e.run(args.seed)
+        if args.part == "e2e":
+            print(json.dumps(out))
+            return
     if shutil.which("fio") is None:
         raise SystemExit("bench_disk: fio is not installed (apt-get install fio)")
     base = Path(tempfile.mkdtemp(prefix="hicache-bench-disk-", dir=args.dir))
-    out: dict[str, object] = {"dir": str(base.parent), "mib": args.mib}
+    out.update(dir=str(base.parent), mib=args.mib)
     try:
         for kib in (int(k) for k in args.pages_kib.split(",")):
             total = args.mib << 20

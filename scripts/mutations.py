@@ -355,6 +355,41 @@ MUTATIONS = [
         ("tests/test_disk_store.py", "-k", "let_go"),
     ),
     Mutation(
+        "selective-forgets-pages-computed-again-after-they-left",
+        "hicache/l3/tier.py",
+        " or self._seen_before(node):",
+        ":",
+        ("tests/test_l3_tier.py", "-k", "computed_again"),
+    ),
+    Mutation(
+        "selective-takes-a-flush-for-a-reuse",
+        "hicache/l3/tier.py",
+        "        if job is None and self.selective and to_l3:",
+        "        if job is None and self.selective:",
+        ("tests/test_l3_tier.py", "-k", "computed_again"),
+    ),
+    Mutation(
+        "a-disk-flush-comes-back-after-a-restart",
+        "hicache/disk/store.py",
+        "                header.seq > floor\n",
+        "                True\n",
+        ("tests/test_l3_daemons.py", "-k", "flush_of_the_disk"),
+    ),
+    Mutation(
+        "after-a-disk-flush-the-tree-still-takes-its-nodes-as-written",
+        "hicache/l3/tier.py",
+        "            if node.l3 is True:\n                node.l3 = None\n",
+        "            pass\n",
+        ("tests/test_disk_store.py", "-k", "tree_writes_its_prompts_again"),
+    ),
+    Mutation(
+        "a-disk-flush-on-a-daemon-without-a-disk-flushes-the-pools",
+        "daemon/requests/handlers.py",
+        "        if req.disk and (l3 is None or not l3.store.clears):",
+        "        if False:",
+        ("tests/test_l3_daemons.py", "-k", "flush_of_the_disk"),
+    ),
+    Mutation(
         "disk-over-a-store-never-reads-the-disk",
         "hicache/l3/disk_store.py",
         "        got: list[Got] = list(self.disk.get(keys, pages))",
@@ -371,8 +406,8 @@ MUTATIONS = [
     Mutation(
         "a-stop-drops-the-disks-queued-writes",
         "hicache/l3/worker.py",
-        "            queues = (self.fetches,) if drain_s > 0 else (self.fetches, self.writes)",
-        "            queues = (self.fetches, self.writes)",
+        "            if drain_s <= 0:\n                queues += (self.writes,)",
+        "            if True:\n                queues += (self.writes,)",
         ("tests/test_disk_store.py", "-k", "drains"),
     ),
     Mutation(

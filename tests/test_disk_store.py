@@ -650,6 +650,7 @@ def test_the_tier_writes_again_a_prefix_the_disk_let_go(tmp_path):
     """The tree takes a page written to the disk as stored; when the disk has evicted it since,
     a longer prompt's write is not made without it (never a tail alone), and the next offer
     writes the whole chain."""
+    from hicache.l3 import LazyStore
     from hicache.l3.config import L3Config
     from hicache.l3.tier import L3Tier
     from tests.conftest import make_cache
@@ -660,8 +661,11 @@ def test_the_tier_writes_again_a_prefix_the_disk_let_go(tmp_path):
         host_tokens=128, load_back_threshold=0,
     )  # fmt: skip
     url = f"disk://{tmp_path / 'd'}?bytes=40KiB&budget=1GiB"  # (5 slots of 8 KiB)
-    cache.attach_l3(L3Tier(cache, L3Config(url, "test-model"), open_store(url)))
-    disk = cache.l3.store.slots
+    lazy = LazyStore(url)  # (as a daemon opens it: on its IO thread, at first use)
+    assert lazy.keeps_prefixes and lazy.clears
+    cache.attach_l3(L3Tier(cache, L3Config(url, "test-model"), lazy))
+    lazy.exists([])  # (opened now)
+    disk = lazy.inner.slots
     try:
         assert disk.files.count == 5
         a = tokens_of(3 * PS, 1)
@@ -679,6 +683,37 @@ def test_the_tier_writes_again_a_prefix_the_disk_let_go(tmp_path):
         held = disk.held()
         assert len(held) == 5 and all(disk.parent(k) in (None, *held) for k in held)
         assert disk.check() == []
+    finally:
+        cache.l3.drain()
+        cache.check_integrity()
+        cache.close()
+
+
+def test_after_a_flush_of_the_disk_the_tree_writes_its_prompts_again(tmp_path):
+    """What the tree took as written is written again once the disk was flushed (the flush
+    runs on the IO thread; the tier forgets which nodes were stored)."""
+    from hicache.l3 import LazyStore
+    from hicache.l3.config import L3Config
+    from hicache.l3.tier import L3Tier
+    from tests.conftest import make_cache
+    from tests.test_l3_tier import PS, store, tokens_of
+
+    cache = make_cache(
+        manual=False, page_size=PS, num_kv_heads=2, head_dim=4, device_tokens=64,
+        host_tokens=128, load_back_threshold=0,
+    )  # fmt: skip
+    url = f"disk://{tmp_path / 'd'}?bytes=1MiB&budget=1GiB"
+    disk = LazyStore(url)
+    cache.attach_l3(L3Tier(cache, L3Config(url, "test-model"), disk))
+    try:
+        a = tokens_of(3 * PS, 1)
+        store(cache, a)
+        job = cache.l3.clear_store(10.0)
+        assert job.done.is_set() and job.cleared == 3 and not job.error
+        assert disk.inner.slots.held() == []
+        written = cache.l3.counters.written_pages
+        store(cache, np.concatenate([a, tokens_of(PS, 2)]))
+        assert cache.l3.counters.written_pages - written == 4  # a's pages again, and the new one
     finally:
         cache.l3.drain()
         cache.check_integrity()

@@ -16,7 +16,7 @@ from tests.optional import require_module
 
 require_module("transformers", what="the reference engine (tests/test_l3_daemons.py)")
 
-from hicache.client import HiCacheClient  # noqa: E402
+from hicache.client import DaemonError, HiCacheClient  # noqa: E402
 from scripts.ref_engine import ReferenceEngine  # noqa: E402
 from tests.daemon_helpers import start_daemon, stop_daemon  # noqa: E402
 from tests.l3_servers import mooncake_master, redis_cluster  # noqa: E402
@@ -428,5 +428,59 @@ def test_a_clean_stop_lets_the_disks_queued_writes_land(tmp_path):
             engine = ReferenceEngine(hc)
             for p in ps:
                 assert serve_checked(engine, p).computed_from == len(p) - 4
+    finally:
+        stop_daemon(proc)
+
+
+def test_a_flush_of_the_disk_forgets_it_now_and_after_a_restart(tmp_path):
+    """``hicache flush --disk``: the pools and the disk forget everything; a daemon started
+    cold on the folder afterwards finds nothing (the flush outlived the stop), and what it
+    serves is written and found by the next one. A daemon without a disk refuses the flag,
+    changing nothing."""
+    ep = f"ipc://{tmp_path}/d.sock"
+    disk = ["--disk", f"{tmp_path}/disk", "--disk-bytes", "64MiB", "--disk-admission", "all"]
+    flags = [*SHAPE, "--l3-model", "tiny-llama@test", *disk, "--keep-host", "false"]
+    first, second = prompts(1, seed=21)[0], prompts(1, seed=22)[0]
+    proc = start_daemon(ep, *flags)
+    try:
+        with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+            engine = ReferenceEngine(hc)
+            serve_checked(engine, first)
+            wait_written(ep, 18)
+            freed = hc.flush(disk=True)
+            assert freed["disk_freed"] == 18 * 4 and freed["device_freed"] > 0
+            s = l3_stats(ep)
+            assert s["store_disk_held_values"] == 0 and s["store_disk_cleared_values"] == 18
+    finally:
+        stop_daemon(proc)
+    proc = start_daemon(ep, *flags)
+    try:
+        with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+            engine = ReferenceEngine(hc)
+            assert serve_checked(engine, first).computed_from == 0  # not from the disk
+            assert l3_stats(ep)["store_disk_recovered_values"] == 0
+            serve_checked(engine, second)  # what comes after the flush is written and found
+            wait_written(ep, 2 * 18)
+    finally:
+        stop_daemon(proc)
+    proc = start_daemon(ep, *flags)
+    try:
+        with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+            engine = ReferenceEngine(hc)
+            for p in (first, second):
+                assert serve_checked(engine, p).computed_from == len(p) - 4
+    finally:
+        stop_daemon(proc)
+    ep2 = f"ipc://{tmp_path}/plain.sock"
+    proc = start_daemon(ep2, *SHAPE)
+    try:
+        with HiCacheClient(ep2, name="engine", admin=True, timeout_s=30) as hc:
+            engine = ReferenceEngine(hc)
+            serve_checked(engine, first)
+            held = hc.stats()["device_cached_tokens"]
+            with pytest.raises(DaemonError, match="no disk tier"):
+                hc.flush(disk=True)
+            assert hc.stats()["device_cached_tokens"] == held > 0  # nothing flushed
+            assert "disk_freed" not in hc.flush()
     finally:
         stop_daemon(proc)

@@ -224,6 +224,32 @@ def test_write_through_selective_waits_for_hits():
         drop_space("s")
 
 
+@pytest.mark.parametrize("flushed", [False, True])
+def test_write_through_selective_writes_a_prompt_computed_again_after_it_left(flushed):
+    """A prompt the cache let go unwritten (evicted before its hits) and then computed again
+    was reused: its pages go down then, as a hit would send them. A flush forgets nothing it
+    did not write, and is not a reuse."""
+    drop_space("s2")
+    a = machine("s2", write_policy="write_through_selective", write_threshold=2)
+    try:
+        tokens = tokens_of(12, 11)
+        store(a, tokens)
+        a.evict(64, to_l3=not flushed)
+        a.evict_host(128, to_l3=not flushed)
+        settle(a)
+        assert (
+            a.match_prefix(tokens).host_hit_length + a.match_prefix(tokens).device_hit_length == 0
+        )
+        assert a.l3.counters.written_pages == 0
+        store(a, tokens_of(8, 12))  # (another prompt, computed once: not written)
+        store(a, tokens)  # computed again
+        assert a.l3.counters.written_pages == (0 if flushed else 3)
+        a.check_integrity()
+    finally:
+        a.close()
+        drop_space("s2")
+
+
 def test_the_cost_model_skips_a_fetch_slower_than_recomputing():
     drop_space("c")
     a = machine("c")

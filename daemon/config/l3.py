@@ -62,7 +62,8 @@ def _fields() -> dict[str, tuple[type, Any, str]]:
         str,
         "reused",
         "which pages go to the disk (one of: reused: pages hit at least once while cached, or "
-        "a longer prompt through them; all; none: the disk is only read)",
+        "a longer prompt through them, or computed again after they left the pool; all; none: "
+        "the disk is only read)",
     )
     out["disk_write_budget"] = (
         str,

@@ -51,6 +51,7 @@ from hicache.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
     EvictRequest,
+    FlushRequest,
     FreedReply,
     HeartbeatReply,
     HelloReply,
@@ -80,6 +81,7 @@ ADMIN_OPS = {Op.EVICT, Op.FLUSH}
 NO_CACHE_OPS = NO_SESSION_OPS | {Op.HEARTBEAT, Op.GOODBYE, Op.REGISTER, Op.HOLDINGS}
 MAX_SESSION_LIST = 1000  # sessions listed by stats (the count is always exact)
 CHEAP_SESSION_LIST = 64  # a stats report listing no more live sessions is no view (no budget)
+DISK_FLUSH_WAIT_S = 10.0  # a flush of the disk waits this long for the store call running
 PROCESS_CHECK_S = 1.0  # how often housekeeping looks whether sessions' engine processes live
 
 
@@ -446,13 +448,26 @@ class Handlers:
         return freed
 
     def flush(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
-        """Evict every unlocked token from both tiers (locked data stays)."""
+        """Evict every unlocked token from both tiers (locked data stays); with ``disk``, the
+        disk tier forgets everything too (its IO thread does it, ahead of its queue; this
+        waits up to DISK_FLUSH_WAIT_S for it)."""
+        req = FlushRequest.read(fields)
         assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
+        l3 = self.cache.l3
+        if req.disk and (l3 is None or not l3.store.clears):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "disk: this daemon has no disk tier")
         freed = self._evict_device(self.cache.config.device_tokens, to_l3=False)
         freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens, to_l3=False)
         if self.cache.events is not None:
             self.cache.events.flushed()
-        return self.tiers.fields(FreedReply(freed, freed_host).fields()), []
+        disk = None
+        if req.disk:
+            assert l3 is not None
+            job = l3.clear_store(DISK_FLUSH_WAIT_S)
+            if job.error:
+                raise ProtocolError(ErrorCode.INTERNAL, f"disk: the flush failed: {job.error}")
+            disk = job.cleared * self.cache.page_size if job.done.is_set() else -1
+        return self.tiers.fields(FreedReply(freed, freed_host, disk).fields()), []
 
     def stats(self, session: Session | None, fields: dict, frames: Frames, call: Call) -> Result:
         """The daemon's figures, every session listed (up to MAX_SESSION_LIST), and with

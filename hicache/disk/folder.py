@@ -6,6 +6,8 @@ owned by this user, no access for others), takes its lock (``lock``, flock: rele
 kernel when the process dies, so a crash never leaves it held) and returns it. ``open_data``
 opens or makes a data file (0600, never through a symlink), preallocated to its size, with
 O_DIRECT when the file system takes it (tmpfs refuses it: buffered I/O then, said once).
+``read_floor``/``write_floor``: the folder's ``floor``, the write sequence at or below which
+slots were flushed (a small file replaced atomically and synced: a flush outlives a crash).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ log = logging.getLogger("hicache.disk")
 
 ALIGN = 4096  # direct I/O's alignment of offsets, lengths and buffers (a page: every drive's)
 LOCK_NAME = "lock"
+FLOOR_NAME = "floor"
 
 
 class FolderRefused(ValueError):
@@ -98,6 +101,49 @@ def open_data(path: str, size: int) -> tuple[int, bool]:
         return direct, True
     log.warning("disk: %s refuses O_DIRECT (tmpfs?): buffered I/O, through the page cache", path)
     return fd, False
+
+
+def read_floor(folder: str) -> int:
+    """The folder's floor (0: none, or unreadable: logged)."""
+    path = os.path.join(folder, FLOOR_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        log.warning("disk: %s unreadable (%s): no floor", path, str(exc))
+        return 0
+    try:
+        text = os.read(fd, 64)
+    finally:
+        os.close(fd)
+    try:
+        return max(0, int(text.decode().strip()))
+    except ValueError:
+        log.warning("disk: %s does not hold a number: no floor", path)
+        return 0
+
+
+def write_floor(folder: str, seq: int) -> None:
+    """Set the folder's floor to ``seq``, durably (OSError)."""
+    path = os.path.join(folder, FLOOR_NAME)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, f"{seq}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def _direct(path: str) -> int:

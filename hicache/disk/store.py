@@ -40,11 +40,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hicache.disk.budget import WriteBudget
-from hicache.disk.folder import ALIGN, Folder, open_data, open_folder
+from hicache.disk.folder import ALIGN, Folder, open_data, open_folder, read_floor, write_floor
 from hicache.disk.slots import MAX_KEY, TRAILER_BYTES, Fault, Header, SlotFiles
 
 log = logging.getLogger("hicache.disk")
 DATA_NAME = "slots.dat"
+CLEAR_GAP = 1 << 32  # a clear's floor is this far above the last write's sequence
 
 
 class SlotStore:
@@ -108,6 +109,7 @@ class SlotStore:
         self.bad_slots = 0  # slots read back that did not hold their key
         self.refused_no_prefix = 0  # puts refused: their chain parent is not held
         self.refused_no_room = 0  # puts refused: only the batch's own prefixes to evict
+        self.cleared = 0  # values forgotten by clear (an operator's flush)
         self.scanned = self.recovered = 0
         self.scan_seconds = 0.0
         self._recover(scan_s)
@@ -116,6 +118,8 @@ class SlotStore:
     def _recover(self, scan_s: float) -> None:
         """Scan headers until ``scan_s`` is spent; the rest of the slots are free."""
         started = time.monotonic()
+        floor = max(read_floor(f.path) for f in self.folders)  # (slots at or below: flushed)
+        self._seq = floor
         found: dict[str, tuple[int, int, str | None]] = {}  # key -> (seq, slot, parent)
         slot = 0
         while slot < self.files.count and time.monotonic() - started < scan_s:
@@ -125,7 +129,13 @@ class SlotStore:
                 self.read_errors += 1
                 log.warning("disk: slot %d unreadable at start (%s): free", slot, str(exc))
                 header = None
-            if header is not None and header.value_len <= self.files.value_bytes:
+            if header is not None:
+                self._seq = max(self._seq, header.seq)  # (new writes come after every one)
+            if (
+                header is not None
+                and header.value_len <= self.files.value_bytes
+                and (header.seq > floor)
+            ):
                 held = found.get(header.key)
                 if held is None or held[0] < header.seq:
                     if held is not None:
@@ -333,6 +343,21 @@ class SlotStore:
             bad.append("disk: parents kept for keys not held")
         return bad
 
+    def clear(self) -> int:
+        """Forget every value, now and after a restart (each folder's floor is raised to the
+        last write's sequence, durably, before the index is emptied); how many were held.
+        OSError (nothing forgotten) when a floor cannot be written."""
+        floor = self._seq + CLEAR_GAP  # (above any slot a scan cut short did not read)
+        for folder in self.folders:
+            write_floor(folder.path, floor)
+        self._seq = floor
+        held = len(self._index)
+        self._free.extend(self._index.values())
+        self._index.clear()
+        self._parent.clear()
+        self.cleared += held
+        return held
+
     def sync(self) -> None:
         """Make every write so far durable against a power loss (fdatasync)."""
         try:
@@ -356,6 +381,7 @@ class SlotStore:
             "disk_written_bytes": self.written_bytes,
             "disk_read_bytes": self.read_bytes,
             "disk_evicted_values": self.evicted,
+            "disk_cleared_values": self.cleared,
             "disk_budget_bytes_per_day": self.budget.bytes_per_day,
             "disk_budget_left_bytes": self.budget.left(),
             "disk_budget_refused_writes": self.budget.refused,

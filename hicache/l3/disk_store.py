@@ -14,6 +14,7 @@ from hicache.l3.store import Check, Got, L3Store, Parents, StoreDown
 
 class DiskStore(L3Store):
     keeps_prefixes = True  # (SlotStore: a page only with its prefix)
+    clears = True
 
     def __init__(
         self,
@@ -56,6 +57,9 @@ class DiskStore(L3Store):
     def remove(self, keys: list[str]) -> None:
         self._store().remove(keys)
 
+    def clear(self) -> int:
+        return self._store().clear()
+
     def describe(self) -> dict[str, Any]:
         slots = self.slots
         return slots.figures() if slots is not None else {}
@@ -76,6 +80,7 @@ class DiskAbove(L3Store):
     def __init__(self, disk: DiskStore, below: L3Store):
         self.disk, self.below = disk, below
         self.keeps_prefixes = True  # (the disk's rule; the store below is given no parents)
+        self.clears = True  # (the disk only: the store below is shared)
         self.url = f"{disk.url} over {below.url}"
         self.read_chunk_bytes = below.read_chunk_bytes
 
@@ -136,6 +141,9 @@ class DiskAbove(L3Store):
         self.disk.remove(keys)
         with contextlib.suppress(StoreDown):  # (best effort, as the interface says)
             self.below.remove(keys)
+
+    def clear(self) -> int:
+        return self.disk.clear()
 
     def describe(self) -> dict[str, Any]:
         below = {f"below_{k}": v for k, v in self.below.describe().items()}

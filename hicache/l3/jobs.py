@@ -6,6 +6,7 @@ result fields. Nothing else is shared.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,3 +61,14 @@ class Fetch:
     io_s: float = 0.0  # spent in store calls
     done: bool = False
     adopted: int = 0  # pages that became host nodes
+
+
+@dataclass(eq=False)
+class Clear:
+    """An operator's flush of the store (``L3Store.clear``), run by the IO thread before any
+    other job; ``done`` is set when it ran (or ended unrun: ``error``)."""
+
+    cleared: int = 0  # values the store forgot
+    error: str = ""
+    io_s: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)

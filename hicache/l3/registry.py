@@ -45,6 +45,8 @@ class LazyStore(L3Store):
     def __init__(self, url: str, **options: Any):
         self.url = check_url(url)
         self.read_chunk_bytes = ZERO_COPY_READ_BYTES if url.startswith("mooncake://") else 0
+        # a disk (alone, or over the store): its rules hold before it is opened
+        self.keeps_prefixes = self.clears = url.startswith("disk://") or bool(options.get("disk"))
         self.options = options
         self.inner: L3Store | None = None
 
@@ -79,6 +81,9 @@ class LazyStore(L3Store):
 
     def remove(self, keys: list[str]) -> None:
         self._store().remove(keys)
+
+    def clear(self) -> int:
+        return self._store().clear()
 
     def describe(self) -> dict[str, Any]:
         inner = self.inner

@@ -36,6 +36,7 @@ class L3Store(ABC):
     # holds a key only with its chain parent (the disk): puts and gets are given ``parents``,
     # and a write whose first page's parent the store lacks is not made
     keeps_prefixes: bool = False
+    clears: bool = False  # ``clear`` forgets what this node's store holds (the disk)
     read_chunk_bytes: int = 0  # pages per get, in bytes, when the caller checks them (0: its own)
 
     def attach(self, pages: PageSegments) -> None:
@@ -69,6 +70,12 @@ class L3Store(ABC):
     def remove(self, keys: list[str]) -> None:
         """Drop values that failed to verify, so the next write of those pages puts them again
         (best effort: a failure here is ignored)."""
+
+    def clear(self) -> int:
+        """Forget every value (an operator's flush), now and after a restart: how many were
+        held. Only a store that ``clears`` (a shared remote store is never flushed from one
+        node); OSError when it cannot."""
+        raise NotImplementedError(f"{self.url}: not flushed from a daemon")
 
     def describe(self) -> dict[str, Any]:
         """Store-specific figures for stats (nodes, segment sizes). Called from another thread

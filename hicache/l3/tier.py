@@ -11,8 +11,9 @@ tier); "the side" below is that pool. What it changes in the cache:
   the tree gives them up (eviction), the write holds them and frees them when it ends.
 - Writes (``offer``): a node and its not-yet-stored ancestors that have pages on the side, in
   prefix order, once their pages there are complete (write_through: a backup's ack on the host
-  side, an insert on the only pool), once hit often enough (selective) or when the side evicts
-  them (write_back). A bounded queue: past ``queue_pages`` a write is dropped.
+  side, an insert on the only pool), once hit often enough or computed again after they left
+  the side unwritten (selective: ``seen``) or when the side evicts them (write_back). A
+  bounded queue: past ``queue_pages`` a write is dropped.
 - Fetches (``prefetch``): the part of a prefix beyond what the tree holds; the store's leading
   run of hits gets pages on the side (OWNED by the fetch, allocated only once hits are known),
   is read, verified, and becomes a leaf (host-only, or an ordinary unlocked leaf of the only
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -33,13 +35,14 @@ import numpy as np
 from hicache.l3.breaker import Breaker
 from hicache.l3.config import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy
 from hicache.l3.counters import L3Counters, ewma, keys_above, tokens_above
-from hicache.l3.jobs import Fetch, Write
+from hicache.l3.jobs import Clear, Fetch, Write
 from hicache.l3.keys import KeyChain, identity_of
 from hicache.l3.pages import PageSegments
 from hicache.l3.sides import side_of
 from hicache.l3.store import L3Store
 from hicache.l3.worker import IOWorker
 from hicache.memory import PageState
+from hicache.observe import page_hashes
 
 if TYPE_CHECKING:
     from hicache.cache_view import L3Host
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hicache.l3")
 MISS_TTL_S = 1.0  # a prefix the store did not have is not asked for again this soon
+SEEN_PAGES = 1 << 18  # selective: pages remembered after they left the side unwritten
 
 
 class L3Tier:
@@ -84,6 +88,9 @@ class L3Tier:
         self.through = config.write_policy is L3WritePolicy.WRITE_THROUGH
         self.selective = config.write_policy is L3WritePolicy.WRITE_THROUGH_SELECTIVE
         self.write_back = config.write_policy is L3WritePolicy.WRITE_BACK
+        # selective: page names (observe.page_hash) of pages the side let go unwritten, least
+        # recent first; such a page computed again has earned its write (it was reused)
+        self.seen: OrderedDict[int, None] = OrderedDict()
 
     # ---- writes -------------------------------------------------------------------------------
     def after_backup(self, nodes: list[TreeNode]) -> None:
@@ -94,7 +101,7 @@ class L3Tier:
                 self.offer(node)
         elif self.selective:
             for node in nodes:
-                if node.hit_count >= self.config.write_threshold:
+                if node.hit_count >= self.config.write_threshold or self._seen_before(node):
                     self.offer(node)
 
     def after_hit(self, path: list[TreeNode]) -> None:
@@ -135,6 +142,8 @@ class L3Tier:
         job = node.l3
         pages = self.side.pages(node)
         assert pages is not None  # (it leaves the side: it has pages there)
+        if job is None and self.selective and to_l3:
+            self._remember(node)
         if isinstance(job, Write):
             job.held.append(pages)
             return True
@@ -149,6 +158,31 @@ class L3Tier:
         self.counters.write_back_pages += len(pages)
         self._submit_write(write)
         return True
+
+    def _page_names(self, node: TreeNode) -> np.ndarray:
+        """``node``'s pages' names: chained over every token before them and the namespace."""
+        key = b"".join([*keys_above(node), node.key])
+        names = page_hashes(
+            np.frombuffer(key, np.int32), self.page_size, repr(node.namespace).encode()
+        )
+        return names[len(names) - node.num_tokens // self.page_size :]
+
+    def _remember(self, node: TreeNode) -> None:
+        """selective: ``node`` leaves the side unwritten; remember its pages (bounded)."""
+        seen = self.seen
+        for name in self._page_names(node).tolist():
+            seen[name] = None
+            seen.move_to_end(name)
+        while len(seen) > SEEN_PAGES:
+            seen.popitem(last=False)
+
+    def _seen_before(self, node: TreeNode) -> bool:
+        """selective: whether a page of ``node`` left the side unwritten before (it was
+        computed again: reused)."""
+        if not self.seen:
+            return False
+        seen = self.seen
+        return any(name in seen for name in self._page_names(node).tolist())
 
     def _submit_write(self, job: Write) -> None:
         self.writes.add(job)
@@ -305,6 +339,26 @@ class L3Tier:
         fetch.stage = "done"
         self.fetches.pop((fetch.namespace, fetch.key), None)
 
+    # ---- an operator's flush ----------------------------------------------------------------
+    def clear_store(self, wait_s: float) -> Clear:
+        """Have the IO thread make the store forget everything (a store that ``clears``: the
+        disk), ahead of queued jobs; waits up to ``wait_s`` for it (then it is still queued,
+        ``done`` unset, and applied by a later ``poll``). Once it ran, no node is taken as
+        stored any more (``l3`` True -> None: written again at its next offer)."""
+        job = Clear()
+        self.io.submit(job)
+        job.done.wait(wait_s)
+        self.poll()
+        return job
+
+    def _clear_done(self, job: Clear) -> None:
+        if job.error:
+            return
+        for node in self.cache.tree.iter_nodes():
+            if node.l3 is True:
+                node.l3 = None
+        self.misses.clear()
+
     # ---- the control thread's turn ------------------------------------------------------------
     def poll(self) -> list[Fetch]:
         """Apply what the IO thread finished; returns the fetches that ended. Call it between
@@ -316,6 +370,8 @@ class L3Tier:
             job = done.popleft()
             if isinstance(job, Write):
                 self._write_done(job)
+            elif isinstance(job, Clear):
+                self._clear_done(job)
             else:
                 self._fetch_step(job)
                 if job.done:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from hicache.l3.breaker import Breaker
-from hicache.l3.jobs import Fetch, Write
+from hicache.l3.jobs import Clear, Fetch, Write
 from hicache.l3.keys import KeyChain
 from hicache.l3.pages import PageSegments, trailer, verify
 from hicache.l3.store import L3Store, StoreDown
@@ -43,9 +43,11 @@ class IOWorker:
         self.store, self.chain, self.pages, self.breaker = store, chain, pages, breaker
         self.batch = batch
         self.notify = notify
+        self.clears: deque[Clear] = deque()
         self.fetches: deque[Fetch] = deque()
         self.writes: deque[Write] = deque()
-        self.done: deque[Fetch | Write] = deque()  # appended here, popped by the control thread
+        # appended here, popped by the control thread
+        self.done: deque[Fetch | Write | Clear] = deque()
         self.cv = threading.Condition()
         self.stopping = False
         self.drain_until = 0.0  # stopping: queued writes still run until then (monotonic)
@@ -61,16 +63,18 @@ class IOWorker:
         self.thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
         self.thread.start()
 
-    def submit(self, job: Fetch | Write) -> None:
+    def submit(self, job: Fetch | Write | Clear) -> None:
         with self.cv:
             if isinstance(job, Fetch):
                 self.fetches.append(job)
+            elif isinstance(job, Clear):
+                self.clears.append(job)
             else:
                 self.writes.append(job)
             self.cv.notify()
 
     def pending(self) -> int:
-        return len(self.fetches) + len(self.writes) + self.busy
+        return len(self.clears) + len(self.fetches) + len(self.writes) + self.busy
 
     def close(self, wait_s: float = CLOSE_WAIT_S, drain_s: float = 0.0) -> bool:
         """Stop after the job running now; queued fetches end unrun (error "closing"), and so
@@ -81,7 +85,9 @@ class IOWorker:
         with self.cv:
             self.stopping = True
             self.drain_until = time.monotonic() + drain_s
-            queues = (self.fetches,) if drain_s > 0 else (self.fetches, self.writes)
+            queues: tuple[deque, ...] = (self.clears, self.fetches)
+            if drain_s <= 0:
+                queues += (self.writes,)
             for queue in queues:
                 self._end_unrun(queue)
             self.cv.notify()
@@ -97,17 +103,25 @@ class IOWorker:
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not (self.fetches or self.writes or self.stopping):
+                while not (self.clears or self.fetches or self.writes or self.stopping):
                     self.cv.wait()
                 if self.stopping and time.monotonic() >= self.drain_until:
                     self._end_unrun(self.writes)  # (past the drain: what is left ends unrun)
-                if self.stopping and not (self.fetches or self.writes):
+                if self.stopping and not (self.clears or self.fetches or self.writes):
                     return
-                job = self.fetches.popleft() if self.fetches else self.writes.popleft()
+                job: Fetch | Write | Clear
+                if self.clears:
+                    job = self.clears.popleft()
+                elif self.fetches:
+                    job = self.fetches.popleft()
+                else:
+                    job = self.writes.popleft()
                 self.busy = True
             started = time.perf_counter()
             try:
-                if not self.breaker.allow():
+                if isinstance(job, Clear):
+                    self._clear(job)
+                elif not self.breaker.allow():
                     job.error = "breaker open"
                 elif isinstance(job, Write):
                     self._write(job)
@@ -126,11 +140,20 @@ class IOWorker:
             with self.cv:
                 self.busy = False
             self.done.append(job)
+            if isinstance(job, Clear):
+                job.done.set()
             if self.notify is not None:
                 try:
                     self.notify()
                 except Exception:  # noqa: BLE001  (waking the loop is best effort)
                     log.debug("notify failed", exc_info=True)
+
+    def _clear(self, job: Clear) -> None:
+        try:
+            job.cleared = self.store.clear()
+        except OSError as exc:  # (the drive's error: nothing was forgotten)
+            job.error = str(exc)
+            log.warning("third tier %s: the flush failed (%s)", self.store.url, exc)
 
     def _end_unrun(self, queue: deque) -> None:
         """Every job of ``queue`` done with error "closing" (under ``cv``)."""
@@ -138,6 +161,8 @@ class IOWorker:
             job = queue.popleft()
             job.error = "closing"
             self.done.append(job)
+            if isinstance(job, Clear):
+                job.done.set()
 
     def _failed(self, exc: BaseException) -> None:
         """A job failed as a whole: the breaker counts it; its opening is logged."""

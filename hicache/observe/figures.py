@@ -181,6 +181,8 @@ DISK_FIGURES: tuple[Figure, ...] = (
     _disk("written_values", "counter", "pages", "pages written to the disk", "written_pages"),
     _disk("written_bytes", "counter", "bytes", "bytes written to the disk", "written_bytes"),
     _disk("evicted_values", "counter", "pages", "pages evicted from the disk", "evicted_pages"),
+    _disk("cleared_values", "counter", "pages", "pages an operator's flush of the disk let go",
+          "cleared_pages"),
     _disk("budget_bytes_per_day", "gauge", "bytes", "bytes the disk may write in any 24 hours",
           "budget_bytes"),
     _disk("budget_left_bytes", "gauge", "bytes", "bytes the disk may still write in the last "

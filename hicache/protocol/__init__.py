@@ -64,6 +64,7 @@ from hicache.protocol.header import (
 from hicache.protocol.messages import (
     AllocRequest,
     EvictRequest,
+    FlushRequest,
     FreedReply,
     FreeRequest,
     HeartbeatReply,
@@ -99,6 +100,7 @@ __all__ = [
     "ENGINE_REPORT_MAX",
     "ErrorCode",
     "EvictRequest",
+    "FlushRequest",
     "FreeRequest",
     "FreedReply",
     "HEARTBEAT_INTERVAL_S",

@@ -317,6 +317,20 @@ class EvictRequest(NamedTuple):
         return cls(device, int_field(fields, "host_tokens") if "host_tokens" in fields else 0)
 
 
+class FlushRequest(NamedTuple):
+    """FLUSH (admin): every unlocked token of the pools, and with ``disk`` everything the
+    node's disk tier holds."""
+
+    disk: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        return _sparse(self)
+
+    @classmethod
+    def read(cls, fields: dict[str, Any]) -> FlushRequest:
+        return cls(bool_field(fields, "disk", False))
+
+
 class RegisterRequest(NamedTuple):
     """REGISTER: an engine's KV layout (an EngineLayout's fields, checked where it is read)."""
 
@@ -459,9 +473,15 @@ class FreedReply(NamedTuple):
 
     device_freed: int
     host_freed: int
+    # FLUSH with disk: tokens the disk forgot (-1: the flush waits behind a store call that
+    # still runs, and happens when it ends); absent otherwise
+    disk_freed: int | None = None
 
     def fields(self) -> dict[str, Any]:
-        return self._asdict()
+        out = self._asdict()
+        if self.disk_freed is None:
+            del out["disk_freed"]
+        return out
 
     @classmethod
     def read(cls, fields: dict[str, Any]) -> FreedReply:
