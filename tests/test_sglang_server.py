@@ -178,6 +178,42 @@ def test_a_restarted_server_and_a_second_server_read_their_prompts_from_the_daem
             assert got["output_ids"] == answer
 
 
+def test_a_server_reads_the_disk_after_the_daemon_restarted_cold(model, servers, tmp_path):
+    """The README's SGLang config on a daemon with a disk (docs/disk-tier.md's config for
+    engines, the default admission ``reused``): prompts computed, then read back from the
+    daemon once (so they earned the disk); the daemon stops and starts again without its pool;
+    a new server finds every prompt in storage, now on the disk, with the same answers."""
+    from tests.l3_servers import l3_settled
+
+    endpoint = f"ipc://{tmp_path}/hicache.sock"
+    flags = (*DAEMON, "--disk", str(tmp_path / "disk"), "--disk-bytes", "256MiB",
+             "--l3-model", "tiny-llama")  # fmt: skip
+    prompts = [text(seed, 290 + seed) for seed in (31, 37)]
+    proc = start_daemon(endpoint, *flags)
+    try:
+        server = servers(model, endpoint)
+        answers = [server.generate(p)["output_ids"] for p in prompts]
+        for prompt, answer in zip(prompts, answers, strict=True):
+            served_from_daemon(server, prompt, answer)  # (a hit: reused)
+        server.flush()  # (waits for SGLang's backups)
+        l3 = l3_settled(endpoint)
+        assert l3["written_pages"] >= 2 * pages_of(290) // PAGE and not l3["failed_write_pages"]
+        server.stop()
+    finally:
+        stop_daemon(proc)  # (a clean stop: what is queued for the disk lands)
+    proc = start_daemon(endpoint, *flags)
+    try:
+        again = servers(model, endpoint)
+        for prompt, answer in zip(prompts, answers, strict=True):
+            got = again.generate(prompt)
+            assert got["details"].get("storage") == pages_of(got["prompt_tokens"]), got
+            assert got["output_ids"] == answer
+        l3 = l3_settled(endpoint)
+        assert l3["store_disk_hits"] >= 2 * pages_of(290) // PAGE and l3["corrupt_pages"] == 0
+    finally:
+        stop_daemon(proc)
+
+
 def test_a_daemon_killed_under_a_serving_server_is_a_miss_and_a_new_one_is_used(
     model, daemon, servers
 ):

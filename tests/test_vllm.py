@@ -200,6 +200,43 @@ def test_engines_on_two_machines_share_kv_through_a_store(model, tmp_path):
                 stop_daemon(proc)
 
 
+def test_a_vllm_engine_reads_the_disk_after_the_daemon_restarted_cold(model, tmp_path):
+    """docs/disk-tier.md's config for engines (``--device-tier engine --disk``, the default
+    admission ``reused``): a first engine computes the prompts, a second one hits them (so they
+    earned the disk); the daemon stops and starts again without its pool; a third engine's
+    lookups say "not yet" while the daemon reads the disk, then every whole block is a hit,
+    with the first engine's outputs."""
+    ep = f"ipc://{tmp_path}/h.sock"
+    flags = (
+        "--device-tier", "engine", "--host-bytes", "16MiB", "--disk", str(tmp_path / "disk"),
+        "--disk-bytes", "64MiB", "--l3-model", "tiny-llama", "--keep-host", "false",
+    )  # fmt: skip
+    proc = start_daemon(ep, *flags)
+    try:
+        first = run("generate", model=model, endpoint=ep)
+        assert [o["cached"] for o in run("generate", model=model, endpoint=ep)["run"]] == (
+            EXPECTED_CACHED
+        )
+        l3 = l3_settled(ep)
+        assert l3["written_pages"] >= max(EXPECTED_CACHED) // BLOCK
+        assert l3["failed_write_pages"] == 0
+    finally:
+        stop_daemon(proc)  # (a clean stop: what is queued for the disk lands)
+    proc = start_daemon(ep, *flags)
+    try:
+        third = run("generate", model=model, endpoint=ep)
+        assert [o["cached"] for o in third["run"]] == EXPECTED_CACHED
+        assert same(third["run"], first["run"], tol=1e-5)
+        stats = daemon_stats(ep)
+        assert stats["integrity"] == "ok"
+        l3 = stats["l3"]
+        assert l3["adopted_pages"] >= max(EXPECTED_CACHED) // BLOCK and l3["corrupt_pages"] == 0
+        assert l3["store_disk_hits"] >= max(EXPECTED_CACHED) // BLOCK
+        assert l3["store_disk_recovered_values"] == l3["store_disk_held_values"] > 0
+    finally:
+        stop_daemon(proc)
+
+
 def test_a_vllm_engine_killed_before_its_goodbye_holds_nothing_for_its_lease(model, tmp_path):
     """vLLM's front end may SIGKILL its engine core before the connector's stopping goodbye
     goes out: the daemon sees the process gone and gives its session back after the
