@@ -1,6 +1,6 @@
-"""The disk tier end to end (``python -m scripts.bench_disk --part e2e``): a real transformer served through
-the daemon (``ref_engine.py``) on traces whose working set is 4x the host pool and fits the
-disk, each configuration in a fresh daemon, side by side in one run:
+"""The disk tier end to end (``python -m scripts.bench_disk --part e2e``): a real transformer
+served through the daemon (``ref_engine.py``) on traces whose working set is 4x the host pool
+and fits the disk, each configuration in a fresh daemon, side by side in one run:
 
 - ``host only``: the device and host pools, no disk;
 - ``disk all`` / ``disk reused``: the same pools over a disk (``--disk-admission``);

@@ -371,8 +371,8 @@ MUTATIONS = [
     Mutation(
         "a-disk-flush-comes-back-after-a-restart",
         "hicache/disk/store.py",
-        "                header.seq > floor\n",
-        "                True\n",
+        "                and header.seq > floor\n",
+        "                and True\n",
         ("tests/test_l3_daemons.py", "-k", "flush_of_the_disk"),
     ),
     Mutation(
@@ -388,6 +388,27 @@ MUTATIONS = [
         "        if req.disk and (l3 is None or not l3.store.clears):",
         "        if False:",
         ("tests/test_l3_daemons.py", "-k", "flush_of_the_disk"),
+    ),
+    Mutation(
+        "a-restart-resets-the-disks-write-budget",
+        "hicache/disk/store.py",
+        "                self.budget.load(record)\n",
+        "                pass\n",
+        ("tests/test_disk_store.py", "-k", "outlives_a_restart"),
+    ),
+    Mutation(
+        "a-page-that-leaves-the-disk-leaves-its-tail-alone",
+        "hicache/disk/store.py",
+        "            stack.extend(self._kids.pop(at, ()))\n",
+        "            self._kids.pop(at, ())\n",
+        ("tests/test_disk_store.py", "-k", "takes_its_tail_along"),
+    ),
+    Mutation(
+        "a-restart-keeps-a-tail-whose-prefix-was-lost",
+        "hicache/disk/store.py",
+        " never a tail alone)\n            self._drop(key)\n",
+        " never a tail alone)\n            pass\n",
+        ("tests/test_disk_store.py", "-k", "takes_its_tail_along"),
     ),
     Mutation(
         "disk-over-a-store-never-reads-the-disk",

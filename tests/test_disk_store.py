@@ -196,6 +196,32 @@ def test_the_disk_evicts_leaves_before_their_prefixes(tmp_path):
         store.close()
 
 
+def test_a_page_that_goes_takes_its_tail_along(tmp_path):
+    """A slot read back torn (or removed after it failed to verify), and a slot lost before a
+    restart: what was held under it goes too, never a tail alone."""
+    store = _chain_store(tmp_path / "d", 8)
+    try:
+        assert _put_chain(store, ["a", "b", "c"]) == [True] * 3
+        assert _put_chain(store, ["x"], parent="b") == [True]  # a branch under b
+        where = store.files.where(1)[1]  # (b's slot: the second taken)
+    finally:
+        store.close()
+    store = _chain_store(tmp_path / "d", 8)
+    try:
+        store.remove(["b"])
+        assert store.held() == ["a"] and store.check() == []
+    finally:
+        store.close()
+    with open(tmp_path / "d" / "slots.dat", "r+b") as fh:
+        fh.seek(where + 30)
+        fh.write(b"\xff")
+    store = _chain_store(tmp_path / "d", 8)
+    try:
+        assert store.held() == ["a"] and store.recovered == 1 and store.check() == []
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_chains_keep_the_prefix_rule_and_the_order(tmp_path, seed):
     """Random prompts sharing prefixes, reads and restarts on a small disk: after every step
@@ -245,6 +271,31 @@ def test_the_write_budget_is_never_exceeded(tmp_path):
         figures = store.figures()
         assert figures["disk_budget_refused_writes"] == 3
         assert figures["disk_written_bytes"] == 2 * slot
+    finally:
+        store.close()
+
+
+def test_the_budget_outlives_a_restart(tmp_path):
+    """What a folder wrote in the last day counts after a restart: a daemon stopped and
+    started again (or crash-looping) never writes more than the budget in a day."""
+    slot = 8192
+    store = SlotStore([str(tmp_path / "d")], 16 * slot, 64, budget_bytes_per_day=6 * slot)
+    try:
+        got = store.put_many([(f"k{i}", [bytes(64)], bytes(16)) for i in range(4)])
+        assert got == [True] * 4
+    finally:
+        store.close()
+    store = SlotStore([str(tmp_path / "d")], 16 * slot, 64, budget_bytes_per_day=6 * slot)
+    try:
+        assert store.budget.used() == 4 * slot
+        got = store.put_many([(f"n{i}", [bytes(64)], bytes(16)) for i in range(4)])
+        assert got == [True, True, False, False] and store.budget.refused == 2
+    finally:
+        store.close()
+    (tmp_path / "d" / "budget").write_text("not a record")  # a damaged record: ignored
+    store = SlotStore([str(tmp_path / "d")], 16 * slot, 64, budget_bytes_per_day=6 * slot)
+    try:
+        assert store.budget.used() == 0
     finally:
         store.close()
 

@@ -6,8 +6,9 @@ owned by this user, no access for others), takes its lock (``lock``, flock: rele
 kernel when the process dies, so a crash never leaves it held) and returns it. ``open_data``
 opens or makes a data file (0600, never through a symlink), preallocated to its size, with
 O_DIRECT when the file system takes it (tmpfs refuses it: buffered I/O then, said once).
-``read_floor``/``write_floor``: the folder's ``floor``, the write sequence at or below which
-slots were flushed (a small file replaced atomically and synced: a flush outlives a crash).
+``read_note``/``write_note``: a folder's small files, replaced atomically and synced: the
+``floor`` (the write sequence at or below which slots were flushed: a flush outlives a crash)
+and the write budget's record (``budget.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ log = logging.getLogger("hicache.disk")
 ALIGN = 4096  # direct I/O's alignment of offsets, lengths and buffers (a page: every drive's)
 LOCK_NAME = "lock"
 FLOOR_NAME = "floor"
+NOTE_MAX = 64 << 10  # bytes of a folder's small file (the floor, the write budget's record)
 
 
 class FolderRefused(ValueError):
@@ -103,34 +105,37 @@ def open_data(path: str, size: int) -> tuple[int, bool]:
     return fd, False
 
 
-def read_floor(folder: str) -> int:
-    """The folder's floor (0: none, or unreadable: logged)."""
-    path = os.path.join(folder, FLOOR_NAME)
+def read_note(folder: str, name: str) -> str | None:
+    """The text of the folder's small file ``name`` (None: none, or unreadable: logged)."""
+    path = os.path.join(folder, name)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        return 0
+        return None
     except OSError as exc:
-        log.warning("disk: %s unreadable (%s): no floor", path, str(exc))
-        return 0
+        log.warning("disk: %s unreadable (%s): ignored", path, str(exc))
+        return None
     try:
-        text = os.read(fd, 64)
+        data = os.read(fd, NOTE_MAX)
     finally:
         os.close(fd)
     try:
-        return max(0, int(text.decode().strip()))
-    except ValueError:
-        log.warning("disk: %s does not hold a number: no floor", path)
-        return 0
+        return data.decode()
+    except UnicodeDecodeError:
+        log.warning("disk: %s is not text: ignored", path)
+        return None
 
 
-def write_floor(folder: str, seq: int) -> None:
-    """Set the folder's floor to ``seq``, durably (OSError)."""
-    path = os.path.join(folder, FLOOR_NAME)
+def write_note(folder: str, name: str, text: str) -> None:
+    """Replace the folder's small file ``name`` with ``text``, durably (OSError)."""
+    data = text.encode()
+    if len(data) > NOTE_MAX:
+        raise ValueError(f"disk: {name}: {len(data)} bytes, more than {NOTE_MAX}")
+    path = os.path.join(folder, name)
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, f"{seq}\n".encode())
+        os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -144,6 +149,23 @@ def write_floor(folder: str, seq: int) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def read_floor(folder: str) -> int:
+    """The folder's floor (0: none, or not a number: logged)."""
+    text = read_note(folder, FLOOR_NAME)
+    if text is None:
+        return 0
+    try:
+        return max(0, int(text.strip()))
+    except ValueError:
+        log.warning("disk: %s's floor is not a number: none", folder)
+        return 0
+
+
+def write_floor(folder: str, seq: int) -> None:
+    """Set the folder's floor to ``seq``, durably (OSError)."""
+    write_note(folder, FLOOR_NAME, f"{seq}\n")
 
 
 def _direct(path: str) -> int:

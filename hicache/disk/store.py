@@ -14,13 +14,17 @@ verify, is free). A key claimed by two slots keeps the newer. What follows:
   when the parent's write failed, it is refused and counted, so what the tier holds of a
   prompt is always its first pages. Recency keeps every parent more recent than its children
   (a use of a value is a use of its prefix), so the least recently used value, the one
-  eviction takes, is always a leaf: a prefix never leaves before its tail.
+  eviction takes, is always a leaf: a prefix never leaves before its tail. A value that goes
+  otherwise (its slot read back torn or overwritten, ``remove``, or not found at a restart)
+  takes everything held under it along.
 - ``get``: the slot is read whole and its header must name the key (else a miss, and the
   slot is freed); the value is copied out with the header's trailer, which the caller
   verifies (a torn or flipped value never verifies). A drive error is a miss.
 - Durability: a value is on the drive once ``put`` returns (direct I/O) and survives a crash
   of the process; against a power loss, once ``sync`` ran (every ``sync_s`` after a put, and
   at ``close``): what a power loss can lose is the last ``sync_s`` of writes, seen as misses.
+  Each sync also saves the write budget's record in the first folder, so a restart counts
+  what the folder wrote in the last day (a crash forgets the writes since the last sync).
 
 Not thread-safe: one thread calls it at a time (the third tier's IO thread); a batch
 (``put_many``, ``get_many``) runs its I/Os on ``io_threads`` threads at once, each through
@@ -40,11 +44,21 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hicache.disk.budget import WriteBudget
-from hicache.disk.folder import ALIGN, Folder, open_data, open_folder, read_floor, write_floor
+from hicache.disk.folder import (
+    ALIGN,
+    Folder,
+    open_data,
+    open_folder,
+    read_floor,
+    read_note,
+    write_floor,
+    write_note,
+)
 from hicache.disk.slots import MAX_KEY, TRAILER_BYTES, Fault, Header, SlotFiles
 
 log = logging.getLogger("hicache.disk")
 DATA_NAME = "slots.dat"
+BUDGET_NAME = "budget"  # the write budget's record, in the first folder
 CLEAR_GAP = 1 << 32  # a clear's floor is this far above the last write's sequence
 
 
@@ -93,11 +107,18 @@ class SlotStore:
         self.budget = WriteBudget(
             capacity_bytes if budget_bytes_per_day is None else budget_bytes_per_day
         )
+        record = read_note(self.folders[0].path, BUDGET_NAME)
+        if record is not None:  # (what this folder wrote in the last day, before this process)
+            try:
+                self.budget.load(record)
+            except ValueError as exc:
+                log.warning("%s: ignored", exc)
         self.sync_s = sync_s
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-disk")
         # key -> slot, least recent first; a held parent is always after its held children
         self._index: OrderedDict[str, int] = OrderedDict()
         self._parent: dict[str, str | None] = {}  # held key -> its chain parent's key
+        self._kids: dict[str, set[str]] = {}  # held key -> its held children (if any)
         self._free: list[int] = []
         self._seq = 0
         self._dirty_since: float | None = None
@@ -134,7 +155,7 @@ class SlotStore:
             if (
                 header is not None
                 and header.value_len <= self.files.value_bytes
-                and (header.seq > floor)
+                and header.seq > floor
             ):
                 held = found.get(header.key)
                 if held is None or held[0] < header.seq:
@@ -151,8 +172,14 @@ class SlotStore:
         for key in _recency_order({k: (seq, parent) for k, (seq, _, parent) in found.items()}):
             seq, where, parent = found[key]
             self._index[key] = where
-            self._parent[key] = parent
+            self._link(key, parent)
             self._seq = max(self._seq, seq)
+        lost = [k for k, p in self._parent.items() if p is not None and p not in self._index]
+        before = len(self._index)
+        for key in lost:  # (its parent's slot was torn or overwritten: never a tail alone)
+            self._drop(key)
+        if lost:
+            log.warning("disk: %d pages whose prefix is gone are free", before - len(self._index))
         self.recovered = len(self._index)
         self.scan_seconds = time.monotonic() - started
         self._free.reverse()  # (pop() takes the lowest slots first)
@@ -236,7 +263,7 @@ class SlotStore:
         for (i, slot, header), error in zip(jobs, self._pool.map(write, jobs), strict=True):
             if error is None and (header.parent is None or header.parent in self._index):
                 self._index[header.key] = slot
-                self._parent[header.key] = header.parent
+                self._link(header.key, header.parent)
                 written.append(header.key)
                 self.written += 1
                 self.written_bytes += self.files.slot_bytes
@@ -310,7 +337,8 @@ class SlotStore:
         return out
 
     def remove(self, keys: Sequence[str]) -> None:
-        """Forget ``keys`` (their slots are free; the bytes are overwritten when reused)."""
+        """Forget ``keys`` and what is held under them (their slots are free; the bytes are
+        overwritten when reused)."""
         for key in keys:
             self._drop(key)
 
@@ -319,7 +347,7 @@ class SlotStore:
         done = 0
         while done < count and self._index:
             key, slot = self._index.popitem(last=False)  # (a leaf: see _touch)
-            del self._parent[key]
+            self._unlink(key)
             self._free.append(slot)
             done += 1
         self.evicted += done
@@ -341,6 +369,14 @@ class SlotStore:
             bad.append("disk: slots not each held or free exactly once")
         if set(self._parent) != set(self._index):
             bad.append("disk: parents kept for keys not held")
+        kids: dict[str, set[str]] = {}
+        for key, parent in self._parent.items():
+            if parent is not None:
+                kids.setdefault(parent, set()).add(key)
+                if parent not in where:
+                    bad.append(f"disk: {key} is held without its parent")
+        if kids != self._kids:
+            bad.append("disk: the children kept do not match the parents")
         return bad
 
     def clear(self) -> int:
@@ -355,13 +391,16 @@ class SlotStore:
         self._free.extend(self._index.values())
         self._index.clear()
         self._parent.clear()
+        self._kids.clear()
         self.cleared += held
         return held
 
     def sync(self) -> None:
-        """Make every write so far durable against a power loss (fdatasync)."""
+        """Make every write so far durable against a power loss (fdatasync), and save the
+        write budget's record (what a later process counts)."""
         try:
             self.files.sync()
+            write_note(self.folders[0].path, BUDGET_NAME, self.budget.dump())
         except OSError as exc:
             log.warning("disk: fdatasync failed (%s)", str(exc))
         self._dirty_since = None
@@ -435,10 +474,29 @@ class SlotStore:
             moved |= walked
         return moved
 
+    def _link(self, key: str, parent: str | None) -> None:
+        self._parent[key] = parent
+        if parent is not None:
+            self._kids.setdefault(parent, set()).add(key)
+
+    def _unlink(self, key: str) -> None:
+        parent = self._parent.pop(key)
+        kids = self._kids.get(parent) if parent is not None else None
+        if kids is not None:
+            kids.discard(key)
+            if not kids:
+                del self._kids[parent]  # type: ignore[arg-type]  # (not None: kids found)
+
     def _drop(self, key: str) -> None:
-        slot = self._index.pop(key, None)
-        if slot is not None:
-            del self._parent[key]
+        """Forget ``key`` and everything held under it (a tail is never held alone)."""
+        stack = [key]
+        while stack:
+            at = stack.pop()
+            slot = self._index.pop(at, None)
+            if slot is None:
+                continue
+            stack.extend(self._kids.pop(at, ()))
+            self._unlink(at)
             self._free.append(slot)
 
     def _maybe_sync(self) -> None:

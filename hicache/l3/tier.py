@@ -40,7 +40,7 @@ from hicache.l3.keys import KeyChain, identity_of
 from hicache.l3.pages import PageSegments
 from hicache.l3.sides import side_of
 from hicache.l3.store import L3Store
-from hicache.l3.worker import IOWorker
+from hicache.l3.worker import FLUSHED, IOWorker
 from hicache.memory import PageState
 from hicache.observe import page_hashes
 
@@ -193,7 +193,7 @@ class L3Tier:
         self.writes.discard(job)
         self.queued_pages -= len(job.pages)
         c = self.counters
-        if job.error:
+        if job.error and job.error != FLUSHED:  # (a flush dropped it: no failure)
             c.errors += 1
         c.written_pages += job.stored
         c.present_pages += job.present
@@ -342,7 +342,8 @@ class L3Tier:
     # ---- an operator's flush ----------------------------------------------------------------
     def clear_store(self, wait_s: float) -> Clear:
         """Have the IO thread make the store forget everything (a store that ``clears``: the
-        disk), ahead of queued jobs; waits up to ``wait_s`` for it (then it is still queued,
+        disk), ahead of queued jobs, dropping the writes still queued; waits up to ``wait_s``
+        for it (then it is still queued,
         ``done`` unset, and applied by a later ``poll``). Once it ran, no node is taken as
         stored any more (``l3`` True -> None: written again at its next offer)."""
         job = Clear()

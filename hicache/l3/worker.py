@@ -26,6 +26,7 @@ from hicache.l3.store import L3Store, StoreDown
 from hicache.memory import PageSums
 
 log = logging.getLogger("hicache.l3")
+FLUSHED = "flushed"  # the error of writes a flush of the store dropped unrun
 CLOSE_WAIT_S = 1.0  # how long close() waits for a store call that runs
 CHUNK_BYTES = 128 << 20  # pages per store call: about this many bytes (at most ``batch``)
 
@@ -112,6 +113,7 @@ class IOWorker:
                 job: Fetch | Write | Clear
                 if self.clears:
                     job = self.clears.popleft()
+                    self._end_unrun(self.writes, FLUSHED)  # (they would write after it)
                 elif self.fetches:
                     job = self.fetches.popleft()
                 else:
@@ -155,11 +157,11 @@ class IOWorker:
             job.error = str(exc)
             log.warning("third tier %s: the flush failed (%s)", self.store.url, exc)
 
-    def _end_unrun(self, queue: deque) -> None:
-        """Every job of ``queue`` done with error "closing" (under ``cv``)."""
+    def _end_unrun(self, queue: deque, why: str = "closing") -> None:
+        """Every job of ``queue`` done with error ``why`` (under ``cv``)."""
         while queue:
             job = queue.popleft()
-            job.error = "closing"
+            job.error = why
             self.done.append(job)
             if isinstance(job, Clear):
                 job.done.set()

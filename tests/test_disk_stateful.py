@@ -1,0 +1,220 @@
+"""Random interleavings on a cache whose third tier is a small disk (``hicache.disk``, opened as
+a daemon opens it): prompts computed, served, evicted, fetched back from the disk, the daemon
+restarted cold on the same folder, the drive failing reads or writes, slot files corrupted
+underneath, the disk flushed. After every step: ``check_integrity()`` on the cache, the
+disk's own invariants (``SlotStore.check``: every slot held or free once, every held parent
+more recent than its children), what the disk holds closed under prefixes (a page only with
+the page before it), the write budget never exceeded, and every token served holding exactly
+the KV computed for its prefix (a torn, flipped or lost slot is a miss, never wrong bytes).
+Page sizes 1, 4 and 16; admission ``all`` and ``reused``; under a host pool and under the
+one pool of an engine-tier daemon."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hicache.l3 import LazyStore
+from hicache.l3.config import L3Config
+from hicache.l3.tier import MISS_TTL_S, L3Tier
+from tests.conftest import make_cache, settle
+from tests.reference import expected_kv, read_kv, write_kv
+
+SLOTS = 24  # the disk's pages (8 KiB slots: these pages are small)
+BUDGET_SLOTS = 30  # the write budget, in slots per day: reached in the longer runs
+
+
+class DiskMachine(RuleBasedStateMachine):
+    page_size = 4
+    admission = "reused"
+    host_tokens = 14  # pages of the host pool (0: the store sits under the one pool)
+    seen = dict.fromkeys(("written", "from_disk", "restarts", "refused_budget", "bad"), 0)
+
+    def __init__(self) -> None:
+        super().__init__()
+        ps = self.page_size
+        rng = np.random.default_rng(ps)
+        base = rng.integers(1, 50, 8 * ps)
+        self.seqs = [
+            np.concatenate([base[: cut * ps], rng.integers(1, 50, 4 * ps)]).astype(np.int32)
+            for cut in (0, 2, 4, 6, 8)
+        ]  # prompts sharing prefixes of 0 to 8 pages
+        self.folder = tempfile.mkdtemp(prefix="hicache-disk-stateful-", dir=os.getcwd())
+        self.skew = 0.0
+        self.error: dict[str, int] = {}  # the drive's injected errors, by op
+        self.cache = self._open()
+
+    # ---- the daemon -------------------------------------------------------------------------
+    def _open(self):
+        ps = self.page_size
+        cache = make_cache(
+            manual=False, page_size=ps, num_kv_heads=2, head_dim=2, device_tokens=10 * ps,
+            host_tokens=self.host_tokens * ps, load_back_threshold=0,
+        )  # fmt: skip
+        policy = {"all": "write_through", "reused": "write_through_selective"}[self.admission]
+        url = f"disk://{self.folder}?bytes={SLOTS * 8192}&budget={BUDGET_SLOTS * 8192}"
+        self.lazy = LazyStore(url)
+        cfg = L3Config(url, "m", write_policy=policy, write_threshold=2, close_drain_s=10.0)
+        cache.attach_l3(L3Tier(cache, cfg, self.lazy, clock=self.clock))
+        self.lazy.exists([])  # (opened here, as the IO thread would at its first call)
+        self.lazy.inner.slots.files.fault = self._fault
+        return cache
+
+    def _fault(self, op: str, slot: int) -> None:
+        code = self.error.get(op)
+        if code:
+            raise OSError(code, os.strerror(code))
+
+    def clock(self) -> float:
+        return time.monotonic() + self.skew
+
+    @property
+    def disk(self):
+        return self.lazy.inner.slots
+
+    def _count(self) -> None:
+        c, f = self.cache.l3.counters, self.disk.figures()
+        self.seen["written"] += c.written_pages
+        self.seen["from_disk"] += c.adopted_pages
+        self.seen["refused_budget"] += f["disk_budget_refused_writes"]
+        self.seen["bad"] += f["disk_bad_slots"] + c.corrupt_pages
+
+    # ---- rules ------------------------------------------------------------------------------
+    @rule(s=st.integers(0, 4), pages=st.integers(1, 12))
+    def compute(self, s: int, pages: int) -> None:
+        """An engine computes a prompt's first pages (and a bit of the next) and inserts them."""
+        tokens = self.seqs[s][: pages * self.page_size + 1]
+        slots = self.cache.alloc(len(tokens))
+        if slots is None:
+            return
+        write_kv(self.cache.device_pool, slots, tokens, 0, tokens)
+        self.cache.insert(tokens, slots)
+
+    @rule(s=st.integers(0, 4))
+    def serve(self, s: int) -> None:
+        """Match (the disk fetched for what the pools lack), load, check every device token."""
+        cache, tokens = self.cache, self.seqs[s]
+        hit = cache.match_prefix(tokens)
+        f = cache.l3.prefetch(tokens.tobytes(), None, hit.device_hit_length + hit.host_hit_length)
+        if f is not None:
+            assert cache.l3.wait(f, timeout=120)
+        hit = cache.match_prefix(tokens)
+        if hit.host_hit_length:
+            cache.load_back(hit.last_host_node)
+            settle(cache)
+            hit = cache.match_prefix(tokens)
+        n = hit.device_hit_length
+        got = read_kv(cache.device_pool, hit.device_indices)
+        assert bool((got == expected_kv(tokens[:n], 2, 2)).all()), "wrong KV served"
+
+    @rule(device=st.integers(0, 64), host=st.integers(0, 64))
+    def evict(self, device: int, host: int) -> None:
+        self.cache.evict(device)
+        if self.host_tokens:
+            self.cache.evict_host(host)
+
+    @rule()
+    def settle(self) -> None:
+        settle(self.cache)
+        self.cache.l3.drain()
+
+    @rule()
+    def restart_cold(self) -> None:
+        """The daemon stops (its queued writes land) and starts again without its pools."""
+        self.cache.l3.drain()
+        self._count()
+        self.cache.close()
+        self.seen["restarts"] += 1
+        self.cache = self._open()
+
+    @rule(
+        op=st.sampled_from(["read", "write"]),
+        code=st.sampled_from([0, 0, 0, errno.EIO, errno.ENOSPC]),
+    )
+    def drive(self, op: str, code: int) -> None:
+        """The drive starts (or stops) failing reads or writes."""
+        self.error[op] = code
+
+    @rule(which=st.integers(0, SLOTS - 1), where=st.sampled_from([30, 4096 + 3]))
+    def corrupt(self, which: int, where: int) -> None:
+        """A byte of a slot's header (30: its trailer's) or page flips underneath."""
+        self.cache.l3.drain()  # (not under a write the IO thread is making)
+        disk = self.disk
+        fd, offset = disk.files.where(which)
+        path = os.path.join(self.folder, "slots.dat")
+        with open(path, "r+b") as fh:
+            fh.seek(offset + where)
+            byte = fh.read(1)
+            if byte:
+                fh.seek(offset + where)
+                fh.write(bytes([byte[0] ^ 0x5A]))
+
+    @precondition(lambda self: not self.error.get("write"))
+    @rule()
+    def flush_disk(self) -> None:
+        job = self.cache.l3.clear_store(30.0)
+        assert job.done.is_set() and not job.error
+        assert self.disk.held() == []
+
+    # ---- after every step ------------------------------------------------------------------
+    @invariant()
+    def sound(self) -> None:
+        self.skew += MISS_TTL_S / 3
+        self.cache.poll()
+        self.cache.l3.poll()
+        self.cache.check_integrity()
+        if self.cache.l3.io.pending():  # (the store is the IO thread's while a job runs; only
+            return  # this thread gives it jobs: with none left, it is idle until the next)
+        disk = self.disk
+        assert disk.check() == []
+        held = set(disk.held())
+        assert all(disk.parent(k) is None or disk.parent(k) in held for k in held), "a tail alone"
+        assert disk.budget.used() <= disk.budget.bytes_per_day
+
+    def teardown(self) -> None:
+        try:
+            self.error.clear()
+            self.cache.l3.drain()
+            self._count()
+            settle(self.cache)
+            self.cache.check_integrity()
+            self.cache.close()
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _machine(ps: int, admission: str, host: int) -> type[DiskMachine]:
+    name = f"Disk_ps{ps}_{admission}_{'host' if host else 'only_pool'}"
+    return type(name, (DiskMachine,), {"page_size": ps, "admission": admission,
+                                       "host_tokens": host})  # fmt: skip
+
+
+SETTINGS = settings(
+    max_examples=25, stateful_step_count=50, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)  # fmt: skip
+
+
+MACHINES = [(1, "all", 14), (4, "reused", 14), (16, "all", 14), (4, "all", 0), (16, "reused", 0)]
+
+
+def test_random_runs_on_a_small_disk_went_through_every_path():
+    """The random runs keep every rule after every step (page sizes 1, 4, 16; admission all
+    and reused; under a host pool and under an engine-tier daemon's one pool), and went where
+    it matters, counted from this test's own runs: pages written, served from the disk after
+    restarts, writes refused past the budget, slots that did not hold their page."""
+    seen = dict.fromkeys(DiskMachine.seen, 0)
+    for ps, admission, host in MACHINES:
+        machine = _machine(ps, admission, host)
+        machine.TestCase.settings = SETTINGS
+        machine.seen = seen
+        machine.TestCase().runTest()
+    assert all(seen.values()), f"the runs did not reach every state: {seen}"
