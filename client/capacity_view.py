@@ -28,6 +28,20 @@ def render_capacity(report: dict[str, Any]) -> str:
             f"{p['factor']:>5g}x  {p['device_pages'] * ps:>13}  {p['host_pages'] * ps:>11}  "
             f"{p['device_hit']:>10.3f}  {p['host_hit']:>8.3f}  {p['total_hit']:>9.3f}{mark}"
         )
+    disk = report.get("disk_pages", 0)
+    if "disk_points" in report:
+        unit = "today's disk" if disk else "a disk the host pool's size"
+        lines += [
+            "",
+            f"# Disk (under the host pool; factors of {unit}; admission all)",
+            f"disk_pages:{disk}",
+            "factor    disk_tokens  total_hit",
+        ]
+        for p in report["disk_points"]:
+            mark = "  <- today" if p["factor"] == 1 and disk else ""
+            lines.append(
+                f"{p['factor']:>5g}x  {p['disk_pages'] * ps:>13}  {p['total_hit']:>9.3f}{mark}"
+            )
     lines += ["", f"recommendation:{report['recommendation'] or 'no traffic seen yet'}"]
     return "\n".join(lines)
 
@@ -48,6 +62,11 @@ def plot_capacity(report: dict[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(x, [p["device_hit"] for p in pts], marker="o", label="device tier")
     ax.plot(x, [p["total_hit"] for p in pts], marker="o", label="device + host tiers")
+    disk = report.get("disk_points") or []
+    if disk:
+        what = "today's host + disk at" if report.get("disk_pages") else "today's host + a disk,"
+        ax.plot([p["factor"] for p in disk], [p["total_hit"] for p in disk], marker="o",
+                label=f"{what} x its size")  # fmt: skip
     ax.axvline(1.0, color="grey", linestyle=":", label="today")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("size relative to today's")

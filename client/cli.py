@@ -10,6 +10,7 @@
                                      per sample, with the interval's rates)
     hicache stats [--watch S]        every stat (--watch: again every S seconds)
     hicache capacity [--plot F.png]  estimated hit ratios at 0.25x-8x of today's tier sizes
+                                     (and of the disk's, or of a disk the host pool's size)
                                      and what to buy (SHARDS sampling of the daemon's traffic)
     hicache tree [--top N]           per namespace: size, tiers and the heaviest shared
                                      prefixes (--nodes: the first --max-nodes nodes instead)

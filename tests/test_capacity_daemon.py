@@ -60,6 +60,49 @@ def test_the_estimate_follows_the_traffic_and_agrees_at_todays_size(tmp_path):
         stop_daemon(proc)
 
 
+def test_the_estimate_says_what_the_disk_adds_and_agrees_with_it(tmp_path):
+    """A daemon with a disk under its host pool (admission all) on traffic larger than the
+    host pool: the report's disk rows rise with the disk's size, and at today's disk the
+    estimate agrees with the hit ratio the daemon measured (disk hits included)."""
+    ep = f"ipc://{tmp_path}/capd.sock"
+    disk = ["--disk", str(tmp_path / "disk"), "--disk-bytes", "64MiB", "--disk-admission", "all",
+            "--l3-model", "m", "--l3-prefetch-policy", "wait_complete"]  # fmt: skip
+    proc = start_daemon(ep, *disk)  # device 256 tokens, host 1024, page 4
+    rng = np.random.default_rng(6)
+    docs = [rng.integers(1, 500, 96).tolist() for _ in range(24)]  # 2304 tokens: 2x the host
+    try:
+        with HiCacheClient(ep, name="docqa") as hc:
+            for i in range(240):
+                prompt = docs[rng.integers(len(docs))] + [900 + i % 7] * 8
+                m = hc.match_prefix(prompt)
+                loaded = hc.load_back(m)
+                have = (
+                    m.device_indices
+                    if loaded is None
+                    else np.concatenate([m.device_indices, loaded])
+                )
+                hc.insert(prompt, np.concatenate([have, hc.alloc(len(prompt) - len(have))]))
+                hc.release(m)
+            stats = hc.stats()
+            report = hc._call(Op.CAPACITY)[0].fields
+        assert report["disk_pages"] == stats["l3"]["store_disk_slots"] > 0
+        rows = {p["factor"]: p for p in report["disk_points"]}
+        assert sorted(rows) == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+        assert rows[1.0]["disk_pages"] == report["disk_pages"]
+        totals = [rows[f]["total_hit"] for f in sorted(rows)]
+        host_only = {p["factor"]: p for p in report["points"]}[1.0]["total_hit"]
+        assert totals == sorted(totals) and totals[0] > host_only  # the disk adds
+        asked = stats["hit_device_tokens"] + stats["hit_host_tokens"] + stats["miss_tokens"]
+        measured = (stats["hit_device_tokens"] + stats["hit_host_tokens"]) / asked
+        assert stats["l3"]["adopted_pages"] > 0
+        assert abs(rows[1.0]["total_hit"] - measured) < 0.1, (rows[1.0], measured, host_only)
+        text = subprocess.run([*CLI, "--endpoint", ep, "capacity"], capture_output=True,
+                              text=True, timeout=60, check=True).stdout  # fmt: skip
+        assert "# Disk" in text and f"disk_pages:{report['disk_pages']}" in text
+    finally:
+        stop_daemon(proc)
+
+
 def test_a_fresh_daemon_reports_no_traffic(tmp_path):
     ep = f"ipc://{tmp_path}/cap0.sock"
     proc = start_daemon(ep)

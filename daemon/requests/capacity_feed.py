@@ -104,16 +104,28 @@ class CapacityFeed:
             for p in self.estimator.device_host_curve(self.device_pages, host, FACTORS)
         ]
 
-    def report(self) -> dict[str, Any]:
-        """The curve at 0.25x-8x of today's sizes, a recommendation and the sample's state."""
+    def report(self, disk_pages: int = 0) -> dict[str, Any]:
+        """The curve at 0.25x-8x of today's sizes, a recommendation and the sample's state;
+        and what a disk under the host pool would add: at 0.25x-8x of today's disk
+        (``disk_pages``; with none, of a disk the host pool's size), the total hit ratio of an
+        LRU of the host's and the disk's pages (the disk holds what the host let go, as with
+        admission ``all``; ``reused`` writes less, and hits at most that)."""
         self.run(budget_s=1.0)
         est = self.estimator
         host = max(self.host_pages, self.device_pages)
         points = est.device_host_curve(self.device_pages, host, FACTORS)
+        unit = disk_pages or host
+        sizes = [round(f * unit) for f in FACTORS]
+        hits = est.curve([host + d for d in sizes]) if est.accesses else [(0, 0.0)] * len(sizes)
         return {
             "page_size": self.page_size,
             "device_pages": self.device_pages,
             "host_pages": self.host_pages,
+            "disk_pages": disk_pages,
+            "disk_points": [
+                {"factor": f, "disk_pages": d, "total_hit": hit}
+                for f, d, (_, hit) in zip(FACTORS, sizes, hits, strict=True)
+            ],
             "points": [dataclasses.asdict(p) for p in points],
             "recommendation": est.recommend(self.device_pages, host) if est.accesses else "",
             "dropped_requests": self.dropped,

@@ -596,7 +596,13 @@ class Handlers:
         """Estimated hit ratios at other tier sizes, and what to buy (`hicache capacity`;
         within the view budget: it first feeds the estimate for up to a second)."""
         assert self.capacity is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
-        return self._whole_cache_view(session, "a capacity report", self.capacity.report), []
+        capacity, cache = self.capacity, self.cache
+        assert cache is not None
+        store = {} if cache.l3 is None else cache.l3.store.describe()
+        disk = int(store.get("disk_slots", 0))  # (a disk not opened yet: 0 until its first use)
+        return self._whole_cache_view(
+            session, "a capacity report", lambda: capacity.report(disk)
+        ), []
 
     def tree(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """The tree's shape (``shape``: per namespace, the ``top`` heaviest shared prefixes),
