@@ -1,7 +1,8 @@
 """Demo: serve one multi-turn chat trace with a real (tiny, random) transformer whose KV lives
-in hicache-daemon's pools, twice: against a device-only daemon (``--host-tokens 0``), then
-against the embedded default with its host tier. Each daemon runs on a private socket and is
-stopped at the end.
+in hicache-daemon's pools: against a device-only daemon (``--host-tokens 0``), then against
+the embedded default with its host tier and a disk under it (``--disk``, a temporary folder),
+then once more after that daemon restarted cold (no host pool kept): the next round's prompts
+come from the disk. Each daemon runs on a private socket and is stopped at the end.
 
 While it works, a progress bar per phase goes to stderr. At the end, stdout has a side-by-side
 table (what does not depend on machine load first, wall-clock last), a line about the plot,
@@ -36,19 +37,26 @@ class RequestCount:
 
     prompt: int
     device: int  # found on the device
-    host: int  # loaded back from the host
+    host: int  # loaded back from the host (what was there before the request)
     recomputed: int  # prefilled by the model
+    disk: int = 0  # read from the disk into the host for this request, then loaded back
 
 
-def count_request(prompt: int, computed_from: int, device_hit: int, host_hit: int) -> RequestCount:
+def count_request(
+    prompt: int, computed_from: int, device_hit: int, host_hit: int, disk_read: int = 0
+) -> RequestCount:
     """Counts over the prompt only: the engine also serves the answer's tokens (as if just
-    generated), whose hits are not prompt hits."""
+    generated), whose hits are not prompt hits. ``disk_read``: tokens the daemon read from its
+    disk for the request (part of its host hit)."""
     device = min(device_hit, prompt)
+    host = min(host_hit, prompt - device)
+    disk = min(disk_read, host)
     return RequestCount(
         prompt=prompt,
         device=device,
-        host=min(host_hit, prompt - device),
+        host=host - disk,
         recomputed=prompt - min(computed_from, prompt),
+        disk=disk,
     )
 
 
@@ -75,6 +83,10 @@ class RunResult:
         return sum(c.host for c in self.counts)
 
     @property
+    def disk(self) -> int:
+        return sum(c.disk for c in self.counts)
+
+    @property
     def recomputed(self) -> int:
         return sum(c.recomputed for c in self.counts)
 
@@ -86,18 +98,22 @@ def hit_ratio_series(
     counts: Sequence[RequestCount], window: int | None = None
 ) -> dict[str, list[float]]:
     """Hit ratios after each request, token-weighted: over all requests so far (``window``
-    None) or over the last ``window`` requests. Keys: device, host, total."""
-    out: dict[str, list[float]] = {"device": [], "host": [], "total": []}
-    prompt = device = host = 0
+    None) or over the last ``window`` requests. Keys: device, host, disk, total."""
+    out: dict[str, list[float]] = {"device": [], "host": [], "disk": [], "total": []}
+    prompt = device = host = disk = 0
     for i, c in enumerate(counts):
-        prompt, device, host = prompt + c.prompt, device + c.device, host + c.host
+        prompt, device, host, disk = (
+            prompt + c.prompt, device + c.device, host + c.host, disk + c.disk
+        )  # fmt: skip
         if window is not None and i >= window:
             old = counts[i - window]
-            prompt, device, host = prompt - old.prompt, device - old.device, host - old.host
+            prompt, device = prompt - old.prompt, device - old.device
+            host, disk = host - old.host, disk - old.disk
         p = max(prompt, 1)
         out["device"].append(device / p)
         out["host"].append(host / p)
-        out["total"].append((device + host) / p)
+        out["disk"].append(disk / p)
+        out["total"].append((device + host + disk) / p)
     return out
 
 
@@ -156,56 +172,73 @@ def reduction(device_only: RunResult, hicache: RunResult) -> float:
     return device_only.recomputed / max(hicache.recomputed, 1)
 
 
-def render_table(device_only: RunResult, hicache: RunResult) -> str:
+def render_table(
+    device_only: RunResult, hicache: RunResult, restarted: RunResult | None = None
+) -> str:
     """The headline, then a plain aligned table: work first (the same on any machine), then
-    wall-clock, which depends on how busy the machine is."""
+    wall-clock, which depends on how busy the machine is. ``restarted``: a third column, the
+    same requests after the hicache daemon restarted cold on its disk."""
     d, h = device_only, hicache
     red = reduction(d, h)
+    runs = [d, h] if restarted is None else [d, h, restarted]
 
-    def ratio(r: RunResult, tokens: int) -> str:
-        return f"{r.ratio(tokens):.3f}"
+    def cells(value: Callable[[RunResult], str]) -> list[str]:
+        return [value(r) for r in runs]
 
-    def stat(key: str) -> tuple[str, str]:
-        return f"{d.stats.get(key, 0):,}", f"{h.stats.get(key, 0):,}"
+    def ratio(tokens: Callable[[RunResult], int]) -> list[str]:
+        return cells(lambda r: f"{r.ratio(tokens(r)):.3f}")
 
-    rows: list[tuple[str, str, str] | str] = [
+    def stat(key: str) -> list[str]:
+        return cells(lambda r: f"{r.stats.get(key, 0):,}")
+
+    rows: list[list[str] | str] = [
         "# work (the same on any machine)",
-        ("prompt tokens", f"{d.prompt:,}", f"{h.prompt:,}"),
-        ("prompt tokens computed", f"{d.recomputed:,}", f"{h.recomputed:,}"),
-        ("hit ratio: device", ratio(d, d.device), ratio(h, h.device)),
-        ("hit ratio: host", ratio(d, d.host), ratio(h, h.host)),
-        ("hit ratio: total", ratio(d, d.device + d.host), ratio(h, h.device + h.host)),
-        ("backups to host (tokens)", *stat("backup_tokens")),
-        ("loads from host (tokens)", *stat("load_tokens")),
-        ("device evictions (tokens)", *stat("evicted_device_tokens")),
-        ("integrity check", str(d.stats.get("integrity", "?")), str(h.stats.get("integrity", "?"))),
+        ["prompt tokens", *cells(lambda r: f"{r.prompt:,}")],
+        ["prompt tokens computed", *cells(lambda r: f"{r.recomputed:,}")],
+        ["hit ratio: device", *ratio(lambda r: r.device)],
+        ["hit ratio: host", *ratio(lambda r: r.host)],
+        ["hit ratio: disk", *ratio(lambda r: r.disk)],
+        ["hit ratio: total", *ratio(lambda r: r.device + r.host + r.disk)],
+        ["backups to host (tokens)", *stat("backup_tokens")],
+        ["loads from host (tokens)", *stat("load_tokens")],
+        ["device evictions (tokens)", *stat("evicted_device_tokens")],
+        ["integrity check", *cells(lambda r: str(r.stats.get("integrity", "?")))],
         "# wall-clock (depends on machine load, not only on the cache)",
-        ("model seconds", f"{d.model_s:.1f}", f"{h.model_s:.1f}"),
-        ("phase seconds", f"{d.seconds:.1f}", f"{h.seconds:.1f}"),
+        ["model seconds", *cells(lambda r: f"{r.model_s:.1f}")],
+        ["phase seconds", *cells(lambda r: f"{r.seconds:.1f}")],
     ]
-    cells = [r for r in rows if isinstance(r, tuple)]
-    head = ("", "device only", "hicache")
-    w0 = max(len(r[0]) for r in [*cells, head])
-    w1 = max(len(r[1]) for r in [*cells, head])
-    w2 = max(len(r[2]) for r in [*cells, head])
+    head = ["", "device only", "hicache"] + ([] if restarted is None else ["restarted"])
+    table = [r for r in rows if isinstance(r, list)] + [head]
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(
+            [f"{r[0]:<{widths[0]}}"] + [f"{c:>{w}}" for c, w in zip(r[1:], widths[1:], strict=True)]
+        )
+
     lines = [
         f"prompt tokens computed: {d.recomputed:,} vs {h.recomputed:,} ({red:.2f}x fewer)",
         f"  device only vs hicache, the same {len(h.counts)} requests on the same model",
-        "",
-        f"{head[0]:<{w0}}  {head[1]:>{w1}}  {head[2]:>{w2}}",
     ]
-    for r in rows:
-        if isinstance(r, str):
-            lines.append(r)
-        else:
-            lines.append(f"{r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]:>{w2}}")
+    if restarted is not None:
+        lines.append(
+            f"  restarted: hicache stopped and started again without its host pool, the same "
+            f"requests: {restarted.ratio(restarted.disk):.3f} of their prompt tokens from its disk"
+        )
+    lines += ["", line(head)]
+    lines += [r if isinstance(r, str) else line(r) for r in rows]
     return "\n".join(lines)
 
 
-def summary(device_only: RunResult, hicache: RunResult, plot: str | None) -> dict:
+def summary(
+    device_only: RunResult,
+    hicache: RunResult,
+    plot: str | None,
+    restarted: RunResult | None = None,
+) -> dict:
     """The last line of stdout, for scripts."""
     d, h = device_only, hicache
-    return {
+    out = {
         "requests": len(h.counts),
         "prompt_tokens": h.prompt,
         "recomputed_device_only": d.recomputed,
@@ -219,12 +252,26 @@ def summary(device_only: RunResult, hicache: RunResult, plot: str | None) -> dic
         "integrity": {"device_only": d.stats.get("integrity"), "hicache": h.stats.get("integrity")},
         "plot": plot,
     }
+    if restarted is not None:
+        r = restarted
+        out["restarted"] = {
+            "recomputed": r.recomputed,
+            "hit_ratio_disk": round(r.ratio(r.disk), 3),
+            "hit_ratio_total": round(r.ratio(r.device + r.host + r.disk), 3),
+            "integrity": r.stats.get("integrity"),
+        }
+    return out
 
 
 def plot_hit_ratios(
-    device_only: RunResult, hicache: RunResult, path: str, window: int = WINDOW
+    device_only: RunResult,
+    hicache: RunResult,
+    path: str,
+    window: int = WINDOW,
+    restarted: RunResult | None = None,
 ) -> None:
-    """A PNG of hit ratios over the run, over a moving window of requests (needs matplotlib)."""
+    """A PNG of hit ratios over the run, over a moving window of requests (needs matplotlib);
+    ``restarted``: the run after the restart, its disk's share and its total."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,11 +282,16 @@ def plot_hit_ratios(
     fig, ax = plt.subplots(figsize=(8, 4.5))
     try:
         x = range(1, len(hicache.counts) + 1)
-        ax.plot(x, h["total"], label="hicache: device + host", color="C0", linewidth=2)
+        ax.plot(x, h["total"], label="hicache: total", color="C0", linewidth=2)
         ax.plot(x, h["device"], label="hicache: device", color="C1")
         ax.plot(x, h["host"], label="hicache: host", color="C2")
         xd = range(1, len(device_only.counts) + 1)
         ax.plot(xd, d["device"], label="device only: device", color="C3", linestyle="--")
+        if restarted is not None:
+            r = hit_ratio_series(restarted.counts, window)
+            xr = range(1, len(restarted.counts) + 1)
+            ax.plot(xr, r["total"], label="restarted cold: total", color="C4", linewidth=2)
+            ax.plot(xr, r["disk"], label="restarted cold: disk", color="C5")
         ax.set_xlabel("request")
         ax.set_ylabel(f"hit ratio (prompt tokens, last {window} requests)")
         ax.set_ylim(0, 1)
@@ -260,31 +312,43 @@ def have_matplotlib() -> bool:
 
 
 # ---- running it ----
-def serve(endpoint: str, trace: Sequence, result: RunResult, progress: Progress) -> None:
-    """A real model (a tiny random Llama) computes only what the cache does not hold."""
+def serve(
+    endpoint: str, trace: Sequence, result: RunResult, progress: Progress, disk: bool = False
+) -> None:
+    """A real model (a tiny random Llama) computes only what the cache does not hold.
+    ``disk``: the daemon has one (what it read for each request is asked of its stats)."""
     from hicache.client import HiCacheClient
     from scripts.ref_engine import ReferenceEngine
+
+    def disk_pages(hc: HiCacheClient) -> int:
+        return int((hc.stats().get("l3") or {}).get("adopted_pages", 0)) if disk else 0
 
     prompt = hits = 0
     try:
         with HiCacheClient(endpoint, name="demo-engine") as hc:
             engine = ReferenceEngine(hc)
+            ps = hc.config.page_size
             progress.update(0, 0.0)
+            read = disk_pages(hc)
             for i, req in enumerate(trace):
                 served = engine.serve(req.finished)  # prompt + answer, as if just generated
+                before, read = read, disk_pages(hc)
                 c = count_request(
-                    len(req.prompt), served.computed_from, served.device_hit, served.host_hit
-                )
+                    len(req.prompt), served.computed_from, served.device_hit, served.host_hit,
+                    (read - before) * ps,
+                )  # fmt: skip
                 result.counts.append(c)
                 result.model_s += served.model_s
-                prompt, hits = prompt + c.prompt, hits + c.device + c.host
+                prompt, hits = prompt + c.prompt, hits + c.device + c.host + c.disk
                 progress.update(i + 1, hits / max(prompt, 1))
             result.stats = hc.stats(check=True)
     finally:
         progress.close()  # an error then starts on a line of its own
 
 
-def run_phase(tmp: str, label: str, flags: Sequence[str], trace: Sequence) -> RunResult:
+def run_phase(
+    tmp: str, label: str, flags: Sequence[str], trace: Sequence, disk: bool = False
+) -> RunResult:
     from hicache.daemon.launch import start_daemon, stop_daemon
 
     print(f"{label}: starting hicache-daemon {' '.join(flags)}".rstrip(), file=sys.stderr)
@@ -293,7 +357,7 @@ def run_phase(tmp: str, label: str, flags: Sequence[str], trace: Sequence) -> Ru
     endpoint = f"ipc://{os.path.join(tmp, 'demo.sock')}"
     proc = start_daemon(endpoint, *flags, "--keep-host", "false")  # a temporary endpoint
     try:
-        serve(endpoint, trace, result, Progress(label, len(trace)))
+        serve(endpoint, trace, result, Progress(label, len(trace)), disk)
     finally:
         stop_daemon(proc)
     result.seconds = time.perf_counter() - t0
@@ -334,10 +398,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     with tempfile.TemporaryDirectory(prefix="hicache-demo-") as tmp:
         device_only = run_phase(tmp, "device only", ("--host-tokens", "0"), trace)
-        hicache = run_phase(tmp, "hicache", (), trace)  # embedded default: host 4x device
+        # the embedded default (host 4x device) with a disk under it (default admission)
+        disk = ("--disk", os.path.join(tmp, "disk"), "--disk-bytes", "1GiB", "--l3-model", "demo")
+        hicache = run_phase(tmp, "hicache", disk, trace, disk=True)
+        restarted = run_phase(tmp, "restarted", disk, trace, disk=True)  # its pool not kept
 
     print()
-    print(render_table(device_only, hicache))
+    print(render_table(device_only, hicache, restarted))
     print()
     plot = None
     if args.no_plot:
@@ -345,10 +412,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif not have_matplotlib():
         print("plot: skipped, matplotlib is not installed (pip install matplotlib)")
     else:
-        plot_hit_ratios(device_only, hicache, args.plot)
+        plot_hit_ratios(device_only, hicache, args.plot, restarted=restarted)
         plot = os.path.abspath(args.plot)
         print(f"plot: {plot} (hit ratios by tier over the last {WINDOW} requests)")
-    print(json.dumps(summary(device_only, hicache, plot)), flush=True)
+    print(json.dumps(summary(device_only, hicache, plot, restarted)), flush=True)
 
 
 if __name__ == "__main__":

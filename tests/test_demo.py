@@ -55,6 +55,9 @@ def test_count_request_counts_the_prompt_only():
     # the whole prompt and part of the answer cached: the answer's hits are not prompt hits
     assert count_request(100, 150, 120, 40) == RequestCount(100, 100, 0, 0)
     assert count_request(100, 90, 70, 50) == RequestCount(100, 70, 30, 10)
+    # what the daemon read from its disk for the request is part of its host hit, at most
+    assert count_request(100, 90, 20, 70, 48) == RequestCount(100, 20, 22, 10, 48)
+    assert count_request(100, 90, 20, 70, 500) == RequestCount(100, 20, 0, 10, 70)
 
 
 def test_hit_ratio_series_cumulative_and_windowed():
@@ -67,7 +70,31 @@ def test_hit_ratio_series_cumulative_and_windowed():
     win = hit_ratio_series(counts, window=1)
     assert win["device"] == [0.0, 0.5, 1.0]
     assert win["total"] == [0.0, 1.0, 1.0]
-    assert hit_ratio_series([]) == {"device": [], "host": [], "total": []}
+    assert hit_ratio_series([]) == {"device": [], "host": [], "disk": [], "total": []}
+    disk = hit_ratio_series([RequestCount(100, 10, 20, 40, 30)])
+    assert (disk["disk"], disk["total"]) == ([0.3], [0.6])
+
+
+def test_the_restarted_column_shows_the_disks_share():
+    d, h = runs()
+    r = RunResult(
+        "restarted",
+        [RequestCount(1000, 0, 100, 200, 700), RequestCount(1000, 600, 0, 100, 300)],
+        {"integrity": "ok"},
+    )
+    table = render_table(d, h, r)
+    lines = table.splitlines()
+    assert "1.000" not in row(table, "hit ratio: disk")[:2]
+    assert row(table, "hit ratio: disk") == ["0.000", "0.000", "0.500"]
+    assert row(table, "hit ratio: total") == ["0.300", "0.450", "0.850"]
+    assert row(table, "prompt tokens computed") == ["1,400", "1,100", "300"]
+    assert "0.500 of their prompt tokens from its disk" in lines[2]
+    assert lines[4].split() == ["device", "only", "hicache", "restarted"]
+    assert len({len(x) for x in lines[4:] if not x.startswith("#")}) == 1
+    s = summary(d, h, None, r)
+    assert s["restarted"] == {
+        "recomputed": 300, "hit_ratio_disk": 0.5, "hit_ratio_total": 0.85, "integrity": "ok"
+    }  # fmt: skip
 
 
 def test_table_leads_with_tokens_computed_and_ends_with_wall_clock():
@@ -153,6 +180,6 @@ def test_plot_writes_a_png(tmp_path):
     require_module("matplotlib", what="the demo's plot")
     d, h = runs()
     path = tmp_path / "demo.png"
-    plot_hit_ratios(d, h, str(path), window=1)
+    plot_hit_ratios(d, h, str(path), window=1, restarted=h)
     data = path.read_bytes()
     assert len(data) > 1000 and data.startswith(b"\x89PNG\r\n\x1a\n")
