@@ -14,8 +14,10 @@ back (direct I/O: no page cache in between), 32 pages per call (its I/O threads,
 and read them at once); fio writes and reads a file of the same size with the store's own I/O
 size (a slot: its header block and the padded page), O_DIRECT, with 4 jobs of depth 1
 (``psync``: the store's four threads) and, as the drive's ceiling, io_uring at depth 16.
-Prints a line per page size and one JSON object last: each throughput in GB/s and the store's
-ratio to fio at its own concurrency and to the ceiling.
+Each page size runs ``--rounds`` times, the store then fio each time (the drive's speed drifts:
+each round's ratio pairs runs a few seconds apart). Prints a line per page size and one JSON
+object last: each throughput in GB/s (medians) and the store's ratio to fio at its own
+concurrency (the median of the rounds' ratios, and each) and to the ceiling.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from hicache.disk import SlotStore
-from hicache.disk.folder import ALIGN
+from hicache.disk.folder import ALIGN, aligned
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +66,11 @@ def store_run(folder: Path, page_bytes: int, total: int) -> tuple[float, float, 
     store = SlotStore([str(folder)], count * slot, page_bytes, budget_bytes_per_day=1 << 50)
     try:
         rng = np.random.default_rng(0)
-        pages = [rng.integers(0, 256, page_bytes, np.uint8) for _ in range(8)]
+        pages = []  # (page-aligned, as a pool's pages are: written from and read into as is)
+        for _ in range(8):
+            page = np.frombuffer(aligned(page_bytes), np.uint8)[:page_bytes]
+            page[:] = rng.integers(0, 256, page_bytes, np.uint8)
+            pages.append(page)
         tail = bytes(16)
         start = time.perf_counter()
         for at in range(0, count, BATCH):
@@ -72,7 +78,7 @@ def store_run(folder: Path, page_bytes: int, total: int) -> tuple[float, float, 
             assert all(store.put_many([(f"k{i}", [memoryview(pages[i % 8])], tail) for i in span]))
         store.sync()
         wrote = count * slot / (time.perf_counter() - start) / 1e9
-        into = [np.empty(page_bytes, np.uint8) for _ in range(BATCH)]
+        into = [np.frombuffer(aligned(page_bytes), np.uint8)[:page_bytes] for _ in range(BATCH)]
         start = time.perf_counter()
         last = 0
         for at in range(0, count, BATCH):
@@ -93,6 +99,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=512, help="MiB written and read per page size")
     ap.add_argument("--pages-kib", default="256,1024", help="page sizes, KiB, comma-separated")
     ap.add_argument("--part", choices=("raw", "e2e", "both"), default="raw")
+    ap.add_argument("--rounds", type=int, default=5, help="raw: store and fio runs, paired")
     ap.add_argument("--seed", type=int, default=11, help="the e2e traces' seed")
     args = ap.parse_args()
     out: dict[str, object] = {}
@@ -110,33 +117,46 @@ def main() -> None:
     try:
         for kib in (int(k) for k in args.pages_kib.split(",")):
             total = args.mib << 20
-            wrote, read, slot = store_run(base / f"store-{kib}", kib << 10, total)
-            size = total // slot * slot
-            data = base / f"fio-{kib}.dat"
-            fio_w1 = fio(data, "write", slot, size, "psync", 1, THREADS)
-            fio_r1 = fio(data, "read", slot, size, "psync", 1, THREADS)
-            fio_w16 = fio(data, "write", slot, size, "io_uring", 16)
-            fio_r16 = fio(data, "read", slot, size, "io_uring", 16)
-            data.unlink()
+            rounds = []  # each: store, then fio at its concurrency, then fio's ceiling
+            for n in range(args.rounds):
+                wrote, read, slot = store_run(base / f"store-{kib}-{n}", kib << 10, total)
+                shutil.rmtree(base / f"store-{kib}-{n}")
+                size = total // slot * slot
+                data = base / f"fio-{kib}.dat"
+                fio_w1 = fio(data, "write", slot, size, "psync", 1, THREADS)
+                fio_r1 = fio(data, "read", slot, size, "psync", 1, THREADS)
+                fio_w16 = fio(data, "write", slot, size, "io_uring", 16)
+                fio_r16 = fio(data, "read", slot, size, "io_uring", 16)
+                data.unlink()
+                rounds.append((wrote, read, fio_w1, fio_r1, fio_w16, fio_r16))
+            mid = [float(np.median(col)) for col in zip(*rounds, strict=True)]
+            wrote, read, fio_w1, fio_r1, fio_w16, fio_r16 = mid
+            w_ratio = float(np.median([r[0] / r[2] for r in rounds]))
+            r_ratio = float(np.median([r[1] / r[3] for r in rounds]))
             row = {
                 "slot_bytes": slot,
+                "rounds": args.rounds,
                 "store_write_gbs": round(wrote, 3),
                 "store_read_gbs": round(read, 3),
                 "fio_write_gbs_4x1": round(fio_w1, 3),
                 "fio_read_gbs_4x1": round(fio_r1, 3),
                 "fio_write_gbs_uring16": round(fio_w16, 3),
                 "fio_read_gbs_uring16": round(fio_r16, 3),
-                "write_vs_fio_4x1": round(wrote / fio_w1, 3),
-                "read_vs_fio_4x1": round(read / fio_r1, 3),
+                "write_vs_fio_4x1": round(w_ratio, 3),
+                "read_vs_fio_4x1": round(r_ratio, 3),
+                "write_vs_fio_4x1_rounds": [round(r[0] / r[2], 3) for r in rounds],
+                "read_vs_fio_4x1_rounds": [round(r[1] / r[3], 3) for r in rounds],
                 "write_vs_fio_uring16": round(wrote / fio_w16, 3),
                 "read_vs_fio_uring16": round(read / fio_r16, 3),
             }
             out[f"page_{kib}k"] = row
             print(
-                f"page {kib:5d} KiB (slot {slot} B): store write {wrote:.2f} GB/s, read "
-                f"{read:.2f} GB/s; fio 4 jobs x depth 1 {fio_w1:.2f} / {fio_r1:.2f}, io_uring "
-                f"depth 16 {fio_w16:.2f} / {fio_r16:.2f}; store / fio 4 x 1: write "
-                f"{row['write_vs_fio_4x1']}, read {row['read_vs_fio_4x1']}",
+                f"page {kib:5d} KiB (slot {slot} B), median of {args.rounds} rounds: store "
+                f"write {wrote:.2f} GB/s, read {read:.2f} GB/s; fio 4 jobs x depth 1 "
+                f"{fio_w1:.2f} / {fio_r1:.2f}, io_uring depth 16 {fio_w16:.2f} / {fio_r16:.2f}; "
+                f"store / fio 4 x 1 (paired per round): write {row['write_vs_fio_4x1']} "
+                f"{row['write_vs_fio_4x1_rounds']}, read {row['read_vs_fio_4x1']} "
+                f"{row['read_vs_fio_4x1_rounds']}",
                 flush=True,
             )
     finally:

@@ -411,6 +411,13 @@ MUTATIONS = [
         ("tests/test_disk_store.py", "-k", "takes_its_tail_along"),
     ),
     Mutation(
+        "a-zero-copy-read-serves-a-slot-holding-another-key",
+        "hicache/disk/slots.py",
+        "        if header is None or header.key != key or header.value_len != size:",
+        "        if header is None:",
+        ("tests/test_disk_store.py", "-k", "straight_between"),
+    ),
+    Mutation(
         "disk-over-a-store-never-reads-the-disk",
         "hicache/l3/disk_store.py",
         "        got: list[Got] = list(self.disk.get(keys, pages))",

@@ -769,3 +769,42 @@ def test_after_a_flush_of_the_disk_the_tree_writes_its_prompts_again(tmp_path):
         cache.l3.drain()
         cache.check_integrity()
         cache.close()
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_aligned_values_go_straight_between_memory_and_the_drive(tmp_path, where):
+    """Values whose parts sit on 4 KiB boundaries (a pool's pages) are written from and read
+    into the caller's memory (no bounce copy): byte-identical, and a slot that holds another
+    key, or a value of another length, is a miss."""
+    import mmap
+
+    folder = tmp_path / "d" if where == "disk" else SHM / f"hicache-test-zc-{os.getpid()}"
+    src, dst = mmap.mmap(-1, 4 * 8192), mmap.mmap(-1, 4 * 8192)
+    rng = np.random.default_rng(3)
+    src[:] = rng.integers(0, 256, 4 * 8192, np.uint8).tobytes()
+    store = SlotStore([str(folder)], 8 * (4096 + 8192), 8192, budget_bytes_per_day=1 << 30)
+    try:
+        parts = [[memoryview(src)[i * 8192 : i * 8192 + 4096],
+                  memoryview(src)[i * 8192 + 4096 : (i + 1) * 8192]] for i in range(4)]  # fmt: skip
+        assert all(store.files.goes_direct(p) for p in parts)
+        assert (
+            store.put_many([(f"k{i}", p, bytes([i]) * 16) for i, p in enumerate(parts)])
+            == [True] * 4
+        )
+        into = [[memoryview(dst)[i * 8192 : (i + 1) * 8192]] for i in range(4)]
+        assert store.files.goes_direct(into[0])
+        got = store.get_many([(f"k{i}", into[i]) for i in range(4)])
+        assert got == [bytes([i]) * 16 for i in range(4)] and dst[:] == src[:]
+        store._index["k1"], store._index["k2"] = store._index["k2"], store._index["k1"]
+        assert store.get_many([("k1", into[1])]) == [None]  # (the slot holds k2)
+        assert store.get_many([("k3", [memoryview(dst)[:4096]])]) == [None]  # another length
+        assert store.check() == []
+    finally:
+        store.close()
+        shutil_rm(folder)
+
+
+def shutil_rm(folder: Path) -> None:
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)

@@ -10,9 +10,13 @@ key wins at recovery) and a checksum of the header itself. A slot is written who
 and value, in one call: a torn write leaves a header that does not verify or a value whose
 trailer does not, and either is a miss.
 
-``SlotFiles`` does the I/O (positional, through a page-aligned bounce buffer per thread,
-never the caller's memory while it is being written) and holds no index: several threads may
-read and write distinct slots at once.
+``SlotFiles`` does the I/O (positional) and holds no index: several threads may read and
+write distinct slots at once. A value whose parts all start and end on ``ALIGN`` boundaries
+(a pool's pages, typically) goes between its memory and the drive in one vectored call, the
+header and padding from the thread's own aligned buffer (zero-copy); any other value, and any
+value on a file system without direct I/O where copying costs nothing extra, through that
+buffer (a bounce copy). A read straight into the caller's memory leaves it undefined when
+the slot turns out not to hold the key.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from hicache.disk.folder import ALIGN, aligned
@@ -83,8 +88,16 @@ Fault = Callable[[str, int], None]  # (op "read"/"write", slot): raises OSError 
 class SlotFiles:
     """``count`` slots of ``value_bytes`` values over the open data files ``fds``."""
 
-    def __init__(self, fds: list[int], value_bytes: int, count: int, fault: Fault | None = None):
+    def __init__(
+        self,
+        fds: list[int],
+        value_bytes: int,
+        count: int,
+        fault: Fault | None = None,
+        zero_copy: bool = True,
+    ):
         self.fds = fds
+        self.zero_copy = zero_copy  # aligned values go straight between memory and drive
         self.value_bytes = value_bytes
         self.slot_bytes = ALIGN + -(-value_bytes // ALIGN) * ALIGN
         self.count = count
@@ -114,6 +127,16 @@ class SlotFiles:
         head = header.pack()
         view[: len(head)] = head
         view[len(head) : ALIGN] = bytes(ALIGN - len(head))
+        fd, offset = self.where(slot)
+        if self.goes_direct(parts):
+            size = sum(len(p) for p in parts)
+            if size != header.value_len:
+                raise ValueError(f"disk: a value of {size} bytes, not {header.value_len}")
+            pad = view[ALIGN + size : self.slot_bytes]  # (zeros: the buffer's tail is unused)
+            pad[:] = bytes(len(pad))
+            iov = [view[:ALIGN], *(memoryview(p).cast("B") for p in parts)]
+            _allv(os.pwritev, fd, [*iov, pad] if len(pad) else iov, offset)
+            return
         at = ALIGN
         for part in parts:
             n = len(part)
@@ -121,8 +144,46 @@ class SlotFiles:
             at += n
         if at != ALIGN + header.value_len:
             raise ValueError(f"disk: a value of {at - ALIGN} bytes, not {header.value_len}")
-        fd, offset = self.where(slot)
         _all(os.pwritev, fd, view[: self.slot_bytes], offset)
+
+    def read_into(self, slot: int, key: str, into: Sequence[memoryview]) -> Header | None:
+        """Read the slot's value into ``into`` (views summing to its length) and return its
+        header, or None where the slot does not hold ``key`` whole with that length (``into``
+        is then undefined). OSError."""
+        size = sum(len(v) for v in into)
+        if size > self.value_bytes:
+            return None
+        if not self.goes_direct(into):
+            got = self.read(slot, key)
+            if got is None or got[0].value_len != size:
+                return None
+            at = 0
+            for view in into:
+                n = len(view)
+                view[:] = got[1][at : at + n]
+                at += n
+            return got[0]
+        if self.fault is not None:
+            self.fault("read", slot)
+        fd, offset = self.where(slot)
+        view = self._buffer()
+        pad = view[ALIGN + size : self.slot_bytes]
+        iov = [view[:ALIGN], *(memoryview(v).cast("B") for v in into)]
+        _allv(os.preadv, fd, [*iov, pad] if len(pad) else iov, offset)
+        header = Header.unpack(view[:ALIGN])
+        if header is None or header.key != key or header.value_len != size:
+            return None
+        return header
+
+    def goes_direct(self, parts: Sequence[memoryview | bytes]) -> bool:
+        """Whether ``parts`` go to the drive as they are: every one starts and ends on an
+        ALIGN boundary (what direct I/O needs of memory), and padded they fill the slot."""
+        if not self.zero_copy:
+            return False
+        for part in parts:
+            if len(part) % ALIGN or _address(part) % ALIGN:
+                return False
+        return sum(len(p) for p in parts) <= self.slot_bytes - ALIGN
 
     def read_header(self, slot: int) -> Header | None:
         """The slot's header, or None (OSError from the drive)."""
@@ -159,6 +220,27 @@ class SlotFiles:
                 buf.close()
             except BufferError:  # a slice still referenced (a traceback's frame): freed with it
                 pass
+
+
+def _address(part: memoryview | bytes) -> int:
+    """Where ``part``'s bytes start in memory."""
+    return int(np.frombuffer(part, np.uint8).ctypes.data) if len(part) else 0
+
+
+def _allv(call: Callable[..., int], fd: int, views: list[memoryview], offset: int) -> None:
+    """A whole vectored positional read or write (a short one is finished; an end of file is
+    EIO)."""
+    views = [v for v in views if len(v)]
+    while views:
+        n = call(fd, views, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "disk: a short read or write (the file was truncated?)")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 def _all(call: Callable[..., int], fd: int, view: memoryview, offset: int) -> None:

@@ -39,9 +39,9 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from hicache.disk.budget import WriteBudget
 from hicache.disk.folder import (
@@ -57,6 +57,8 @@ from hicache.disk.folder import (
 from hicache.disk.slots import MAX_KEY, TRAILER_BYTES, Fault, Header, SlotFiles
 
 log = logging.getLogger("hicache.disk")
+T = TypeVar("T")
+R = TypeVar("R")
 DATA_NAME = "slots.dat"
 BUDGET_NAME = "budget"  # the write budget's record, in the first folder
 CLEAR_GAP = 1 << 32  # a clear's floor is this far above the last write's sequence
@@ -115,6 +117,7 @@ class SlotStore:
                 log.warning("%s: ignored", exc)
         self.sync_s = sync_s
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hicache-disk")
+        self.io_threads = io_threads
         # key -> slot, least recent first; a held parent is always after its held children
         self._index: OrderedDict[str, int] = OrderedDict()
         self._parent: dict[str, str | None] = {}  # held key -> its chain parent's key
@@ -260,7 +263,7 @@ class SlotStore:
             return None
 
         written: list[str] = []
-        for (i, slot, header), error in zip(jobs, self._pool.map(write, jobs), strict=True):
+        for (i, slot, header), error in zip(jobs, self._map(write, jobs), strict=True):
             if error is None and (header.parent is None or header.parent in self._index):
                 self._index[header.key] = slot
                 self._link(header.key, header.parent)
@@ -294,8 +297,8 @@ class SlotStore:
         return self.get_many([(key, into)])[0]
 
     def get_many(self, items: Sequence[tuple[str, Sequence[memoryview]]]) -> list[bytes | None]:
-        """``get`` of each ``(key, into)``, the reads at once (each ``into`` its own memory).
-        ValueError where ``into`` is not as long as the value held."""
+        """``get`` of each ``(key, into)``, the reads at once (each ``into`` its own memory; a
+        value of another length than ``into`` is a miss)."""
         slots = [self._index.get(key) for key, _ in items]
 
         def read(i: int) -> bytes | OSError | None:
@@ -303,24 +306,14 @@ class SlotStore:
             slot = slots[i]
             assert slot is not None
             try:
-                got = self.files.read(slot, key)
+                header = self.files.read_into(slot, key, into)
             except OSError as exc:
                 return exc
-            if got is None:
-                return None
-            header, value = got
-            if header.value_len != sum(len(v) for v in into):
-                raise ValueError(f"disk: {key}'s value is {header.value_len} bytes, not the views'")
-            at = 0
-            for view in into:
-                n = len(view)
-                view[:] = value[at : at + n]
-                at += n
-            return header.trailer
+            return None if header is None else header.trailer
 
         wanted = [i for i, slot in enumerate(slots) if slot is not None]
         out: list[bytes | None] = [None] * len(items)
-        for i, got in zip(wanted, self._pool.map(read, wanted), strict=True):
+        for i, got in zip(wanted, self._map(read, wanted), strict=True):
             key = items[i][0]
             if isinstance(got, OSError):
                 self.read_errors += 1
@@ -448,6 +441,18 @@ class SlotStore:
         self.folders = []
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
+        """``fn`` of each item, in order, on the I/O threads: each thread takes a run of
+        consecutive items (one hand-off per thread, not per item)."""
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        step = -(-len(items) // self.io_threads)
+        runs = [items[at : at + step] for at in range(0, len(items), step)]
+        out: list[R] = []
+        for part in self._pool.map(lambda run: [fn(item) for item in run], runs):
+            out += part
+        return out
+
     def _take_slot(self, keep: set[str]) -> int | None:
         """A free slot, evicting the least recently used value for it (a full tier makes
         room, never refuses), unless that is one of ``keep`` (a prefix of the batch): None."""
