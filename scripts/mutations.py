@@ -418,6 +418,13 @@ MUTATIONS = [
         ("tests/test_disk_store.py", "-k", "straight_between"),
     ),
     Mutation(
+        "a-clean-stop-leaves-admitted-pages-the-queue-dropped",
+        "hicache/l3/tier.py",
+        "        if self.config.close_drain_s > 0 and self.breaker.allow():",
+        "        if False:",
+        ("tests/test_l3_daemons.py", "-k", "queue_dropped"),
+    ),
+    Mutation(
         "disk-over-a-store-never-reads-the-disk",
         "hicache/l3/disk_store.py",
         "        got: list[Got] = list(self.disk.get(keys, pages))",

@@ -432,6 +432,35 @@ def test_a_clean_stop_lets_the_disks_queued_writes_land(tmp_path):
         stop_daemon(proc)
 
 
+def test_a_clean_stop_writes_the_admitted_pages_a_full_queue_dropped(tmp_path):
+    """With a write queue too short for what is served (``--l3-queue-pages 4``), writes are
+    dropped and counted; a clean stop writes every admitted page the disk lacks, so the next
+    daemon, started cold, serves every prompt from the disk."""
+    ep = f"ipc://{tmp_path}/d.sock"
+    disk = ["--disk", f"{tmp_path}/disk", "--disk-bytes", "64MiB", "--disk-admission", "all"]
+    flags = [*SHAPE, "--l3-model", "tiny-llama@test", *disk, "--keep-host", "false",
+             "--l3-queue-pages", "4"]  # fmt: skip
+    ps = prompts(3, seed=23)
+    proc = start_daemon(ep, *flags)
+    try:
+        with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+            engine = ReferenceEngine(hc)
+            for p in ps:
+                serve_checked(engine, p)
+            hc.evict(device_tokens=4)  # (settles the copies: their writes were offered)
+        assert l3_stats(ep)["dropped_pages"] > 0
+    finally:
+        stop_daemon(proc)
+    proc = start_daemon(ep, *flags)
+    try:
+        with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+            engine = ReferenceEngine(hc)
+            for p in ps:
+                assert serve_checked(engine, p).computed_from == len(p) - 4
+    finally:
+        stop_daemon(proc)
+
+
 def test_a_flush_of_the_disk_forgets_it_now_and_after_a_restart(tmp_path):
     """``hicache flush --disk``: the pools and the disk forget everything; a daemon started
     cold on the folder afterwards finds nothing (the flush outlived the stop), and what it

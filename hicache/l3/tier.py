@@ -88,6 +88,7 @@ class L3Tier:
         self.through = config.write_policy is L3WritePolicy.WRITE_THROUGH
         self.selective = config.write_policy is L3WritePolicy.WRITE_THROUGH_SELECTIVE
         self.write_back = config.write_policy is L3WritePolicy.WRITE_BACK
+        self.stopping = False  # close: offers go past the queue's bound (the drain bounds them)
         # selective: page names (observe.page_hash) of pages the side let go unwritten, least
         # recent first; such a page computed again has earned its write (it was reused)
         self.seen: OrderedDict[int, None] = OrderedDict()
@@ -125,7 +126,7 @@ class L3Tier:
             up = up.parent
         run.reverse()
         pages = np.concatenate([on_side(n) for n in run])
-        if self.queued_pages + len(pages) > self.config.queue_pages:
+        if self.queued_pages + len(pages) > self.config.queue_pages and not self.stopping:
             self.counters.dropped_pages += len(pages)
             return
         before = tokens_above(run[0])
@@ -183,6 +184,23 @@ class L3Tier:
             return False
         seen = self.seen
         return any(name in seen for name in self._page_names(node).tolist())
+
+    def _offer_admitted(self) -> None:
+        """At a stop: offer every node whose pages on the side the policy admits (write_back:
+        all of them, as the side is about to be lost) and that is not written (a write the
+        queue dropped; under write_back, every one)."""
+        if self.config.write_policy is L3WritePolicy.NONE:
+            return
+        self.stopping = True  # (offer: no queue bound now)
+        on_side = self.side.pages
+        for node in list(self.cache.tree.iter_nodes()):
+            if node.l3 is not None or node.parent is None or on_side(node) is None:
+                continue
+            if self.selective and not (
+                node.hit_count >= self.config.write_threshold or self._seen_before(node)
+            ):
+                continue
+            self.offer(node)
 
     def _submit_write(self, job: Write) -> None:
         self.writes.add(job)
@@ -459,7 +477,12 @@ class L3Tier:
 
     def close(self) -> None:
         """Stop the IO thread (queued jobs end unrun, a running store call gets a second) and
-        the store; frees what jobs held. Never waits longer on a store that hangs."""
+        the store; frees what jobs held. Never waits longer on a store that hangs. With
+        ``close_drain_s`` (a disk), first every page on the side that the write policy admits
+        and the store lacks is offered (past the queue's bound: the drain's time bounds it),
+        and the queued writes run for up to ``close_drain_s``."""
+        if self.config.close_drain_s > 0 and self.breaker.allow():
+            self._offer_admitted()
         stopped = self.io.close(drain_s=self.config.close_drain_s)
         self.poll()
         if not stopped:
