@@ -425,6 +425,20 @@ MUTATIONS = [
         ("tests/test_l3_daemons.py", "-k", "queue_dropped"),
     ),
     Mutation(
+        "a-disk-checkpoint-stays-to-be-trusted-after-a-crash",
+        "hicache/disk/checkpoint.py",
+        "        os.unlink(path)  # (before it is used",
+        "        pass  # (before it is used",
+        ("tests/test_disk_store.py", "-k", "checkpoint_is_read_once"),
+    ),
+    Mutation(
+        "a-disk-checkpoint-of-another-geometry-is-trusted",
+        "hicache/disk/checkpoint.py",
+        '        if head != {"magic": MAGIC, **geometry}:',
+        '        if head.get("magic") != MAGIC:',
+        ("tests/test_disk_store.py", "-k", "checkpoint_is_read_once"),
+    ),
+    Mutation(
         "disk-over-a-store-never-reads-the-disk",
         "hicache/l3/disk_store.py",
         "        got: list[Got] = list(self.disk.get(keys, pages))",

@@ -11,6 +11,7 @@ one pool of an engine-tier daemon."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -126,12 +127,16 @@ class DiskMachine(RuleBasedStateMachine):
         settle(self.cache)
         self.cache.l3.drain()
 
-    @rule()
-    def restart_cold(self) -> None:
-        """The daemon stops (its queued writes land) and starts again without its pools."""
+    @rule(crash=st.booleans())
+    def restart_cold(self, crash: bool) -> None:
+        """The daemon stops (its queued writes land; its index is checkpointed) and starts
+        again without its pools; or it crashed (no checkpoint: the next start scans)."""
         self.cache.l3.drain()
         self._count()
         self.cache.close()
+        if crash:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.folder, "index"))
         self.seen["restarts"] += 1
         self.cache = self._open()
 

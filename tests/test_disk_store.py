@@ -373,8 +373,17 @@ def test_a_corrupted_or_truncated_slot_is_a_miss_never_wrong_bytes(tmp_path):
         f.write(bytes([byte[0] ^ 1]))
         f.seek(slot + 30)  # (in the trailer's bytes: only the header's checksum sees it)
         f.write(b"\xff")
+    with_checkpoint = _store(where, src, pages=4)  # (a clean stop's index: read, not scanned)
+    try:
+        assert with_checkpoint.from_checkpoint and with_checkpoint.exists(keys) == [True] * 3
+        assert not _get(with_checkpoint, dst, keys[1], d[1], 11)  # its header: refused at read
+        assert with_checkpoint.exists(keys) == [True, False, True]
+    finally:
+        with_checkpoint.close()
+    (where / "index").unlink()  # (a crash: no checkpoint)
     store = _store(where, src, pages=4)
     try:
+        assert not store.from_checkpoint
         assert store.exists(keys) == [True, False, True]  # a header that does not verify: free
         assert not _get(store, dst, keys[0], d[0], 10)  # read back, its trailer refuses it
         assert _get(store, dst, keys[2], d[2], 12)
@@ -808,3 +817,34 @@ def shutil_rm(folder: Path) -> None:
     import shutil
 
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_clean_stops_checkpoint_is_read_once_and_only_for_its_geometry(tmp_path):
+    """A clean close checkpoints the index (its recency order too); the next open reads it
+    instead of the headers and removes it at once (a crash later is not what it describes);
+    a store of another geometry, or a damaged checkpoint, scans instead."""
+    store = _chain_store(tmp_path / "d", 8)
+    try:
+        assert _put_chain(store, ["a", "b"]) == [True, True]
+        assert _put_chain(store, ["x"]) == [True]
+        store.get_many([("b", [memoryview(bytearray(VALUE))])])  # a, b now the most recent
+    finally:
+        store.close()
+    store = _chain_store(tmp_path / "d", 8)
+    try:
+        assert store.from_checkpoint and store.held() == ["x", "b", "a"]
+        assert not (tmp_path / "d" / "index").exists()  # taken: a crash now scans
+        assert store.check() == []
+    finally:
+        store.close()
+    store = SlotStore([str(tmp_path / "d")], 16 * 8192, VALUE, budget_bytes_per_day=1 << 30)
+    try:  # twice the slots: another geometry, scanned (what it holds is found all the same)
+        assert not store.from_checkpoint and sorted(store.held()) == ["a", "b", "x"]
+    finally:
+        store.close()
+    (tmp_path / "d" / "index").write_text('{"magic": "hicache-disk-index/1"}\nnot json\n')
+    store = SlotStore([str(tmp_path / "d")], 16 * 8192, VALUE, budget_bytes_per_day=1 << 30)
+    try:
+        assert not store.from_checkpoint and sorted(store.held()) == ["a", "b", "x"]
+    finally:
+        store.close()

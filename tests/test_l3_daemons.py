@@ -480,6 +480,8 @@ def test_a_flush_of_the_disk_forgets_it_now_and_after_a_restart(tmp_path):
             assert freed["disk_freed"] == 18 * 4 and freed["device_freed"] > 0
             s = l3_stats(ep)
             assert s["store_disk_held_values"] == 0 and s["store_disk_cleared_values"] == 18
+        proc.send_signal(signal.SIGKILL)  # a crash: no checkpoint, the next start scans
+        proc.wait()
     finally:
         stop_daemon(proc)
     proc = start_daemon(ep, *flags)

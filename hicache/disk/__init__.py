@@ -5,7 +5,9 @@ node's drives, found again after a restart or a crash.
   the file system takes it (buffered, said once, where it does not: tmpfs);
 - ``slots.py``: the slot format (a verified header naming the key, the value, its trailer) and
   the positional I/O, with a fault hook for tests;
-- ``budget.py``: ``WriteBudget``, bytes written in any 24 hours, never exceeded;
+- ``budget.py``: ``WriteBudget``, bytes written in any 24 hours, never exceeded (across
+  restarts);
+- ``checkpoint.py``: the index written at a clean close and read at the next open;
 - ``store.py``: ``SlotStore``, values by key: least recently used eviction, recovery by a
   time-bounded header scan, failures as misses or refused writes, figures.
 

@@ -1,7 +1,8 @@
 """SlotStore: whole values under string keys in a disk tier's slots, kept across restarts.
 
 Open: each folder is made private or checked and locked (``folder.py``), its data file
-preallocated to its share of ``capacity_bytes``; then the slots' headers are scanned, within
+preallocated to its share of ``capacity_bytes``; then the index is read from the last clean
+close's checkpoint (``checkpoint.py``), or else the slots' headers are scanned, within
 ``scan_s``, to find what the files hold (a slot not scanned in time, or whose header does not
 verify, is free). A key claimed by two slots keeps the newer. What follows:
 
@@ -43,6 +44,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from hicache.disk import checkpoint
 from hicache.disk.budget import WriteBudget
 from hicache.disk.folder import (
     ALIGN,
@@ -136,14 +138,35 @@ class SlotStore:
         self.cleared = 0  # values forgotten by clear (an operator's flush)
         self.scanned = self.recovered = 0
         self.scan_seconds = 0.0
+        self.from_checkpoint = False  # the index came from the last clean close's checkpoint
+        self._geometry = {
+            "slots": self.files.count,
+            "slot_bytes": self.files.slot_bytes,
+            "value_bytes": value_bytes,
+            "folders": [os.path.realpath(f.path) for f in self.folders],
+        }
         self._recover(scan_s)
 
     # ---- what the drive holds ---------------------------------------------------------------
     def _recover(self, scan_s: float) -> None:
-        """Scan headers until ``scan_s`` is spent; the rest of the slots are free."""
+        """The last clean close's checkpoint, or else a scan of the headers until ``scan_s``
+        is spent (the rest of the slots are free)."""
         started = time.monotonic()
         floor = max(read_floor(f.path) for f in self.folders)  # (slots at or below: flushed)
         self._seq = floor
+        entries = checkpoint.take(self.folders[0].path, self._geometry, self.files.count)
+        if entries is not None:
+            self.from_checkpoint = True
+            taken = set()
+            for slot, seq, key, parent in entries:  # (least recent first, as closed)
+                self._seq = max(self._seq, seq)
+                if seq > floor:
+                    self._index[key] = slot
+                    self._link(key, parent)
+                    taken.add(slot)
+            self._free = [s for s in range(self.files.count) if s not in taken]
+            self._settle_recovered(started)
+            return
         found: dict[str, tuple[int, int, str | None]] = {}  # key -> (seq, slot, parent)
         slot = 0
         while slot < self.files.count and time.monotonic() - started < scan_s:
@@ -177,6 +200,15 @@ class SlotStore:
             self._index[key] = where
             self._link(key, parent)
             self._seq = max(self._seq, seq)
+        self._settle_recovered(started)
+        if slot < self.files.count:
+            log.warning(
+                "disk: %d of %d slots scanned in %.1f s; the rest are taken as free",
+                slot, self.files.count, self.scan_seconds,
+            )  # fmt: skip
+
+    def _settle_recovered(self, started: float) -> None:
+        """What was found, held only with its prefix; the figures of the start."""
         lost = [k for k, p in self._parent.items() if p is not None and p not in self._index]
         before = len(self._index)
         for key in lost:  # (its parent's slot was torn or overwritten: never a tail alone)
@@ -186,11 +218,6 @@ class SlotStore:
         self.recovered = len(self._index)
         self.scan_seconds = time.monotonic() - started
         self._free.reverse()  # (pop() takes the lowest slots first)
-        if slot < self.files.count:
-            log.warning(
-                "disk: %d of %d slots scanned in %.1f s; the rest are taken as free",
-                slot, self.files.count, self.scan_seconds,
-            )  # fmt: skip
 
     # ---- calls -------------------------------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -425,6 +452,7 @@ class SlotStore:
             "disk_refused_no_room": self.refused_no_room,
             "disk_recovered_values": self.recovered,
             "disk_scan_seconds": round(self.scan_seconds, 3),
+            "disk_from_checkpoint": self.from_checkpoint,
         }
 
     def close(self) -> None:
@@ -433,6 +461,13 @@ class SlotStore:
             return
         self.sync()
         self._pool.shutdown(wait=True)
+        try:  # (the next open reads it instead of every header)
+            index, parent = self._index, self._parent
+            entries = ((slot, self._seq, key, parent[key]) for key, slot in index.items())
+            checkpoint.write(self.folders[0].path, self._geometry, entries)
+        except OSError as exc:
+            log.warning("disk: the index's checkpoint was not written (%s): the next start "
+                        "scans the slots", exc)  # fmt: skip
         for fd in self.files.fds:
             os.close(fd)
         self.files.close()

@@ -203,6 +203,8 @@ DISK_FIGURES: tuple[Figure, ...] = (
           "recovered_pages"),
     _disk("scan_seconds", "gauge", "seconds", "time the start's scan of the disk took",
           "scan_seconds"),
+    Figure("store_disk_from_checkpoint", "info", "", "the disk's index came from the last clean "
+           "stop's checkpoint (false: from a scan of its slots)", "disk", always=False),
 )  # fmt: skip
 
 # what the reply holds beside the figures: structures each reader renders its own way

@@ -1,0 +1,89 @@
+"""The slot index's checkpoint: a clean close writes what the store holds (per value: its slot,
+write sequence, key and chain parent, least recently used first) to the first folder's
+``index``; the next open reads it instead of scanning every slot's header, and removes it
+before anything else happens, so a crash afterwards, which the checkpoint would not describe,
+falls back to the scan. A checkpoint for another geometry (slots, slot size, folders), or one
+that does not parse, is ignored (the scan runs), never trusted in part. Values read through a
+checkpointed index are still checked against their slot's header on every read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable
+from typing import Any
+
+log = logging.getLogger("hicache.disk")
+
+NAME = "index"
+MAGIC = "hicache-disk-index/1"
+
+Entry = tuple[int, int, str, str | None]  # (slot, seq, key, parent)
+
+
+def write(folder: str, geometry: dict[str, Any], entries: Iterable[Entry]) -> None:
+    """Write the checkpoint (replaced atomically, synced). OSError."""
+    path = os.path.join(folder, NAME)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as fh:
+            fh.write(json.dumps({"magic": MAGIC, **geometry}) + "\n")
+            for entry in entries:
+                fh.write(json.dumps(entry) + "\n")
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def take(folder: str, geometry: dict[str, Any], slots: int) -> list[Entry] | None:
+    """The checkpoint's entries, removed from the folder first; None where there is none, it
+    cannot be removed, or it does not describe ``geometry`` exactly (logged)."""
+    path = os.path.join(folder, NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("disk: %s unreadable (%s): the slots are scanned", path, exc)
+        return None
+    try:
+        with os.fdopen(fd, "r", encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+        os.unlink(path)  # (before it is used: a crash from here on is not what it describes)
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("disk: %s unusable (%s): the slots are scanned", path, exc)
+        return None
+    try:
+        head = json.loads(lines[0]) if lines else None
+        if head != {"magic": MAGIC, **geometry}:
+            log.warning("disk: %s is for another geometry: the slots are scanned", path)
+            return None
+        entries = [_entry(json.loads(line), slots) for line in lines[1:]]
+    except (ValueError, TypeError) as exc:
+        log.warning("disk: %s does not parse (%s): the slots are scanned", path, exc)
+        return None
+    if len({e[0] for e in entries}) != len(entries) or len({e[2] for e in entries}) != len(entries):
+        log.warning("disk: %s names a slot or a key twice: the slots are scanned", path)
+        return None
+    return entries
+
+
+def _entry(item: Any, slots: int) -> Entry:
+    slot, seq, key, parent = item
+    if not (isinstance(slot, int) and 0 <= slot < slots and isinstance(seq, int) and seq > 0):
+        raise ValueError(f"a bad entry {item!r}")
+    if not isinstance(key, str) or not (parent is None or isinstance(parent, str)):
+        raise ValueError(f"a bad entry {item!r}")
+    return slot, seq, key, parent
