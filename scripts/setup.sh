@@ -54,12 +54,14 @@ has_ibverbs || need+=(libibverbs1)
 # SGLang hashes pages with a C++ extension it builds at first use (g++, OpenSSL's headers).
 command -v g++ >/dev/null 2>&1 || need+=(g++)
 [ -e /usr/include/openssl/sha.h ] || need+=(libssl-dev)
+# The disk tier's benchmark measures the store against fio (scripts/bench_disk.py).
+command -v fio >/dev/null 2>&1 || need+=(fio)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     step "installing ${need[*]} (apt)"
     apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
   else
-    echo "setup: install ${need[*]} for the L3 and SGLang tests (they are skipped without them)" >&2
+    echo "setup: install ${need[*]} for the L3 and SGLang tests and the disk benchmark (skipped without them)" >&2
   fi
 fi
 # What the tests cannot use on this machine, recorded for them (tests/optional.py): they skip
