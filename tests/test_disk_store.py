@@ -783,8 +783,8 @@ def test_after_a_flush_of_the_disk_the_tree_writes_its_prompts_again(tmp_path):
 @pytest.mark.parametrize("where", ["disk", "tmpfs"])
 def test_aligned_values_go_straight_between_memory_and_the_drive(tmp_path, where):
     """Values whose parts sit on 4 KiB boundaries (a pool's pages) are written from and read
-    into the caller's memory (no bounce copy): byte-identical, and a slot that holds another
-    key, or a value of another length, is a miss."""
+    into the caller's memory (no bounce copy): byte-identical; a slot that holds another key
+    is a miss; views of another length than the value are refused (the value stays)."""
     import mmap
 
     folder = tmp_path / "d" if where == "disk" else SHM / f"hicache-test-zc-{os.getpid()}"
@@ -806,8 +806,9 @@ def test_aligned_values_go_straight_between_memory_and_the_drive(tmp_path, where
         assert got == [bytes([i]) * 16 for i in range(4)] and dst[:] == src[:]
         store._index["k1"], store._index["k2"] = store._index["k2"], store._index["k1"]
         assert store.get_many([("k1", into[1])]) == [None]  # (the slot holds k2)
-        assert store.get_many([("k3", [memoryview(dst)[:4096]])]) == [None]  # another length
-        assert store.check() == []
+        with pytest.raises(ValueError, match="not the views'"):  # another length: kept
+            store.get_many([("k3", [memoryview(dst)[:4096]])])
+        assert store.exists(["k3"]) == [True] and store.check() == []
     finally:
         store.close()
         shutil_rm(folder)
@@ -846,5 +847,77 @@ def test_a_clean_stops_checkpoint_is_read_once_and_only_for_its_geometry(tmp_pat
     store = SlotStore([str(tmp_path / "d")], 16 * 8192, VALUE, budget_bytes_per_day=1 << 30)
     try:
         assert not store.from_checkpoint and sorted(store.held()) == ["a", "b", "x"]
+    finally:
+        store.close()
+
+
+def test_what_a_damaged_folder_holds_is_refused_or_ignored_never_trusted(tmp_path):
+    """The folder's small files, damaged: a budget record that does not parse is ignored (the
+    folder opens, and its lock is free afterwards); a floor beyond any write sequence refuses
+    the folder, saying what to remove; a checkpoint that lists a parent before its child is
+    not trusted (the slots are scanned); what a crash left of a file being replaced goes."""
+    from hicache.disk import check_folder
+
+    folder = tmp_path / "d"
+    store = _chain_store(folder, 8)
+    try:
+        assert _put_chain(store, ["a", "b"]) == [True, True]
+    finally:
+        store.close()
+    (folder / "budget").write_text("[[0, Infinity]]")
+    for name in ("floor", "budget", "index"):
+        (folder / f"{name}.4242.0badf00d.tmp").write_text("left by a crash")
+    store = _chain_store(folder, 8)
+    try:
+        assert store.from_checkpoint and store.budget.used() == 0
+        assert not list(folder.glob("*.tmp"))
+    finally:
+        store.close()
+    lines = (folder / "index").read_text().splitlines()
+    (folder / "index").write_text("\n".join([lines[0], *reversed(lines[1:])]) + "\n")
+    store = _chain_store(folder, 8)
+    try:
+        assert not store.from_checkpoint and store.held() == ["b", "a"] and store.check() == []
+    finally:
+        store.close()
+    (folder / "floor").write_text(str(1 << 64))
+    with pytest.raises(FolderRefused, match="floor"):
+        check_folder(str(folder))
+    with pytest.raises(FolderRefused, match="remove"):
+        _chain_store(folder, 8)
+    (folder / "floor").unlink()
+    _chain_store(folder, 8).close()  # (the refusal left the folder's lock free)
+
+
+def test_values_are_bytes_and_contiguous_whatever_view_holds_them(tmp_path):
+    """A view of 2-byte items counts its bytes (never writing past its slot); memory that
+    is not contiguous is refused with ValueError, changing nothing."""
+    store = _chain_store(tmp_path / "d", 4)
+    try:
+        wide = memoryview(bytearray(VALUE)).cast("H")  # VALUE // 2 items, VALUE bytes
+        assert store.put_many([("w", [wide], TAIL)]) == [True]
+        with pytest.raises(ValueError, match="larger than a slot"):
+            store.put_many([("x", [memoryview(bytearray(VALUE * 2)).cast("H")], TAIL)])
+        with pytest.raises(ValueError, match="contiguous"):
+            store.put_many([("y", [memoryview(bytearray(VALUE * 2))[::2]], TAIL)])
+        with pytest.raises(ValueError, match="contiguous"):
+            store.get_many([("w", [memoryview(bytearray(VALUE * 2))[::2]])])
+        assert store.held() == ["w"] and store.check() == []
+    finally:
+        store.close()
+
+
+def test_an_idle_store_syncs_and_saves_its_budget_when_ticked(tmp_path):
+    """The IO thread ticks the store when idle: writes a while ago are synced and the write
+    budget's record saved without waiting for the next write or the close (a crash then
+    forgets at most about ``sync_s`` of writes)."""
+    store = _chain_store(tmp_path / "d", 4, sync_s=0.0)
+    try:
+        assert _put_chain(store, ["a"]) == [True]
+        budget = tmp_path / "d" / "budget"
+        budget.unlink(missing_ok=True)
+        store._dirty_since = 0.0  # (the write was a while ago)
+        store.tick()
+        assert budget.exists() and store._dirty_since is None
     finally:
         store.close()

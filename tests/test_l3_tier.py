@@ -330,3 +330,20 @@ def test_settings_that_would_break_the_tier_are_refused():
         check_url("memory://x?latency_s=abc")
     with pytest.raises(ValueError, match="memory fault"):
         check_url("memory://x?melt=1")
+
+
+def test_an_idle_io_thread_ticks_its_store_and_never_while_a_job_runs(monkeypatch):
+    """The IO thread gives its store a tick (housekeeping: a disk's sync) after a second with
+    nothing to do, and not while a job is queued or running."""
+    from tests.daemon_helpers import wait_until
+
+    drop_space("tick")
+    a = machine("tick")
+    ticks: list[int] = []
+    monkeypatch.setattr(a.l3.store, "tick", lambda: ticks.append(a.l3.io.pending()))
+    try:
+        wait_until(lambda: len(ticks) > 0, timeout=10, what="a tick")
+        assert all(p == 1 for p in ticks)  # (its own busy mark only: no job beside it)
+    finally:
+        a.close()
+        drop_space("tick")

@@ -456,17 +456,21 @@ class Handlers:
         l3 = self.cache.l3
         if req.disk and (l3 is None or not l3.store.clears):
             raise ProtocolError(ErrorCode.BAD_FIELD, "disk: this daemon has no disk tier")
-        freed = self._evict_device(self.cache.config.device_tokens, to_l3=False)
-        freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens, to_l3=False)
-        if self.cache.events is not None:
-            self.cache.events.flushed()
         disk = None
-        if req.disk:
+        if req.disk:  # (first: a disk that fails its flush leaves the pools as they were)
             assert l3 is not None
             job = l3.clear_store(DISK_FLUSH_WAIT_S)
             if job.error:
                 raise ProtocolError(ErrorCode.INTERNAL, f"disk: the flush failed: {job.error}")
             disk = job.cleared * self.cache.page_size if job.done.is_set() else -1
+        freed = self._evict_device(self.cache.config.device_tokens, to_l3=False)
+        freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens, to_l3=False)
+        if self.cache.events is not None:
+            self.cache.events.flushed()
+        if disk is not None and disk >= 0:  # (writes the pools' flush queued: gone too)
+            assert l3 is not None
+            again = l3.clear_store(DISK_FLUSH_WAIT_S)
+            disk += again.cleared * self.cache.page_size if again.done.is_set() else 0
         return self.tiers.fields(FreedReply(freed, freed_host, disk).fields()), []
 
     def stats(self, session: Session | None, fields: dict, frames: Frames, call: Call) -> Result:

@@ -9,16 +9,20 @@ checkpointed index are still checked against their slot's header on every read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from collections.abc import Iterable
 from typing import Any
 
+from hicache.disk.folder import MAX_FLOOR, temporary
+
 log = logging.getLogger("hicache.disk")
 
 NAME = "index"
 MAGIC = "hicache-disk-index/1"
+ENTRY_MAX = 2 * 1024 + 64  # bytes of one entry's line at most (two keys of MAX_KEY, numbers)
 
 Entry = tuple[int, int, str, str | None]  # (slot, seq, key, parent)
 
@@ -26,20 +30,22 @@ Entry = tuple[int, int, str, str | None]  # (slot, seq, key, parent)
 def write(folder: str, geometry: dict[str, Any], entries: Iterable[Entry]) -> None:
     """Write the checkpoint (replaced atomically, synced). OSError."""
     path = os.path.join(folder, NAME)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = temporary(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as fh:
-            fh.write(json.dumps({"magic": MAGIC, **geometry}) + "\n")
-            for entry in entries:
-                fh.write(json.dumps(entry) + "\n")
-        os.fsync(fd)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as fh:
+                fh.write(json.dumps({"magic": MAGIC, **geometry}) + "\n")
+                for entry in entries:
+                    fh.write(json.dumps(entry) + "\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
     except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
-    os.close(fd)
-    os.replace(tmp, path)
     dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dfd)
@@ -60,10 +66,15 @@ def take(folder: str, geometry: dict[str, Any], slots: int) -> list[Entry] | Non
         return None
     try:
         with os.fdopen(fd, "r", encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
+            too_big = os.fstat(fh.fileno()).st_size > ENTRY_MAX * (slots + 1)
+            lines = [] if too_big else fh.read().splitlines()
         os.unlink(path)  # (before it is used: a crash from here on is not what it describes)
     except (OSError, UnicodeDecodeError) as exc:
         log.warning("disk: %s unusable (%s): the slots are scanned", path, exc)
+        return None
+    if too_big:
+        log.warning("disk: %s is larger than %d slots' entries: the slots are scanned", path,
+                    slots)  # fmt: skip
         return None
     try:
         head = json.loads(lines[0]) if lines else None
@@ -77,12 +88,17 @@ def take(folder: str, geometry: dict[str, Any], slots: int) -> list[Entry] | Non
     if len({e[0] for e in entries}) != len(entries) or len({e[2] for e in entries}) != len(entries):
         log.warning("disk: %s names a slot or a key twice: the slots are scanned", path)
         return None
+    at = {e[2]: n for n, e in enumerate(entries)}
+    if any(e[3] is not None and at.get(e[3], n + 1) <= n for n, e in enumerate(entries)):
+        log.warning("disk: %s lists a parent before its child: the slots are scanned", path)
+        return None  # (so a cycle is refused too)
     return entries
 
 
 def _entry(item: Any, slots: int) -> Entry:
     slot, seq, key, parent = item
-    if not (isinstance(slot, int) and 0 <= slot < slots and isinstance(seq, int) and seq > 0):
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (slot, seq))
+    if not (ints and 0 <= slot < slots and 0 < seq <= MAX_FLOOR + (1 << 40)):
         raise ValueError(f"a bad entry {item!r}")
     if not isinstance(key, str) or not (parent is None or isinstance(parent, str)):
         raise ValueError(f"a bad entry {item!r}")

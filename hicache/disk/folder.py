@@ -13,11 +13,13 @@ and the write budget's record (``budget.py``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
 import mmap
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 
@@ -26,6 +28,9 @@ log = logging.getLogger("hicache.disk")
 ALIGN = 4096  # direct I/O's alignment of offsets, lengths and buffers (a page: every drive's)
 LOCK_NAME = "lock"
 FLOOR_NAME = "floor"
+NOTE_NAMES = ("floor", "budget", "index")  # the folder's small files (and the checkpoint)
+TMP_SUFFIX = ".tmp"
+MAX_FLOOR = 1 << 62  # write sequences stay far below 2**64 (a header's field)
 NOTE_MAX = 64 << 10  # bytes of a folder's small file (the floor, the write budget's record)
 
 
@@ -53,6 +58,7 @@ def check_folder(path: str) -> None:
             raise FolderRefused(f"disk: {os.path.dirname(path)} does not exist")
         return
     open_folder(path).close()
+    read_floor(path)  # (one out of range is refused)
 
 
 def open_folder(path: str) -> Folder:
@@ -132,17 +138,18 @@ def write_note(folder: str, name: str, text: str) -> None:
     if len(data) > NOTE_MAX:
         raise ValueError(f"disk: {name}: {len(data)} bytes, more than {NOTE_MAX}")
     path = os.path.join(folder, name)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = temporary(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
     dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -151,16 +158,36 @@ def write_note(folder: str, name: str, text: str) -> None:
         os.close(dfd)
 
 
+def temporary(path: str) -> str:
+    """A new name beside ``path`` for a file written before it replaces ``path``."""
+    return f"{path}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+
+
+def remove_stale_temporaries(folder: str) -> None:
+    """Remove what a crash left of files being replaced (only in a folder this process
+    holds the lock of: nobody else writes there)."""
+    for name in os.listdir(folder):
+        if name.endswith(TMP_SUFFIX) and name.split(".", 1)[0] in NOTE_NAMES:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+
+
 def read_floor(folder: str) -> int:
     """The folder's floor (0: none, or not a number: logged)."""
     text = read_note(folder, FLOOR_NAME)
     if text is None:
         return 0
     try:
-        return max(0, int(text.strip()))
+        floor = max(0, int(text.strip()))
     except ValueError:
         log.warning("disk: %s's floor is not a number: none", folder)
         return 0
+    if floor > MAX_FLOOR:
+        raise FolderRefused(
+            f"disk: {folder}: its floor ({floor}) is beyond any write sequence this tier "
+            f"makes; remove {os.path.join(folder, FLOOR_NAME)} and the slots to start it cold"
+        )
+    return floor
 
 
 def write_floor(folder: str, seq: int) -> None:

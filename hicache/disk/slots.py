@@ -128,6 +128,7 @@ class SlotFiles:
         view[: len(head)] = head
         view[len(head) : ALIGN] = bytes(ALIGN - len(head))
         fd, offset = self.where(slot)
+        parts = [as_bytes(p) for p in parts]
         if self.goes_direct(parts):
             size = sum(len(p) for p in parts)
             if size != header.value_len:
@@ -147,16 +148,15 @@ class SlotFiles:
         _all(os.pwritev, fd, view[: self.slot_bytes], offset)
 
     def read_into(self, slot: int, key: str, into: Sequence[memoryview]) -> Header | None:
-        """Read the slot's value into ``into`` (views summing to its length) and return its
-        header, or None where the slot does not hold ``key`` whole with that length (``into``
-        is then undefined). OSError."""
+        """Read the slot's value into ``into`` (byte views summing to its length) and return
+        its header, or None where the slot does not hold ``key`` whole (``into`` is then
+        undefined). OSError; ValueError where the value held is not as long as ``into``."""
         size = sum(len(v) for v in into)
-        if size > self.value_bytes:
-            return None
         if not self.goes_direct(into):
             got = self.read(slot, key)
-            if got is None or got[0].value_len != size:
+            if got is None:
                 return None
+            _same_length(key, got[0], size)
             at = 0
             for view in into:
                 n = len(view)
@@ -171,8 +171,9 @@ class SlotFiles:
         iov = [view[:ALIGN], *(memoryview(v).cast("B") for v in into)]
         _allv(os.preadv, fd, [*iov, pad] if len(pad) else iov, offset)
         header = Header.unpack(view[:ALIGN])
-        if header is None or header.key != key or header.value_len != size:
+        if header is None or header.key != key:
             return None
+        _same_length(key, header, size)
         return header
 
     def goes_direct(self, parts: Sequence[memoryview | bytes]) -> bool:
@@ -220,6 +221,20 @@ class SlotFiles:
                 buf.close()
             except BufferError:  # a slice still referenced (a traceback's frame): freed with it
                 pass
+
+
+def as_bytes(part: memoryview | bytes) -> memoryview:
+    """``part`` as a flat byte view (``len`` is its bytes); ValueError if it is not
+    contiguous memory."""
+    view = memoryview(part)
+    if not view.c_contiguous:
+        raise ValueError("disk: a value's parts must be contiguous memory")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _same_length(key: str, header: Header, size: int) -> None:
+    if header.value_len != size:
+        raise ValueError(f"disk: {key}'s value is {header.value_len} bytes, not the views' {size}")
 
 
 def _address(part: memoryview | bytes) -> int:

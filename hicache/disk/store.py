@@ -22,8 +22,9 @@ verify, is free). A key claimed by two slots keeps the newer. What follows:
   slot is freed); the value is copied out with the header's trailer, which the caller
   verifies (a torn or flipped value never verifies). A drive error is a miss.
 - Durability: a value is on the drive once ``put`` returns (direct I/O) and survives a crash
-  of the process; against a power loss, once ``sync`` ran (every ``sync_s`` after a put, and
-  at ``close``): what a power loss can lose is the last ``sync_s`` of writes, seen as misses.
+  of the process; against a power loss, once ``sync`` ran (``sync_s`` after the first unsynced
+  write: at the next put or ``tick``, which the owner calls when idle, and at ``close``): what
+  a power loss can lose is about the last ``sync_s`` of writes, seen as misses.
   Each sync also saves the write budget's record in the first folder, so a restart counts
   what the folder wrote in the last day (a crash forgets the writes since the last sync).
 
@@ -48,15 +49,17 @@ from hicache.disk import checkpoint
 from hicache.disk.budget import WriteBudget
 from hicache.disk.folder import (
     ALIGN,
+    MAX_FLOOR,
     Folder,
     open_data,
     open_folder,
     read_floor,
     read_note,
+    remove_stale_temporaries,
     write_floor,
     write_note,
 )
-from hicache.disk.slots import MAX_KEY, TRAILER_BYTES, Fault, Header, SlotFiles
+from hicache.disk.slots import MAX_KEY, TRAILER_BYTES, Fault, Header, SlotFiles, as_bytes
 
 log = logging.getLogger("hicache.disk")
 T = TypeVar("T")
@@ -101,13 +104,34 @@ class SlotStore:
                 fd, direct = open_data(os.path.join(folder.path, DATA_NAME), per_file * slot_bytes)
                 fds.append(fd)
                 self.direct = direct
+            for folder in self.folders:  # (ours, locked: a crash's temporary files go)
+                remove_stale_temporaries(folder.path)
+            self._start(fds, per_file * len(paths), value_bytes, capacity_bytes,
+                        budget_bytes_per_day, scan_s, sync_s, fault, io_threads)  # fmt: skip
         except BaseException:
+            pool = getattr(self, "_pool", None)
+            if pool is not None:
+                pool.shutdown(wait=True)
             for fd in fds:
                 os.close(fd)
             for folder in self.folders:
                 folder.close()
+            self.folders = []
             raise
-        self.files = SlotFiles(fds, value_bytes, per_file * len(paths), fault)
+
+    def _start(
+        self,
+        fds: list[int],
+        count: int,
+        value_bytes: int,
+        capacity_bytes: int,
+        budget_bytes_per_day: int | None,
+        scan_s: float,
+        sync_s: float,
+        fault: Fault | None,
+        io_threads: int,
+    ) -> None:
+        self.files = SlotFiles(fds, value_bytes, count, fault)
         self.budget = WriteBudget(
             capacity_bytes if budget_bytes_per_day is None else budget_bytes_per_day
         )
@@ -254,6 +278,7 @@ class SlotStore:
         parent_of = list(parents) if parents is not None else [None] * len(items)
         if len(parent_of) != len(items):
             raise ValueError("disk: one parent per item")
+        items = [(key, [as_bytes(p) for p in parts], trailer) for key, parts, trailer in items]
         for (key, parts, trailer), parent in zip(items, parent_of, strict=True):
             if sum(len(p) for p in parts) > self.files.value_bytes or len(trailer) != TRAILER_BYTES:
                 raise ValueError(f"disk: {key}: a value larger than a slot, or a bad trailer")
@@ -324,8 +349,10 @@ class SlotStore:
         return self.get_many([(key, into)])[0]
 
     def get_many(self, items: Sequence[tuple[str, Sequence[memoryview]]]) -> list[bytes | None]:
-        """``get`` of each ``(key, into)``, the reads at once (each ``into`` its own memory; a
-        value of another length than ``into`` is a miss)."""
+        """``get`` of each ``(key, into)``, the reads at once (each ``into`` its own memory).
+        ValueError where ``into`` is not contiguous memory, or not as long as the value held
+        (which is kept)."""
+        items = [(key, [as_bytes(v) for v in into]) for key, into in items]
         slots = [self._index.get(key) for key, _ in items]
 
         def read(i: int) -> bytes | OSError | None:
@@ -404,6 +431,8 @@ class SlotStore:
         last write's sequence, durably, before the index is emptied); how many were held.
         OSError (nothing forgotten) when a floor cannot be written."""
         floor = self._seq + CLEAR_GAP  # (above any slot a scan cut short did not read)
+        if floor > MAX_FLOOR:
+            raise OSError(errno.ERANGE, "disk: the write sequence is spent; start it cold")
         for folder in self.folders:
             write_floor(folder.path, floor)
         self._seq = floor
@@ -414,6 +443,12 @@ class SlotStore:
         self._kids.clear()
         self.cleared += held
         return held
+
+    def tick(self) -> None:
+        """Housekeeping the owner calls when idle, at least every second or so (the third
+        tier's IO thread does): a sync due ``sync_s`` after the first unsynced write."""
+        if self._dirty_since is not None and time.monotonic() - self._dirty_since >= self.sync_s:
+            self.sync()
 
     def sync(self) -> None:
         """Make every write so far durable against a power loss (fdatasync), and save the

@@ -60,6 +60,10 @@ class DiskStore(L3Store):
     def clear(self) -> int:
         return self._store().clear()
 
+    def tick(self) -> None:
+        if self.slots is not None:
+            self.slots.tick()
+
     def describe(self) -> dict[str, Any]:
         slots = self.slots
         return slots.figures() if slots is not None else {}
@@ -144,6 +148,10 @@ class DiskAbove(L3Store):
 
     def clear(self) -> int:
         return self.disk.clear()
+
+    def tick(self) -> None:
+        self.disk.tick()
+        self.below.tick()
 
     def describe(self) -> dict[str, Any]:
         below = {f"below_{k}": v for k, v in self.below.describe().items()}

@@ -85,6 +85,10 @@ class LazyStore(L3Store):
     def clear(self) -> int:
         return self._store().clear()
 
+    def tick(self) -> None:
+        if self.inner is not None:  # (never opens it)
+            self.inner.tick()
+
     def describe(self) -> dict[str, Any]:
         inner = self.inner
         return {"connected": inner is not None, **(inner.describe() if inner else {})}

@@ -71,6 +71,10 @@ class L3Store(ABC):
         """Drop values that failed to verify, so the next write of those pages puts them again
         (best effort: a failure here is ignored)."""
 
+    def tick(self) -> None:
+        """Housekeeping: called by the IO thread when it has nothing else to do, about once
+        a second (a disk syncs what it wrote a while ago)."""
+
     def clear(self) -> int:
         """Forget every value (an operator's flush), now and after a restart: how many were
         held. Only a store that ``clears`` (a shared remote store is never flushed from one

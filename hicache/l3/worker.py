@@ -27,6 +27,7 @@ from hicache.memory import PageSums
 
 log = logging.getLogger("hicache.l3")
 FLUSHED = "flushed"  # the error of writes a flush of the store dropped unrun
+TICK_S = 1.0  # the store's housekeeping, when the thread is idle this long
 CLOSE_WAIT_S = 1.0  # how long close() waits for a store call that runs
 CHUNK_BYTES = 128 << 20  # pages per store call: about this many bytes (at most ``batch``)
 
@@ -104,8 +105,17 @@ class IOWorker:
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not (self.clears or self.fetches or self.writes or self.stopping):
-                    self.cv.wait()
+                idle = not (self.clears or self.fetches or self.writes or self.stopping)
+                tick = idle and not self.cv.wait(TICK_S) and not self.pending()
+                if tick:  # (a full second with nothing to do)
+                    self.busy = True  # (the store is this thread's while it ticks)
+            if idle:
+                if tick:
+                    self._tick()
+                    with self.cv:
+                        self.busy = False
+                continue
+            with self.cv:
                 if self.stopping and time.monotonic() >= self.drain_until:
                     self._end_unrun(self.writes)  # (past the drain: what is left ends unrun)
                 if self.stopping and not (self.clears or self.fetches or self.writes):
@@ -149,6 +159,14 @@ class IOWorker:
                     self.notify()
                 except Exception:  # noqa: BLE001  (waking the loop is best effort)
                     log.debug("notify failed", exc_info=True)
+
+    def _tick(self) -> None:
+        """The store's idle housekeeping (outside ``cv``: a submit never waits for it; a
+        failure is logged, never raised)."""
+        try:
+            self.store.tick()
+        except Exception:  # noqa: BLE001  (a store's bug: logged, the thread lives)
+            log.exception("third tier %s: housekeeping failed", self.store.url)
 
     def _clear(self, job: Clear) -> None:
         try:
