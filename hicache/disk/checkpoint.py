@@ -9,14 +9,13 @@ checkpointed index are still checked against their slot's header on every read.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 from collections.abc import Iterable
 from typing import Any
 
-from hicache.disk.folder import MAX_FLOOR, temporary
+from hicache.disk.folder import MAX_FLOOR, replace_file
 
 log = logging.getLogger("hicache.disk")
 
@@ -29,28 +28,14 @@ Entry = tuple[int, int, str, str | None]  # (slot, seq, key, parent)
 
 def write(folder: str, geometry: dict[str, Any], entries: Iterable[Entry]) -> None:
     """Write the checkpoint (replaced atomically, synced). OSError."""
-    path = os.path.join(folder, NAME)
-    tmp = temporary(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as fh:
-                fh.write(json.dumps({"magic": MAGIC, **geometry}) + "\n")
-                for entry in entries:
-                    fh.write(json.dumps(entry) + "\n")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+
+    def fill(fd: int) -> None:
+        with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as fh:
+            fh.write(json.dumps({"magic": MAGIC, **geometry}) + "\n")
+            for entry in entries:
+                fh.write(json.dumps(entry) + "\n")
+
+    replace_file(folder, NAME, fill)
 
 
 def take(folder: str, geometry: dict[str, Any], slots: int) -> list[Entry] | None:

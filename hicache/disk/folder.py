@@ -21,6 +21,7 @@ import mmap
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger("hicache.disk")
@@ -137,12 +138,19 @@ def write_note(folder: str, name: str, text: str) -> None:
     data = text.encode()
     if len(data) > NOTE_MAX:
         raise ValueError(f"disk: {name}: {len(data)} bytes, more than {NOTE_MAX}")
+    replace_file(folder, name, lambda fd: os.write(fd, data))
+
+
+def replace_file(folder: str, name: str, fill: Callable[[int], object]) -> None:
+    """Replace the folder's file ``name`` atomically and durably: ``fill`` writes the new
+    contents to the open descriptor of a temporary beside it, which is synced and renamed
+    over ``name``, and the folder is synced (OSError; the temporary never stays)."""
     path = os.path.join(folder, name)
     tmp = temporary(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
-            os.write(fd, data)
+            fill(fd)
             os.fsync(fd)
         finally:
             os.close(fd)
