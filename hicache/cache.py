@@ -371,6 +371,8 @@ class HiRadixCache:
         if tier.cache is not self:
             raise ValueError("attach_l3: the tier was made for another cache")
         self.l3 = tier
+        if self.events is not None:
+            tier.announce(self.events)
 
     @property
     def l3(self) -> L3Tier | None:
@@ -388,6 +390,8 @@ class HiRadixCache:
             raise ValueError("attach_events: made for another page size")
         self.events = events
         self.tree.on_change = events.touch
+        if self.l3 is not None:
+            self.l3.announce(events)
         for node in self.tree.iter_nodes():
             events.touch(node)
 

@@ -1090,6 +1090,43 @@ MUTATIONS = [
         "            pass\n",
         ("tests/test_gc_pauses.py",),
     ),
+    Mutation(
+        "storage-events-miss-what-the-disk-let-go",
+        "hicache/l3/worker.py",
+        "        if gone and self.storage is not None:\n",
+        "        if False:\n",
+        (
+            "tests/test_kv_events.py::test_the_disk_is_announced_on_storage_as_it_keeps_and_evicts_pages",
+        ),
+    ),
+    Mutation(
+        "storage-events-name-the-parents-hash-for-a-page",
+        "hicache/observe/storage_events.py",
+        "    return Held(names, [chain[c] for c in pages],",
+        "    return Held(names, [chain[max(c - 1, 0)] for c in pages],",
+        ("tests/test_disk_stateful.py",),
+    ),
+    Mutation(
+        "storage-events-keep-pages-at-a-flush",
+        "hicache/l3/worker.py",
+        "            self.storage.append(Forgot())\n",
+        "            self.storage.append(Let([]))\n",
+        ("tests/test_disk_stateful.py",),
+    ),
+    Mutation(
+        "storage-events-remove-a-page-let-go-and-held-again",
+        "hicache/observe/storage_events.py",
+        "                del gone[h]\n",
+        "                pass\n",
+        ("tests/test_storage_events.py",),
+    ),
+    Mutation(
+        "storage-events-skip-pages-read-back-from-the-disk",
+        "hicache/l3/worker.py",
+        "        self._held(job, names, list(range(job.arrived)))\n",
+        "",
+        ("tests/test_disk_stateful.py",),
+    ),
 ]
 
 

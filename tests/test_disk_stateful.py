@@ -6,6 +6,9 @@ disk's own invariants (``SlotStore.check``: every slot held or free once, every 
 more recent than its children), what the disk holds closed under prefixes (a page only with
 the page before it), the write budget never exceeded, and every token served holding exactly
 the KV computed for its prefix (a torn, flipped or lost slot is a miss, never wrong bytes).
+KV events, replayed as a router would: what they say is on STORAGE is held by the disk (all of
+it, until a restart: an earlier daemon's pages are announced once read or offered again), each
+block under its store key's hash, and the tree's tiers are what the tree holds.
 Page sizes 1, 4 and 16; admission ``all`` and ``reused``; under a host pool and under the
 one pool of an engine-tier daemon."""
 
@@ -19,14 +22,18 @@ import tempfile
 import time
 
 import numpy as np
+import xxhash
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hicache.l3 import LazyStore
 from hicache.l3.config import L3Config
+from hicache.l3.keys import KeyChain
 from hicache.l3.tier import MISS_TTL_S, L3Tier
+from hicache.observe import TierEvents
 from tests.conftest import make_cache, settle
+from tests.event_model import TierModel, tree_blocks
 from tests.reference import expected_kv, read_kv, write_kv
 
 SLOTS = 24  # the disk's pages (8 KiB slots: these pages are small)
@@ -37,7 +44,10 @@ class DiskMachine(RuleBasedStateMachine):
     page_size = 4
     admission = "reused"
     host_tokens = 14  # pages of the host pool (0: the store sits under the one pool)
-    seen = dict.fromkeys(("written", "from_disk", "restarts", "refused_budget", "bad"), 0)
+    seen = dict.fromkeys(
+        ("written", "from_disk", "restarts", "refused_budget", "bad", "on_storage", "off_storage"),
+        0,
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -67,7 +77,24 @@ class DiskMachine(RuleBasedStateMachine):
         cache.attach_l3(L3Tier(cache, cfg, self.lazy, clock=self.clock))
         self.lazy.exists([])  # (opened here, as the IO thread would at its first call)
         self.lazy.inner.slots.files.fault = self._fault
+        self.router = TierModel()  # a router's view, from this daemon's events
+        self.life_writes = False  # a restart since: the disk may hold pages not announced
+        self.read_back: set[str] = set()  # keys of pages this daemon read from the disk
+        cache.attach_events(TierEvents(ps, "GPU" if self.host_tokens else "CPU"))
         return cache
+
+    def _hashes(self) -> dict[str, int]:
+        """Every page's store key -> its block hash, for the prompts of this test."""
+        ps, out = self.page_size, {}
+        chain = self.cache.l3.chain
+        seed = xxhash.xxh3_64_intdigest(b"hicache-block-v1" + repr(None).encode())
+        for seq in self.seqs:
+            names = [KeyChain.name(d) for d in chain.extend(chain.root(None), seq.tobytes())]
+            h = seed
+            for i, name in enumerate(names):
+                h = xxhash.xxh3_64_intdigest(seq[i * ps : (i + 1) * ps].tobytes(), seed=h)
+                out[name] = h
+        return out
 
     def _fault(self, op: str, slot: int) -> None:
         code = self.error.get(op)
@@ -107,6 +134,8 @@ class DiskMachine(RuleBasedStateMachine):
         f = cache.l3.prefetch(tokens.tobytes(), None, hit.device_hit_length + hit.host_hit_length)
         if f is not None:
             assert cache.l3.wait(f, timeout=120)
+            got = f.digests[f.first : f.first + f.arrived]
+            self.read_back |= {KeyChain.name(d) for d in got}
         hit = cache.match_prefix(tokens)
         if hit.host_hit_length:
             cache.load_back(hit.last_host_node)
@@ -139,6 +168,7 @@ class DiskMachine(RuleBasedStateMachine):
                 os.unlink(os.path.join(self.folder, "index"))
         self.seen["restarts"] += 1
         self.cache = self._open()
+        self.life_writes = True
 
     @rule(
         op=st.sampled_from(["read", "write"]),
@@ -183,6 +213,22 @@ class DiskMachine(RuleBasedStateMachine):
         held = set(disk.held())
         assert all(disk.parent(k) is None or disk.parent(k) in held for k in held), "a tail alone"
         assert disk.budget.used() <= disk.budget.bytes_per_day
+        for event in self.cache.events.take():
+            self.router.apply(event)
+            if getattr(event, "medium", None) == "STORAGE":
+                side = "on_storage" if type(event).__name__ == "BlockStored" else "off_storage"
+                self.seen[side] += 1
+        told = self.router.normalized()
+        storage = told.pop("STORAGE", {})
+        assert told == tree_blocks(self.cache, "GPU" if self.host_tokens else "CPU")
+        blocks = self.cache.events.storage.blocks
+        assert set(storage) == {h for h, _, _ in blocks.values()}
+        assert set(blocks) <= held, "announced on STORAGE, not on the disk"
+        if not self.life_writes:
+            assert set(blocks) == held, "on the disk, not announced"
+        assert self.read_back & held <= set(blocks), "read from the disk, not announced"
+        hashes = self._hashes()
+        assert all(hashes[name] == h for name, (h, _, _) in blocks.items()), "a wrong block hash"
 
     def teardown(self) -> None:
         try:
@@ -215,7 +261,8 @@ def test_random_runs_on_a_small_disk_went_through_every_path():
     """The random runs keep every rule after every step (page sizes 1, 4, 16; admission all
     and reused; under a host pool and under an engine-tier daemon's one pool), and went where
     it matters, counted from this test's own runs: pages written, served from the disk after
-    restarts, writes refused past the budget, slots that did not hold their page."""
+    restarts, writes refused past the budget, slots that did not hold their page, pages
+    announced on STORAGE and removed from it."""
     seen = dict.fromkeys(DiskMachine.seen, 0)
     for ps, admission, host in MACHINES:
         machine = _machine(ps, admission, host)

@@ -218,3 +218,39 @@ def test_a_stopped_daemon_leaves_no_event_socket_files(tmp_path):
     assert pub.exists() and replay.exists()
     stop_daemon(proc)
     assert not pub.exists() and not replay.exists()
+
+
+def test_the_disk_is_announced_on_storage_as_it_keeps_and_evicts_pages(tmp_path):
+    """With a disk under the host pool, what the events say is on vLLM's STORAGE medium is what
+    the disk holds, as the disk writes and evicts pages on its own (it is too small for the
+    traffic), each block under its parent; a dump says the same, and a flush of the disk
+    removes all of it."""
+    disk = ["--disk", f"{tmp_path}/disk", "--disk-bytes", "320KiB", "--disk-admission", "all"]
+    disk += ["--disk-write-budget", "64MiB", "--l3-model", "tiny@test"]
+    ep, pub, replay, proc = events_daemon(tmp_path, *disk)
+    try:
+        serve_chats(ep, 4, 60)
+        with HiCacheClient(ep, name="admin", admin=True) as hc:
+
+            def settled() -> bool:
+                s = hc.stats()
+                idle = s["inflight_transfers"] == 0 and s["l3"]["queued_pages"] == 0
+                published = len(ask(replay, (0).to_bytes(8, "big")))
+                return idle and published == hc.stats()["event_batches_published"]
+
+            wait_until(settled, what="the disk's writes announced")
+            l3 = hc.stats()["l3"]
+            model = rebuild(ask(replay, (0).to_bytes(8, "big")))
+            storage = model.blocks.get(kv_events.MEDIUM_STORAGE, {})
+            assert l3["store_disk_evicted_values"] > 0  # (the disk made room on its own)
+            assert len(storage) == l3["store_disk_held_values"] > 0
+            for parent, tokens in storage.values():  # (a page is on the disk with its prefix)
+                assert len(tokens) == PS and (parent is None or parent in storage)
+            assert rebuild(ask(replay, b"dump")).normalized() == model.normalized()
+            hc.flush(disk=True)
+            wait_until(
+                lambda: not rebuild(ask(replay, (0).to_bytes(8, "big"))).normalized(),
+                what="everything removed",
+            )
+    finally:
+        stop_daemon(proc)

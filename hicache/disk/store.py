@@ -149,6 +149,7 @@ class SlotStore:
         self._parent: dict[str, str | None] = {}  # held key -> its chain parent's key
         self._kids: dict[str, set[str]] = {}  # held key -> its held children (if any)
         self._free: list[int] = []
+        self._dropped: list[str] | None = None  # keys let go since take_dropped() (tracked)
         self._seq = 0
         self._dirty_since: float | None = None
         # figures (read by other threads)
@@ -395,10 +396,23 @@ class SlotStore:
         while done < count and self._index:
             key, slot = self._index.popitem(last=False)  # (a leaf: see _touch)
             self._unlink(key)
+            if self._dropped is not None:
+                self._dropped.append(key)
             self._free.append(slot)
             done += 1
         self.evicted += done
         return done
+
+    def track_drops(self) -> None:
+        """Record every key let go from now on (evicted, or dropped with its prefix; not a
+        clear), for ``take_dropped``, which the owner must then call after every call."""
+        if self._dropped is None:
+            self._dropped = []
+
+    def take_dropped(self) -> list[str]:
+        """The keys let go since the last call, in order (tracked: ``track_drops``)."""
+        out, self._dropped = self._dropped or [], [] if self._dropped is not None else None
+        return out
 
     def check(self) -> list[str]:
         """The index's invariants (messages of those broken): every slot held or free once,
@@ -572,6 +586,8 @@ class SlotStore:
                 continue
             stack.extend(self._kids.pop(at, ()))
             self._unlink(at)
+            if self._dropped is not None:
+                self._dropped.append(at)
             self._free.append(slot)
 
     def _maybe_sync(self) -> None:

@@ -32,6 +32,7 @@ class DiskStore(L3Store):
         self.pages = pages
         paths, capacity, budget, scan_s = self._open
         self.slots = SlotStore(paths, capacity, pages.page_bytes, budget, scan_s=scan_s)
+        self.slots.track_drops()  # (the IO thread takes them after every job: dropped())
 
     def _store(self) -> SlotStore:
         assert self.slots is not None, "DiskStore: attach() first"
@@ -59,6 +60,12 @@ class DiskStore(L3Store):
 
     def clear(self) -> int:
         return self._store().clear()
+
+    def dropped(self) -> list[str]:
+        return self.slots.take_dropped() if self.slots is not None else []
+
+    def local(self, keys: list[str]) -> list[bool]:
+        return self._store().exists(keys)
 
     def tick(self) -> None:
         if self.slots is not None:
@@ -148,6 +155,12 @@ class DiskAbove(L3Store):
 
     def clear(self) -> int:
         return self.disk.clear()
+
+    def dropped(self) -> list[str]:
+        return self.disk.dropped()
+
+    def local(self, keys: list[str]) -> list[bool]:
+        return self.disk.local(keys)
 
     def tick(self) -> None:
         self.disk.tick()

@@ -85,6 +85,12 @@ class LazyStore(L3Store):
     def clear(self) -> int:
         return self._store().clear()
 
+    def dropped(self) -> list[str]:
+        return self.inner.dropped() if self.inner is not None else []
+
+    def local(self, keys: list[str]) -> list[bool]:
+        return self.inner.local(keys) if self.inner is not None else [False] * len(keys)
+
     def tick(self) -> None:
         if self.inner is not None:  # (never opens it)
             self.inner.tick()

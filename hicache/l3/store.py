@@ -71,6 +71,16 @@ class L3Store(ABC):
         """Drop values that failed to verify, so the next write of those pages puts them again
         (best effort: a failure here is ignored)."""
 
+    def dropped(self) -> list[str]:
+        """Keys this node's own medium (the disk) let go since the last call: evicted to make
+        room, or dropped with a prefix that failed to read (not a flush). Other stores: []."""
+        return []
+
+    def local(self, keys: list[str]) -> list[bool]:
+        """Whether this node's own medium (the disk) holds each key, for KV events' STORAGE
+        (a remote store's keys are never announced: all False)."""
+        return [False] * len(keys)
+
     def tick(self) -> None:
         """Housekeeping: called by the IO thread when it has nothing else to do, about once
         a second (a disk syncs what it wrote a while ago)."""

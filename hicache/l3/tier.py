@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,7 @@ from hicache.observe import page_hashes
 
 if TYPE_CHECKING:
     from hicache.cache_view import L3Host
+    from hicache.observe import StorageChange, TierEvents
     from hicache.tree import TreeNode
 
 log = logging.getLogger("hicache.l3")
@@ -92,6 +93,14 @@ class L3Tier:
         # selective: page names (observe.page_hash) of pages the side let go unwritten, least
         # recent first; such a page computed again has earned its write (it was reused)
         self.seen: OrderedDict[int, None] = OrderedDict()
+
+    def announce(self, events: TierEvents) -> None:
+        """Tell ``events`` (on STORAGE) what this node's disk holds from now on: the IO thread
+        records the disk's changes for it. Other stores hold nothing of this node's."""
+        if self.store.keeps_prefixes and self.io.storage is None:
+            changes: deque[StorageChange] = deque()
+            events.storage.follow(changes)
+            self.io.storage = changes
 
     # ---- writes -------------------------------------------------------------------------------
     def after_backup(self, nodes: list[TreeNode]) -> None:

@@ -24,6 +24,7 @@ from hicache.l3.keys import KeyChain
 from hicache.l3.pages import PageSegments, trailer, verify
 from hicache.l3.store import L3Store, StoreDown
 from hicache.memory import PageSums
+from hicache.observe import Forgot, Let, StorageChange, held_pages
 
 log = logging.getLogger("hicache.l3")
 FLUSHED = "flushed"  # the error of writes a flush of the store dropped unrun
@@ -61,6 +62,9 @@ class IOWorker:
         read_bytes = store.read_chunk_bytes or CHUNK_BYTES
         self.read_chunk = max(1, min(self.chunk, read_bytes // max(1, pages.page_bytes)))
         self.page_sums: PageSums | None = None  # host page checksums (verify_pages)
+        # what this node's disk holds and lets go, in the order of the calls, for KV events
+        # (set once by the control thread: L3Tier.announce; None: not recorded)
+        self.storage: deque[StorageChange] | None = None
         self.sums = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-sum")
         self.thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
         self.thread.start()
@@ -149,6 +153,7 @@ class IOWorker:
                 job.error = f"{type(exc).__name__}: {exc}"
                 log.exception("L3 job failed")
             job.io_s += time.perf_counter() - started
+            self._let_go()
             with self.cv:
                 self.busy = False
             self.done.append(job)
@@ -174,6 +179,32 @@ class IOWorker:
         except OSError as exc:  # (the drive's error: nothing was forgotten)
             job.error = str(exc)
             log.warning("third tier %s: the flush failed (%s)", self.store.url, exc)
+            return
+        self.store.dropped()  # (what it let go before: all of it is gone now)
+        if self.storage is not None:
+            self.storage.append(Forgot())
+
+    def _let_go(self) -> None:
+        """Take what the store let go in the calls so far (recorded for KV events)."""
+        try:
+            gone = self.store.dropped()
+        except Exception:  # noqa: BLE001  (a store's bug: logged, the thread lives)
+            log.exception("third tier %s: dropped() failed", self.store.url)
+            return
+        if gone and self.storage is not None:
+            self.storage.append(Let(gone))
+
+    def _held(self, job: Fetch | Write, names: list[str], at: list[int]) -> None:
+        """Record that this node's disk holds pages ``job.first + i`` (``i`` in ``at``; their
+        keys ``names[i]``), where it does (for KV events)."""
+        if self.storage is None or not at:
+            return
+        local = self.store.local([names[i] for i in at])
+        at = [i for i, here in zip(at, local, strict=True) if here]
+        if at:
+            ps = self.chain.page_bytes // 4
+            keys = [names[i] for i in at]
+            self.storage.append(held_pages(job.key, job.namespace, job.first, at, keys, ps))
 
     def _end_unrun(self, queue: deque, why: str = "closing") -> None:
         """Every job of ``queue`` done with error ``why`` (under ``cv``)."""
@@ -236,6 +267,8 @@ class IOWorker:
             have = self._call(self.store.exists, names[at : at + self.batch])
             todo += [at + i for i, h in enumerate(have) if not h]
         job.present += len(names) - len(todo)
+        lacking = set(todo)
+        self._held(job, names, [i for i in range(len(names)) if i not in lacking])
         first_parent = parents[0] if parents and todo[:1] == [0] else None
         if first_parent is not None and not self._call(self.store.exists, [first_parent])[0]:
             job.no_prefix = True  # (the store lost a prefix the tier took as stored)
@@ -258,6 +291,8 @@ class IOWorker:
             ok = self._call(self.store.put, keys, [pages[i] for i in chunk], tails, up)
             job.stored += sum(ok)
             job.failed += len(ok) - sum(ok)
+            self._let_go()  # (what the puts evicted went before they landed)
+            self._held(job, names, [i for i, put in zip(chunk, ok, strict=True) if put])
 
     def _parents(self, chain: list[bytes], first: int, count: int) -> list[str | None]:
         """Each page's chain parent's key, for pages [first, first + count) of ``chain``
@@ -320,3 +355,5 @@ class IOWorker:
                 check.result()  # (those after the end of the run too)
         if job.corrupt:  # the bad value goes, so that the next write of the page puts it again
             self.store.remove([names[job.arrived]])
+        self._let_go()
+        self._held(job, names, list(range(job.arrived)))

@@ -5,6 +5,8 @@ capacity estimate and the page hashes it samples, tree views, latency histograms
 - ``figures.py``: every figure the daemon reports, named once (``FIGURES``: key, kind, unit,
   help, ``hicache info`` section, Prometheus family), read by STATS, /metrics, info and top;
 - ``kv_events.py``: ``TierEvents``, vLLM-format KV events (stored, removed, cleared) per tier;
+  ``storage_events.py``: what the disk holds (medium STORAGE), from the records (``Held``,
+  ``Let``, ``Forgot``) its IO thread makes;
 - ``capacity.py``: hit ratio against tier size (SHARDS sampling, ``ShardsEstimator``; the exact
   ``ExactCurve`` for tests), and a recommendation; ``page_hash.py``: the page hashes it samples;
 - ``tree_view.py``: the tree's shape per namespace (``hicache tree``);
@@ -34,6 +36,11 @@ _EXPORTS = {
     "Event": "hicache.observe.kv_events",
     "TierEvents": "hicache.observe.kv_events",
     "wanted": "hicache.observe.kv_events",
+    "StorageChange": "hicache.observe.storage_events",
+    "Forgot": "hicache.observe.storage_events",
+    "Held": "hicache.observe.storage_events",
+    "Let": "hicache.observe.storage_events",
+    "held_pages": "hicache.observe.storage_events",
     "COLD": "hicache.observe.capacity",
     "FACTORS": "hicache.observe.capacity",
     "ShardsEstimator": "hicache.observe.capacity",
@@ -64,6 +71,11 @@ __all__ = [
     "Event",
     "ExactCurve",
     "FACTORS",
+    "Forgot",
+    "Held",
+    "Let",
+    "StorageChange",
+    "held_pages",
     "Histogram",
     "SECONDS",
     "ShardsEstimator",
@@ -105,4 +117,5 @@ if TYPE_CHECKING:
     )
     from hicache.observe.page_hash import chain_seed, page_hashes
     from hicache.observe.stats import CacheStats, Counters
+    from hicache.observe.storage_events import Forgot, Held, Let, StorageChange, held_pages
     from hicache.observe.tree_view import tree_shape

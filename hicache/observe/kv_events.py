@@ -19,7 +19,9 @@ while a load writes it) and on ``host`` while its host copy is (not while a back
 so every tier change gives both events a router wants (backup -> stored on host; device
 eviction -> removed from device; load-back -> stored on device; host eviction -> removed from
 host). The medium names are given at construction: ``GPU``/``CPU`` for a daemon that owns a
-device pool, ``CPU`` for the pool of a daemon whose engines own the device tier.
+device pool, ``CPU`` for the pool of a daemon whose engines own the device tier. Pages on
+this node's disk are on ``STORAGE`` (storage_events.py: told by the disk's own thread, as the
+disk keeps and evicts pages the tree no longer has).
 
 **How.** The tree calls ``touch(node)`` whenever a node's residency may have changed (pages set
 or dropped, a node added, removed or split, a copy acknowledged); ``take()`` compares each
@@ -36,11 +38,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
 from hicache.tree import IO_BACKUP, IO_LOAD, TreeNode
+
+if TYPE_CHECKING:
+    from hicache.observe.storage_events import StorageBlocks
 
 DEVICE, HOST = 1, 2  # bits of TreeNode.ev: the tiers a node's pages are announced on
 SEED_PREFIX = b"hicache-block-v1"
@@ -107,6 +113,10 @@ class TierEvents:
         self.announced = {DEVICE: 0, HOST: 0}
         self._seeds: dict[object, int] = {}  # namespace -> seed
         self._flushed = False  # a flush happened since the last take()
+        # what this node's disk holds, on medium STORAGE (fed by the third tier's IO thread)
+        from hicache.observe.storage_events import StorageBlocks  # (it imports this module)
+
+        self.storage: StorageBlocks = StorageBlocks(page_size)
 
     def touch(self, node: TreeNode) -> None:
         """``node``'s residency may have changed (called by the tree and the cache)."""
@@ -140,11 +150,12 @@ class TierEvents:
         if self._flushed:
             self._flushed = False
             events = self.take()
-            if not any(self.announced.values()):
+            if not any(self.announced.values()) and not self.storage.blocks:
                 events.append(AllBlocksCleared())
             return events
+        on_disk, off_disk = self.storage.take()
         if not self.dirty:
-            return []
+            return on_disk + off_disk
         changes = []
         for node in self.dirty:
             now = wanted(node)
@@ -175,7 +186,7 @@ class TierEvents:
             node.ev = now
         stores.sort(key=lambda pair: pair[0])  # parents before children
         # stores first: a block moving between mediums is never held by neither in between
-        return [event for _, event in stores] + removals
+        return [event for _, event in stores] + on_disk + removals + off_disk
 
     def _stored(self, node: TreeNode, medium: str) -> BlockStored:
         return BlockStored(
@@ -199,7 +210,7 @@ class TierEvents:
             for bit, medium in self.mediums.items():
                 if node.ev & bit:
                     out.append(self._stored(node, medium))
-        return out
+        return out + self.storage.dump()
 
 
 def _depth(node: TreeNode) -> int:
