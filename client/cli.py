@@ -15,7 +15,8 @@
     hicache tree [--top N]           per namespace: size, tiers and the heaviest shared
                                      prefixes (--nodes: the first --max-nodes nodes instead)
     hicache keygen --dir D --name N  CurveZMQ key pair D/N.key (public) and D/N.key_secret
-    hicache evict --device-tokens N  admin: evict unlocked tokens (also --host-tokens)
+    hicache evict --device-tokens N  admin: evict unlocked tokens (also --host-tokens; and
+                                     --disk-tokens: the disk's least recently used pages)
     hicache flush [--disk]           admin: evict every unlocked token from both tiers
                                      (--disk: the disk tier forgets everything too)
 
@@ -230,16 +231,19 @@ def _tree(args: argparse.Namespace, conn: Connection) -> int:
 def _evict_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-tokens", type=int, default=0)
     p.add_argument("--host-tokens", type=int, default=0)
+    p.add_argument(
+        "--disk-tokens", type=int, default=0, help="the disk's least recently used pages"
+    )
 
 
 def _evict_refuse(args: argparse.Namespace) -> str | None:
-    if args.device_tokens or args.host_tokens:
+    if args.device_tokens or args.host_tokens or args.disk_tokens:
         return None
-    return "evict what? give --device-tokens N and/or --host-tokens N"
+    return "evict what? give --device-tokens N, --host-tokens N and/or --disk-tokens N"
 
 
 def _evict(args: argparse.Namespace, conn: Connection) -> int:
-    fields = EvictRequest(args.device_tokens, args.host_tokens).fields()
+    fields = EvictRequest(args.device_tokens, args.host_tokens, args.disk_tokens).fields()
     print("\n".join(f"{k}:{v}" for k, v in _in_session(conn, Op.EVICT, fields).items()))
     return 0
 

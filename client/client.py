@@ -611,10 +611,12 @@ class HiCacheClient:
         start over. Matches of this session then hand out nothing valid: drop them."""
         self._call(Op.RELEASE, ReleaseRequest(all=True).fields())
 
-    def evict(self, device_tokens: int = 0, host_tokens: int = 0) -> dict:
+    def evict(self, device_tokens: int = 0, host_tokens: int = 0, disk_tokens: int = 0) -> dict:
         """Admin: evict at least this many unlocked tokens from each tier (FORBIDDEN unless the
-        client was opened with admin=True). Returns the tokens freed per tier."""
-        fields = EvictRequest(device_tokens, host_tokens).fields()
+        client was opened with admin=True); ``disk_tokens``: the disk's least recently used
+        pages, about that many tokens (``disk_freed``; -1: it happens once the disk's running
+        call ends). Returns the tokens freed per tier."""
+        fields = EvictRequest(device_tokens, host_tokens, disk_tokens).fields()
         return FreedReply.read(self._call(Op.EVICT, fields)[0].fields).fields()
 
     def flush(self, disk: bool = False) -> dict:

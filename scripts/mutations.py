@@ -1127,6 +1127,24 @@ MUTATIONS = [
         "",
         ("tests/test_disk_stateful.py",),
     ),
+    Mutation(
+        "disk-evict-rounds-its-tokens-down",
+        "daemon/requests/handlers.py",
+        "evict=-(-req.disk_tokens // page_size))",
+        "evict=req.disk_tokens // page_size)",
+        (
+            "tests/test_l3_daemons.py::test_evicting_part_of_the_disk_takes_its_least_recently_used_tails",
+        ),
+    ),
+    Mutation(
+        "disk-evict-forgets-everything",
+        "hicache/l3/worker.py",
+        "            job.cleared = self.store.evict(job.evict)",
+        "            job.cleared = self.store.clear()",
+        (
+            "tests/test_l3_daemons.py::test_evicting_part_of_the_disk_takes_its_least_recently_used_tails",
+        ),
+    ),
 ]
 
 

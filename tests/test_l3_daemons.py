@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -513,5 +515,45 @@ def test_a_flush_of_the_disk_forgets_it_now_and_after_a_restart(tmp_path):
                 hc.flush(disk=True)
             assert hc.stats()["device_cached_tokens"] == held > 0  # nothing flushed
             assert "disk_freed" not in hc.flush()
+    finally:
+        stop_daemon(proc)
+
+
+def test_evicting_part_of_the_disk_takes_its_least_recently_used_tails(tmp_path):
+    """``hicache evict --disk-tokens N``: the disk lets go of about N tokens' worth of its
+    least recently used pages, a prompt's last pages first, so a cold daemon afterwards still
+    finds the rest of the prompt there; the pools are untouched. A daemon without a disk
+    refuses the field, changing nothing."""
+    ep = f"ipc://{tmp_path}/d.sock"
+    disk = ["--disk", f"{tmp_path}/disk", "--disk-bytes", "64MiB", "--disk-admission", "all"]
+    flags = [*SHAPE, "--l3-model", "tiny-llama@test", *disk, "--keep-host", "false"]
+    prompt = prompts(1, seed=23)[0]
+    env = {**os.environ, "HICACHE_ENDPOINT": ep}
+    cli = [sys.executable, "-m", "hicache.client.cli", "evict", "--disk-tokens", "18"]
+    proc = start_daemon(ep, *flags)
+    try:
+        with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+            serve_checked(ReferenceEngine(hc), prompt)
+            wait_written(ep, 18)
+            pooled = hc.stats()["device_cached_tokens"]
+            out = subprocess.run(cli, env=env, capture_output=True, text=True, check=True).stdout
+            assert "disk_freed:20" in out.split()  # (18 tokens: 5 whole pages of 4)
+            assert l3_stats(ep)["store_disk_held_values"] == 18 - 5
+            assert hc.stats()["device_cached_tokens"] == pooled  # (the pools: untouched)
+    finally:
+        stop_daemon(proc)
+    proc = start_daemon(ep, *flags)
+    try:
+        with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
+            assert serve_checked(ReferenceEngine(hc), prompt).computed_from == (18 - 5) * 4
+    finally:
+        stop_daemon(proc)
+    ep2 = f"ipc://{tmp_path}/plain.sock"
+    proc = start_daemon(ep2, *SHAPE)
+    try:
+        with HiCacheClient(ep2, name="engine", admin=True, timeout_s=30) as hc:
+            with pytest.raises(DaemonError, match="no disk tier"):
+                hc.evict(device_tokens=8, disk_tokens=8)
+            assert "disk_freed" not in hc.evict(device_tokens=8)
     finally:
         stop_daemon(proc)

@@ -418,7 +418,9 @@ class Handlers:
         self.cache.poll()
 
     def evict(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
-        """Evict unlocked tokens from the tiers named as reported (tier_names.py)."""
+        """Evict unlocked tokens from the tiers named as reported (tier_names.py), and with
+        ``disk_tokens`` the disk's least recently used pages (its IO thread does it, ahead of
+        its queue; this waits up to DISK_FLUSH_WAIT_S for it)."""
         asked = EvictRequest.read(fields)  # (checked as the operator named the tiers)
         if self.tiers.engine and asked.device_tokens:
             raise ProtocolError(
@@ -426,11 +428,21 @@ class Handlers:
                 "this daemon has no device tier (the engines keep theirs): host_tokens evicts "
                 "from its pool",
             )
-        req = EvictRequest(**self.tiers.request(asked._asdict(), EvictRequest._fields))
-        freed = self._evict_device(req.device_tokens) if req.device_tokens else 0
         assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
+        l3, page_size = self.cache.l3, self.cache.page_size
+        if asked.disk_tokens and (l3 is None or not l3.store.clears):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "disk_tokens: this daemon has no disk tier")
+        req = EvictRequest(**self.tiers.request(asked._asdict(), EvictRequest._fields))
+        disk = None
+        if req.disk_tokens:
+            assert l3 is not None
+            job = l3.clear_store(DISK_FLUSH_WAIT_S, evict=-(-req.disk_tokens // page_size))
+            if job.error:
+                raise ProtocolError(ErrorCode.INTERNAL, f"disk: the eviction failed: {job.error}")
+            disk = job.cleared * page_size if job.done.is_set() else -1
+        freed = self._evict_device(req.device_tokens) if req.device_tokens else 0
         freed_host = self.cache.evict_host(req.host_tokens) if req.host_tokens else 0
-        return self.tiers.fields(FreedReply(freed, freed_host).fields()), []
+        return self.tiers.fields(FreedReply(freed, freed_host, disk).fields()), []
 
     def _evict_device(self, tokens: int, to_l3: bool = True) -> int:
         """Evict and settle until ``tokens`` are freed or nothing moves. Backups started by the

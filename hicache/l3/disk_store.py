@@ -61,6 +61,9 @@ class DiskStore(L3Store):
     def clear(self) -> int:
         return self._store().clear()
 
+    def evict(self, count: int) -> int:
+        return self._store().evict(count)
+
     def dropped(self) -> list[str]:
         return self.slots.take_dropped() if self.slots is not None else []
 
@@ -155,6 +158,9 @@ class DiskAbove(L3Store):
 
     def clear(self) -> int:
         return self.disk.clear()
+
+    def evict(self, count: int) -> int:
+        return self.disk.evict(count)
 
     def dropped(self) -> list[str]:
         return self.disk.dropped()

@@ -65,9 +65,11 @@ class Fetch:
 
 @dataclass(eq=False)
 class Clear:
-    """An operator's flush of the store (``L3Store.clear``), run by the IO thread before any
-    other job; ``done`` is set when it ran (or ended unrun: ``error``)."""
+    """An operator's flush of the store (``L3Store.clear``), or with ``evict`` an eviction of
+    its least recently used values (``L3Store.evict``), run by the IO thread before any other
+    job; ``done`` is set when it ran (or ended unrun: ``error``)."""
 
+    evict: int = 0  # values to evict (0: forget everything, and drop the writes queued)
     cleared: int = 0  # values the store forgot
     error: str = ""
     io_s: float = 0.0

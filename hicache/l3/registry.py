@@ -85,6 +85,9 @@ class LazyStore(L3Store):
     def clear(self) -> int:
         return self._store().clear()
 
+    def evict(self, count: int) -> int:
+        return self._store().evict(count)
+
     def dropped(self) -> list[str]:
         return self.inner.dropped() if self.inner is not None else []
 

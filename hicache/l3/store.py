@@ -91,6 +91,11 @@ class L3Store(ABC):
         node); OSError when it cannot."""
         raise NotImplementedError(f"{self.url}: not flushed from a daemon")
 
+    def evict(self, count: int) -> int:
+        """Let the ``count`` least recently used values go (an operator's eviction; a prefix
+        after its tails): how many went. Only a store that ``clears``."""
+        raise NotImplementedError(f"{self.url}: not evicted from a daemon")
+
     def describe(self) -> dict[str, Any]:
         """Store-specific figures for stats (nodes, segment sizes). Called from another thread
         than the calls: it reads fields only, never the client."""

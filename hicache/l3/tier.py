@@ -367,20 +367,22 @@ class L3Tier:
         self.fetches.pop((fetch.namespace, fetch.key), None)
 
     # ---- an operator's flush ----------------------------------------------------------------
-    def clear_store(self, wait_s: float) -> Clear:
+    def clear_store(self, wait_s: float, evict: int = 0) -> Clear:
         """Have the IO thread make the store forget everything (a store that ``clears``: the
         disk), ahead of queued jobs, dropping the writes still queued; waits up to ``wait_s``
         for it (then it is still queued,
         ``done`` unset, and applied by a later ``poll``). Once it ran, no node is taken as
-        stored any more (``l3`` True -> None: written again at its next offer)."""
-        job = Clear()
+        stored any more (``l3`` True -> None: written again at its next offer). ``evict``:
+        only that many least recently used pages go, and queued writes stay (a node the tree
+        still takes as stored is written again once a write finds its prefix gone)."""
+        job = Clear(evict)
         self.io.submit(job)
         job.done.wait(wait_s)
         self.poll()
         return job
 
     def _clear_done(self, job: Clear) -> None:
-        if job.error:
+        if job.error or job.evict:
             return
         for node in self.cache.tree.iter_nodes():
             if node.l3 is True:

@@ -127,7 +127,8 @@ class IOWorker:
                 job: Fetch | Write | Clear
                 if self.clears:
                     job = self.clears.popleft()
-                    self._end_unrun(self.writes, FLUSHED)  # (they would write after it)
+                    if not job.evict:  # (a flush: they would write after it)
+                        self._end_unrun(self.writes, FLUSHED)
                 elif self.fetches:
                     job = self.fetches.popleft()
                 else:
@@ -174,6 +175,9 @@ class IOWorker:
             log.exception("third tier %s: housekeeping failed", self.store.url)
 
     def _clear(self, job: Clear) -> None:
+        if job.evict:
+            job.cleared = self.store.evict(job.evict)  # (what it let go: _let_go, as always)
+            return
         try:
             job.cleared = self.store.clear()
         except OSError as exc:  # (the drive's error: nothing was forgotten)

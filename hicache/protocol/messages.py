@@ -303,10 +303,12 @@ assert ReportRequest._fields[:3] == ENGINE_REPORT
 
 class EvictRequest(NamedTuple):
     """EVICT (admin): at least this many unlocked tokens from each tier, named as the daemon
-    reports its tiers (an engine-tier daemon's one pool is ``host``)."""
+    reports its tiers (an engine-tier daemon's one pool is ``host``); ``disk_tokens``: the
+    disk's least recently used pages, about this many tokens (whole pages, leaves first)."""
 
     device_tokens: int = 0
     host_tokens: int = 0
+    disk_tokens: int = 0
 
     def fields(self) -> dict[str, Any]:
         return _sparse(self)
@@ -314,7 +316,8 @@ class EvictRequest(NamedTuple):
     @classmethod
     def read(cls, fields: dict[str, Any]) -> EvictRequest:
         device = int_field(fields, "device_tokens") if "device_tokens" in fields else 0
-        return cls(device, int_field(fields, "host_tokens") if "host_tokens" in fields else 0)
+        host = int_field(fields, "host_tokens") if "host_tokens" in fields else 0
+        return cls(device, host, int_field(fields, "disk_tokens") if "disk_tokens" in fields else 0)
 
 
 class FlushRequest(NamedTuple):
@@ -473,8 +476,8 @@ class FreedReply(NamedTuple):
 
     device_freed: int
     host_freed: int
-    # FLUSH with disk: tokens the disk forgot (-1: the flush waits behind a store call that
-    # still runs, and happens when it ends); absent otherwise
+    # FLUSH with disk, EVICT with disk_tokens: tokens the disk forgot (-1: it waits behind a
+    # store call that still runs, and happens when that ends); absent otherwise
     disk_freed: int | None = None
 
     def fields(self) -> dict[str, Any]:
