@@ -213,12 +213,14 @@ def watch(
 def render_shape(shape: dict) -> str:
     """`hicache tree`: per namespace its size, then its heaviest shared prefixes."""
     lines = [f"# Tree\nnodes:{shape['nodes']}\ntokens:{shape['tokens']}"]
+    if "disk_tokens" in shape:  # (what the disk holds, the tree's or not)
+        lines.append(f"disk_tokens:{shape['disk_tokens']}")
     for ns in shape["namespaces"]:
         lines.append(
             f"\n# Namespace {ns['namespace'] or '(default)'}\n"
             f"nodes:{ns['nodes']}\ntokens:{ns['tokens']}\n"
             f"device_tokens:{ns['device_tokens']}\nhost_tokens:{ns['host_tokens']}\n"
-            f"hits:{ns['hits']}"
+            f"stored_tokens:{ns['stored_tokens']}\nhits:{ns['hits']}"
         )
         lines.append("prefix_len  below_tokens  branches  hits  tiers  first tokens")
         for p in ns["prefixes"]:

@@ -5,6 +5,7 @@ KV; and the prefetch policies bound how long a match waits."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -519,10 +520,17 @@ def test_a_flush_of_the_disk_forgets_it_now_and_after_a_restart(tmp_path):
         stop_daemon(proc)
 
 
+def tree(env: dict) -> dict:
+    """``hicache tree --json``."""
+    cli = [sys.executable, "-m", "hicache.client.cli", "tree", "--json"]
+    return json.loads(subprocess.run(cli, env=env, capture_output=True, check=True).stdout)
+
+
 def test_evicting_part_of_the_disk_takes_its_least_recently_used_tails(tmp_path):
     """``hicache evict --disk-tokens N``: the disk lets go of about N tokens' worth of its
     least recently used pages, a prompt's last pages first, so a cold daemon afterwards still
-    finds the rest of the prompt there; the pools are untouched. A daemon without a disk
+    finds the rest of the prompt there; the pools are untouched. ``hicache tree`` shows what
+    the disk holds and what the tree takes as stored there. A daemon without a disk
     refuses the field, changing nothing."""
     ep = f"ipc://{tmp_path}/d.sock"
     disk = ["--disk", f"{tmp_path}/disk", "--disk-bytes", "64MiB", "--disk-admission", "all"]
@@ -536,9 +544,14 @@ def test_evicting_part_of_the_disk_takes_its_least_recently_used_tails(tmp_path)
             serve_checked(ReferenceEngine(hc), prompt)
             wait_written(ep, 18)
             pooled = hc.stats()["device_cached_tokens"]
+            before = tree(env)
+            ns = before["namespaces"][0]
+            assert before["disk_tokens"] == ns["stored_tokens"] == 72 == len(prompt)
+            assert all(p["tiers"].endswith("S") for p in ns["prefixes"])
             out = subprocess.run(cli, env=env, capture_output=True, text=True, check=True).stdout
             assert "disk_freed:20" in out.split()  # (18 tokens: 5 whole pages of 4)
             assert l3_stats(ep)["store_disk_held_values"] == 18 - 5
+            assert tree(env)["disk_tokens"] == 72 - 20  # (the disk's own count)
             assert hc.stats()["device_cached_tokens"] == pooled  # (the pools: untouched)
     finally:
         stop_daemon(proc)

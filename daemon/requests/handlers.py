@@ -634,6 +634,10 @@ class Handlers:
             for ns in shape["namespaces"]:
                 for prefix in ns["prefixes"]:
                     prefix["tiers"] = self.tiers.letters(prefix["tiers"])
+            l3 = self.cache.l3
+            if l3 is not None and l3.store.clears:  # the disk's own count (the tree forgets)
+                held = int(l3.store.describe().get("disk_held_values", 0))
+                shape["disk_tokens"] = held * self.cache.page_size
             return shape, []
         limit = req.max_nodes
         nodes: list[dict[str, Any]] = []

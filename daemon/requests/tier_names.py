@@ -48,10 +48,12 @@ class TierNames:
         return rows if not self.engine else [self.fields(r) for r in rows]
 
     def letters(self, tiers: str) -> str:
-        """A tree view's tier letters (``D``, ``H``, ``DH``) as reported."""
+        """A tree view's tier letters (``D``, ``H``, ``DH``; ``S``: stored below the pool)
+        as reported."""
         if not self.engine:
             return tiers
-        return ("D" if "H" in tiers else "") + ("H" if "D" in tiers else "")
+        swapped = ("D" if "H" in tiers else "") + ("H" if "D" in tiers else "")
+        return swapped + ("S" if "S" in tiers else "")
 
     def request(self, fields: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
         """An operator's request fields in the cache's terms (EVICT's ``host_tokens`` is the

@@ -3,7 +3,10 @@
 An operator's view (`hicache tree`): a few lines however large the tree. A *prefix* here is
 the path from a namespace's root to a node where the tree branches (or a first-level node):
 the system prompts, documents and conversations that requests share. Ranked by the tokens
-cached below them. Linear in the tree; only the top ``top`` per namespace are kept.
+cached below them. Linear in the tree; only the top ``top`` per namespace are kept. Tiers: ``D``
+device, ``H`` host, ``S`` stored in the tier under the pool (the disk, or a store), as the tree
+last knew: written there or read from it (the disk may have evicted it since; the tree never
+holds what only the disk holds: its own count is the daemon's ``disk_tokens``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ def tree_shape(cache: HasTree, top: int = 10) -> dict[str, Any]:
     ):
         below: dict[int, int] = {}  # node id -> tokens in its subtree (itself included)
         order = _post_order(root)
-        totals = {"nodes": 0, "tokens": 0, "device_tokens": 0, "host_tokens": 0, "hits": 0}
+        totals = dict.fromkeys(
+            ("nodes", "tokens", "device_tokens", "host_tokens", "stored_tokens", "hits"), 0
+        )
         for node in order:
             n = node.num_tokens
             below[node.id] = n + sum(below[c.id] for c in node.children.values())
@@ -40,6 +45,7 @@ def tree_shape(cache: HasTree, top: int = 10) -> dict[str, Any]:
             totals["tokens"] += n
             totals["device_tokens"] += n if node.device_pages is not None else 0
             totals["host_tokens"] += n if node.host_pages is not None else 0
+            totals["stored_tokens"] += n if node.l3 is True else 0
             totals["hits"] += node.hit_count if node.parent is root else 0
         candidates = [node for node in order if node.parent is root or len(node.children) >= 2]
         best = heapq.nlargest(top, candidates, key=lambda node: (below[node.id], -node.id))
@@ -78,8 +84,10 @@ def _prefix(node: TreeNode, below: dict[int, int]) -> dict[str, Any]:
     while up.parent is not None:  # up to the first-level node (its parent: a root)
         first, up = up, up.parent
         length += first.num_tokens
-    tiers = ("D" if node.device_pages is not None else "") + (
-        "H" if node.host_pages is not None else ""
+    tiers = (
+        ("D" if node.device_pages is not None else "")
+        + ("H" if node.host_pages is not None else "")
+        + ("S" if node.l3 is True else "")
     )
     return {
         "prefix_tokens": length,
