@@ -10,30 +10,37 @@ and a cold restart on the disk; its docstring says what is measured. ``raw`` (th
 
 For each page size: a ``SlotStore`` in a fresh folder under DIR (default: a temp folder on the
 checkout's file system, where direct I/O works) writes MiB of distinct pages, then reads them
-back (direct I/O: no page cache in between), 32 pages per call (its I/O threads, 4, write
-and read them at once); fio writes and reads a file of the same size with the store's own I/O
-size (a slot: its header block and the padded page), O_DIRECT, with 4 jobs of depth 1
+back (direct I/O: no page cache in between), 128 pages per call (the third tier's batch; its
+I/O threads, 4, write and read them at once); fio writes and reads a file of the same size
+with the store's own I/O size (a slot: its header block and the padded page), O_DIRECT, with
+4 jobs of depth 1
 (``psync``: the store's four threads) and, as the drive's ceiling, io_uring at depth 16.
 Each page size runs ``--rounds`` times, the store then fio each time (the drive's speed drifts:
 each round's ratio pairs runs a few seconds apart). Prints a line per page size and one JSON
 object last: each throughput in GB/s (medians) and the store's ratio to fio at its own
-concurrency (the median of the rounds' ratios, and each) and to the ceiling.
+concurrency (the median of the rounds' ratios, and each) and to the ceiling. And, after each
+store read, plain ``os.preadv`` calls by 4 threads into the same pages the store read into:
+fio reads into one buffer per job, hot in the caches, while the store's reads land in 128
+distinct pages, as a pool's would; the plain reads tell the store's own cost apart from that.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from hicache.disk import SlotStore
-from hicache.disk.folder import ALIGN, aligned
+from hicache.disk import ALIGN, SlotStore, aligned
+from hicache.l3 import L3Config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,12 +62,35 @@ def fio(path: Path, rw: str, bs: int, size: int, engine: str, depth: int, jobs: 
     return job["write" if rw == "write" else "read"]["bw_bytes"] / 1e9
 
 
-BATCH = 32  # values per call (the third tier's calls carry a batch of pages)
+BATCH = L3Config.batch_pages  # values per call: as many as the third tier puts in one
 THREADS = 4  # the store's I/O threads (SlotStore's default)
 
 
-def store_run(folder: Path, page_bytes: int, total: int) -> tuple[float, float, int]:
-    """(write GB/s, read GB/s, slot bytes) of the store, BATCH values per call."""
+def plain_read(store: SlotStore, count: int, into: list[np.ndarray]) -> float:
+    """GB/s of THREADS threads reading slots [0, count) with one ``os.preadv`` each (a header
+    block, then the page) into ``into`` as the store does (slot i into ``into[i % BATCH]``),
+    with nothing else: the drive and the memory the pages land in, without the store."""
+    taken = itertools.count()
+    slot = store.files.slot_bytes
+
+    def work() -> None:
+        head = memoryview(aligned(ALIGN))
+        while (i := next(taken)) < count:
+            fd, offset = store.files.where(i)
+            os.preadv(fd, [head, memoryview(into[i % len(into)])], offset)
+
+    threads = [threading.Thread(target=work) for _ in range(THREADS)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return count * slot / (time.perf_counter() - start) / 1e9
+
+
+def store_run(folder: Path, page_bytes: int, total: int) -> tuple[float, float, float, int]:
+    """(write GB/s, read GB/s, plain preadv read GB/s, slot bytes) of the store, BATCH values
+    per call."""
     slot = ALIGN + -(-page_bytes // ALIGN) * ALIGN
     count = max(8, total // slot)
     store = SlotStore([str(folder)], count * slot, page_bytes, budget_bytes_per_day=1 << 50)
@@ -88,9 +118,10 @@ def store_run(folder: Path, page_bytes: int, total: int) -> tuple[float, float, 
             last = at
         read = count * slot / (time.perf_counter() - start) / 1e9
         assert bytes(into[0]) == bytes(pages[last % 8])  # (the last batch's first value)
+        plain = plain_read(store, count, into)
     finally:
         store.close()
-    return wrote, read, slot
+    return wrote, read, plain, slot
 
 
 def main() -> None:
@@ -119,7 +150,7 @@ def main() -> None:
             total = args.mib << 20
             rounds = []  # each: store, then fio at its concurrency, then fio's ceiling
             for n in range(args.rounds):
-                wrote, read, slot = store_run(base / f"store-{kib}-{n}", kib << 10, total)
+                wrote, read, plain, slot = store_run(base / f"store-{kib}-{n}", kib << 10, total)
                 shutil.rmtree(base / f"store-{kib}-{n}")
                 size = total // slot * slot
                 data = base / f"fio-{kib}.dat"
@@ -128,9 +159,9 @@ def main() -> None:
                 fio_w16 = fio(data, "write", slot, size, "io_uring", 16)
                 fio_r16 = fio(data, "read", slot, size, "io_uring", 16)
                 data.unlink()
-                rounds.append((wrote, read, fio_w1, fio_r1, fio_w16, fio_r16))
+                rounds.append((wrote, read, fio_w1, fio_r1, fio_w16, fio_r16, plain))
             mid = [float(np.median(col)) for col in zip(*rounds, strict=True)]
-            wrote, read, fio_w1, fio_r1, fio_w16, fio_r16 = mid
+            wrote, read, fio_w1, fio_r1, fio_w16, fio_r16, plain = mid
             w_ratio = float(np.median([r[0] / r[2] for r in rounds]))
             r_ratio = float(np.median([r[1] / r[3] for r in rounds]))
             row = {
@@ -148,6 +179,9 @@ def main() -> None:
                 "read_vs_fio_4x1_rounds": [round(r[1] / r[3], 3) for r in rounds],
                 "write_vs_fio_uring16": round(wrote / fio_w16, 3),
                 "read_vs_fio_uring16": round(read / fio_r16, 3),
+                "plain_preadv_read_gbs": round(plain, 3),
+                "read_vs_plain_preadv": round(float(np.median([r[1] / r[6] for r in rounds])), 3),
+                "read_vs_plain_preadv_rounds": [round(r[1] / r[6], 3) for r in rounds],
             }
             out[f"page_{kib}k"] = row
             print(
@@ -156,7 +190,9 @@ def main() -> None:
                 f"{fio_w1:.2f} / {fio_r1:.2f}, io_uring depth 16 {fio_w16:.2f} / {fio_r16:.2f}; "
                 f"store / fio 4 x 1 (paired per round): write {row['write_vs_fio_4x1']} "
                 f"{row['write_vs_fio_4x1_rounds']}, read {row['read_vs_fio_4x1']} "
-                f"{row['read_vs_fio_4x1_rounds']}",
+                f"{row['read_vs_fio_4x1_rounds']}; plain preadv into the store's pages "
+                f"{plain:.2f} GB/s, store / plain read {row['read_vs_plain_preadv']} "
+                f"{row['read_vs_plain_preadv_rounds']}",
                 flush=True,
             )
     finally:

@@ -320,7 +320,7 @@ MUTATIONS = [
     ),
     Mutation(
         "disk-restart-orders-by-write-not-by-use-of-the-tail",
-        "hicache/disk/store.py",
+        "hicache/disk/recovery.py",
         "    return sorted(found, key=lambda k: (newest[k], -depth[k]))",
         "    return sorted(found, key=lambda k: found[k][0])",
         ("tests/test_disk_store.py", "-k", "leaves_before"),
@@ -370,9 +370,9 @@ MUTATIONS = [
     ),
     Mutation(
         "a-disk-flush-comes-back-after-a-restart",
-        "hicache/disk/store.py",
-        "                and header.seq > floor\n",
-        "                and True\n",
+        "hicache/disk/recovery.py",
+        "header.value_len <= files.value_bytes and header.seq > floor:",
+        "header.value_len <= files.value_bytes and True:",
         ("tests/test_l3_daemons.py", "-k", "flush_of_the_disk"),
     ),
     Mutation(
@@ -1141,6 +1141,15 @@ MUTATIONS = [
         "hicache/l3/worker.py",
         "            job.cleared = self.store.evict(job.evict)",
         "            job.cleared = self.store.clear()",
+        (
+            "tests/test_l3_daemons.py::test_evicting_part_of_the_disk_takes_its_least_recently_used_tails",
+        ),
+    ),
+    Mutation(
+        "tree-never-shows-the-stored-tier",
+        "hicache/observe/tree_view.py",
+        '        + ("S" if node.l3 is True else "")',
+        '        + ""',
         (
             "tests/test_l3_daemons.py::test_evicting_part_of_the_disk_takes_its_least_recently_used_tails",
         ),

@@ -8,8 +8,10 @@ node's drives, found again after a restart or a crash.
 - ``budget.py``: ``WriteBudget``, bytes written in any 24 hours, never exceeded (across
   restarts);
 - ``checkpoint.py``: the index written at a clean close and read at the next open;
-- ``store.py``: ``SlotStore``, values by key: least recently used eviction, recovery by a
-  time-bounded header scan, failures as misses or refused writes, figures.
+- ``recovery.py``: what the slots hold at an open, from the checkpoint or a time-bounded
+  header scan, in order of use;
+- ``store.py``: ``SlotStore``, values by key: a page only with its prefix, least recently used
+  eviction leaves first, failures as misses or refused writes, figures.
 
 The third tier opens it as the store ``disk:///PATH[,PATH...]?bytes=SIZE`` (``hicache.l3``).
 Names are imported on first use; nothing outside this package imports its modules.
@@ -24,16 +26,25 @@ from hicache.lazy import lazy_exports
 _EXPORTS = {
     "WriteBudget": "hicache.disk.budget",
     "ALIGN": "hicache.disk.folder",
+    "aligned": "hicache.disk.folder",
     "FolderRefused": "hicache.disk.folder",
     "check_folder": "hicache.disk.folder",
     "Header": "hicache.disk.slots",
     "SlotStore": "hicache.disk.store",
 }
-__all__ = ["ALIGN", "FolderRefused", "Header", "SlotStore", "WriteBudget", "check_folder"]
+__all__ = [
+    "ALIGN",
+    "FolderRefused",
+    "Header",
+    "SlotStore",
+    "WriteBudget",
+    "aligned",
+    "check_folder",
+]
 __getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:
     from hicache.disk.budget import WriteBudget
-    from hicache.disk.folder import ALIGN, FolderRefused, check_folder
+    from hicache.disk.folder import ALIGN, FolderRefused, aligned, check_folder
     from hicache.disk.slots import Header
     from hicache.disk.store import SlotStore

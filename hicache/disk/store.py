@@ -37,6 +37,7 @@ fields and may be called from another.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import time
@@ -53,12 +54,12 @@ from hicache.disk.folder import (
     Folder,
     open_data,
     open_folder,
-    read_floor,
     read_note,
     remove_stale_temporaries,
     write_floor,
     write_note,
 )
+from hicache.disk.recovery import recover
 from hicache.disk.slots import MAX_KEY, TRAILER_BYTES, Fault, Header, SlotFiles, as_bytes
 
 log = logging.getLogger("hicache.disk")
@@ -174,63 +175,17 @@ class SlotStore:
 
     # ---- what the drive holds ---------------------------------------------------------------
     def _recover(self, scan_s: float) -> None:
-        """The last clean close's checkpoint, or else a scan of the headers until ``scan_s``
-        is spent (the rest of the slots are free)."""
+        """The index from what the slots hold (``recovery.py``: the checkpoint, or a scan)."""
         started = time.monotonic()
-        floor = max(read_floor(f.path) for f in self.folders)  # (slots at or below: flushed)
-        self._seq = floor
-        entries = checkpoint.take(self.folders[0].path, self._geometry, self.files.count)
-        if entries is not None:
-            self.from_checkpoint = True
-            taken = set()
-            for slot, seq, key, parent in entries:  # (least recent first, as closed)
-                self._seq = max(self._seq, seq)
-                if seq > floor:
-                    self._index[key] = slot
-                    self._link(key, parent)
-                    taken.add(slot)
-            self._free = [s for s in range(self.files.count) if s not in taken]
-            self._settle_recovered(started)
-            return
-        found: dict[str, tuple[int, int, str | None]] = {}  # key -> (seq, slot, parent)
-        slot = 0
-        while slot < self.files.count and time.monotonic() - started < scan_s:
-            try:
-                header = self.files.read_header(slot)
-            except OSError as exc:
-                self.read_errors += 1
-                log.warning("disk: slot %d unreadable at start (%s): free", slot, str(exc))
-                header = None
-            if header is not None:
-                self._seq = max(self._seq, header.seq)  # (new writes come after every one)
-            if (
-                header is not None
-                and header.value_len <= self.files.value_bytes
-                and header.seq > floor
-            ):
-                held = found.get(header.key)
-                if held is None or held[0] < header.seq:
-                    if held is not None:
-                        self._free.append(held[1])
-                    found[header.key] = (header.seq, slot, header.parent)
-                else:
-                    self._free.append(slot)
-            else:
-                self._free.append(slot)
-            slot += 1
-        self.scanned = slot
-        self._free.extend(range(slot, self.files.count))
-        for key in _recency_order({k: (seq, parent) for k, (seq, _, parent) in found.items()}):
-            seq, where, parent = found[key]
-            self._index[key] = where
+        found = recover(self.files, self.folders, self._geometry, scan_s)
+        for key, slot, parent in found.held:
+            self._index[key] = slot
             self._link(key, parent)
-            self._seq = max(self._seq, seq)
+        self._free = found.free
+        self._seq = found.seq
+        self.scanned, self.from_checkpoint = found.scanned, found.from_checkpoint
+        self.read_errors += found.read_errors
         self._settle_recovered(started)
-        if slot < self.files.count:
-            log.warning(
-                "disk: %d of %d slots scanned in %.1f s; the rest are taken as free",
-                slot, self.files.count, self.scan_seconds,
-            )  # fmt: skip
 
     def _settle_recovered(self, started: float) -> None:
         """What was found, held only with its prefix; the figures of the start."""
@@ -526,16 +481,21 @@ class SlotStore:
 
     # ---- helpers -----------------------------------------------------------------------------
     def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        """``fn`` of each item, in order, on the I/O threads: each thread takes a run of
-        consecutive items (one hand-off per thread, not per item)."""
+        """``fn`` of each item, in order, on the I/O threads: one hand-off per thread, each
+        taking the next item not taken yet until none is left (no thread waits on another's
+        slow I/O while items remain)."""
         if len(items) <= 1:
             return [fn(item) for item in items]
-        step = -(-len(items) // self.io_threads)
-        runs = [items[at : at + step] for at in range(0, len(items), step)]
-        out: list[R] = []
-        for part in self._pool.map(lambda run: [fn(item) for item in run], runs):
-            out += part
-        return out
+        out: list[R | None] = [None] * len(items)
+        taken = itertools.count()  # (next() is atomic: each index goes to one thread)
+
+        def drain() -> None:
+            while (i := next(taken)) < len(items):
+                out[i] = fn(items[i])
+
+        for done in [self._pool.submit(drain) for _ in range(min(self.io_threads, len(items)))]:
+            done.result()
+        return out  # type: ignore[return-value]  # (every index was filled)
 
     def _take_slot(self, keep: set[str]) -> int | None:
         """A free slot, evicting the least recently used value for it (a full tier makes
@@ -596,24 +556,3 @@ class SlotStore:
             self._dirty_since = now
         elif now - self._dirty_since >= self.sync_s:
             self.sync()
-
-
-def _recency_order(found: dict[str, tuple[int, str | None]]) -> list[str]:
-    """Keys found at start (key -> (seq, parent)), least recent first, each parent after its
-    children: a key is as recent as the newest write under it (its own or a descendant's)."""
-    depth: dict[str, int] = {}
-    for key in found:
-        path: list[str] = []
-        at: str | None = key
-        while at is not None and at in found and at not in depth and at not in path:
-            path.append(at)
-            at = found[at][1]
-        base = depth.get(at, -1) if at is not None else -1  # (a cycle: from its start)
-        for n, k in enumerate(reversed(path)):
-            depth[k] = base + 1 + n
-    newest = {key: seq for key, (seq, _) in found.items()}
-    for key in sorted(found, key=depth.__getitem__, reverse=True):
-        parent = found[key][1]
-        if parent is not None and parent in newest and depth[parent] < depth[key]:
-            newest[parent] = max(newest[parent], newest[key])
-    return sorted(found, key=lambda k: (newest[k], -depth[k]))
