@@ -401,7 +401,9 @@ class HiRadixCache:
 
     def close(self) -> None:
         """Wait for in-flight copies, stop the transfer engine and release the pools."""
-        if self.l3 is not None:  # first: its IO thread reads and writes host pages
+        if self.l3 is not None:  # before the pools: its IO thread reads and writes host pages
+            if self.engine is not None:  # (and after the backups: the stop writes what they
+                self.book.settle()  # copied, never pages a copy still fills)
             self.l3.close()
             self.l3 = None
         if self.engine is not None:

@@ -11,6 +11,7 @@ tests/test_shadowing.py, run from the repository.)
     .venv/bin/python -m scripts.mutations              # every mutation (about 20 minutes)
     .venv/bin/python -m scripts.mutations quarantine   # those whose name contains a word
     .venv/bin/python -m scripts.mutations --no-control # CI, right after the whole suite passed
+    .venv/bin/python -m scripts.mutations --jobs 2     # two at a time, each in its own copy
 
 First runs each mutation's tests on the copy as it is (they must pass: a test that fails anyway
 would catch everything; ``--no-control`` skips that where the suite just passed on the same
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -1154,6 +1156,20 @@ MUTATIONS = [
             "tests/test_l3_daemons.py::test_evicting_part_of_the_disk_takes_its_least_recently_used_tails",
         ),
     ),
+    Mutation(
+        "a-write-reads-pages-a-backup-still-copies-into",
+        "hicache/l3/sides.py",
+        "        return node.host_pages is not None and node.io is not IO_BACKUP\n",
+        "        return node.host_pages is not None\n",
+        ("tests/test_l3_tier.py", "-k", "backup_still_copies"),
+    ),
+    Mutation(
+        "a-stop-writes-before-its-backups-land",
+        "hicache/cache.py",
+        "                self.book.settle()  # copied, never pages a copy still fills)\n",
+        "                pass\n",
+        ("tests/test_l3_tier.py", "-k", "backup_still_copies"),
+    ),
 ]
 
 
@@ -1219,6 +1235,11 @@ def run(mutation: Mutation | None, tests: tuple[str, ...], base: Path) -> tuple[
 def main() -> int:
     args = sys.argv[1:]
     control = "--no-control" not in args  # (CI: the whole suite just passed on this tree)
+    jobs = 1
+    if "--jobs" in args:
+        at = args.index("--jobs")
+        jobs = max(1, int(args[at + 1]))
+        del args[at : at + 2]
     words = [a for a in args if a != "--no-control"]
     chosen = [m for m in MUTATIONS if not words or any(w in m.name for w in words)]
     base = Path(tempfile.mkdtemp(prefix="hicache-mutations-"))
@@ -1236,11 +1257,14 @@ def main() -> int:
             if failed:
                 print(f"the tests {' '.join(tests)} fail without a mutation: {last}")
                 return 2
-        for mutation in chosen:
-            caught, seconds, last = run(mutation, mutation.tests, base)
-            results[mutation.name] = caught
-            verdict = "caught  " if caught else "SURVIVED"
-            print(f"{verdict} {mutation.name:38} {seconds:6.1f} s  {last[:70]}", flush=True)
+        with ThreadPoolExecutor(jobs) as pool:  # (each run copies the tree: none share files)
+            runs = {pool.submit(run, m, m.tests, base): m for m in chosen}
+            for done in as_completed(runs):
+                caught, seconds, last = done.result()
+                name = runs[done].name
+                results[name] = caught
+                verdict = "caught  " if caught else "SURVIVED"
+                print(f"{verdict} {name:38} {seconds:6.1f} s  {last[:70]}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     survived = [name for name, caught in results.items() if not caught]

@@ -347,3 +347,34 @@ def test_an_idle_io_thread_ticks_its_store_and_never_while_a_job_runs(monkeypatc
     finally:
         a.close()
         drop_space("tick")
+
+
+def test_a_write_never_reads_host_pages_a_backup_still_copies_into():
+    """The store is written only from host pages that hold their KV: an offer of a node (or
+    of one under it) whose backup has not landed yet is put off, and a cache closed with its
+    backups in flight lets them land before its stop writes them. Another machine then serves
+    exactly the KV computed (never the bytes the host pages held before the copy)."""
+    drop_space("unready")
+    config = L3Config("memory://unready", "test-model", close_drain_s=10.0)
+    a = make_cache(manual=True, page_size=PS, num_kv_heads=2, head_dim=4, device_tokens=64,
+                   host_tokens=128, load_back_threshold=0)  # fmt: skip
+    a.attach_l3(L3Tier(a, config, open_store(config.url)))
+    b = machine("unready")
+    try:
+        first, second = tokens_of(16, 41), tokens_of(24, 42)
+        for tokens in (first, second):
+            slots = a.alloc(len(tokens))
+            write_kv(a.device_pool, slots, tokens, 0, tokens)
+            a.insert(tokens, slots)
+        assert a.engine.queued()  # (the backups: submitted, not copied)
+        for node in a.tree.iter_nodes():
+            a.l3.offer(node)  # (as a hit would, or a stop)
+        assert a.l3.queued_pages == 0  # nothing read from pages still being copied into
+        a.close()  # its backups land first, then its stop writes them
+        for tokens in (first, second):
+            fetch(b, tokens)
+            assert served(b, tokens) == len(tokens)
+    finally:
+        b.l3.drain()
+        b.close()
+        drop_space("unready")

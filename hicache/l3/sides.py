@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hicache.memory import KVPool, PagedAllocator, PageState
+from hicache.tree import IO_BACKUP
 
 if TYPE_CHECKING:
     from hicache.cache_view import L3Host
@@ -39,6 +40,12 @@ class HostSide:
     def pages(node: TreeNode) -> np.ndarray | None:
         """The node's page ids on this side (None: it has none here)."""
         return node.host_pages
+
+    @staticmethod
+    def ready(node: TreeNode) -> bool:
+        """Whether the node's pages here hold its KV (a write may read them): not while its
+        backup still copies into them."""
+        return node.host_pages is not None and node.io is not IO_BACKUP
 
     def room(self, want: int) -> np.ndarray | None:
         """``want`` OWNED pages, evicting host-only leaves first, then device copies of nodes
@@ -75,6 +82,12 @@ class OnlySide:
     @staticmethod
     def pages(node: TreeNode) -> np.ndarray | None:
         return None if node.device_pages is None else node.device_page_ids()
+
+    @staticmethod
+    def ready(node: TreeNode) -> bool:
+        """Whether the node's pages hold its KV: from its insert on (engines insert complete
+        KV; a fetch inserts verified pages)."""
+        return node.device_pages is not None
 
     def room(self, want: int) -> np.ndarray | None:
         """``want`` OWNED pages, evicting unlocked leaves when short; None when short."""

@@ -124,13 +124,17 @@ class L3Tier:
 
     def offer(self, node: TreeNode) -> None:
         """Write ``node`` and its ancestors with pages on the side not yet in the store,
-        prefix first."""
-        on_side = self.side.pages
-        if node.l3 is not None or on_side(node) is None or node.parent is None:
+        prefix first; only pages that hold their KV (``side.ready``: not while a backup still
+        copies into them). An ancestor not ready yet puts the write off (a page is written
+        only with its prefix): its own ack offers it, and a later offer the rest."""
+        on_side, ready = self.side.pages, self.side.ready
+        if node.l3 is not None or not ready(node) or node.parent is None:
             return
         run = [node]
         up = node.parent
         while up.parent is not None and up.l3 is None and on_side(up) is not None:
+            if not ready(up):
+                return
             run.append(up)
             up = up.parent
         run.reverse()
