@@ -1170,6 +1170,20 @@ MUTATIONS = [
         "                pass\n",
         ("tests/test_l3_tier.py", "-k", "backup_still_copies"),
     ),
+    Mutation(
+        "a-failed-disk-flush-keeps-the-floors-it-raised",
+        "hicache/disk/store.py",
+        "                    write_floor(path, before)\n",
+        "                    pass\n",
+        ("tests/test_disk_store.py", "-k", "fails_on_one_drive"),
+    ),
+    Mutation(
+        "an-operators-failed-flush-opens-the-breaker",
+        "hicache/l3/worker.py",
+        "                if not isinstance(job, Clear):  # (an operator's retries never open it)\n",
+        "                if True:\n",
+        ("tests/test_l3_tier.py", "-k", "never_opens_the_breaker"),
+    ),
 ]
 
 

@@ -925,3 +925,35 @@ def test_an_idle_store_syncs_and_saves_its_budget_when_ticked(tmp_path):
         assert budget.exists() and store._dirty_since is None
     finally:
         store.close()
+
+
+def test_a_flush_that_fails_on_one_drive_forgets_nothing_after_a_restart_either(tmp_path):
+    """A flush whose floor cannot be written on the second folder fails as a whole: the first
+    folder's floor, raised already, is put back, so a clean restart still finds every value
+    (the failed flush forgot nothing, now or later)."""
+    folders = [tmp_path / "a", tmp_path / "b"]
+    open_ = lambda: SlotStore([str(f) for f in folders], 8 * 8192, VALUE,  # noqa: E731
+                              budget_bytes_per_day=1 << 40)  # fmt: skip
+    store = open_()
+    keys = [f"k{i}" for i in range(6)]
+    assert all(_put_chain(store, keys))
+    (folders[1] / "floor" / "x").mkdir(parents=True)  # (its floor cannot be replaced)
+    with pytest.raises(OSError):
+        store.clear()
+    assert sorted(store.held()) == keys
+    store.close()
+    (folders[1] / "floor" / "x").rmdir()
+    (folders[1] / "floor").rmdir()
+    store = open_()
+    try:
+        assert (
+            sorted(store.held()) == sorted(keys) and store.figures()["disk_recovered_values"] == 6
+        )
+        assert store.clear() == 6  # (and a flush that succeeds forgets them for good)
+    finally:
+        store.close()
+    store = open_()
+    try:
+        assert store.held() == []
+    finally:
+        store.close()

@@ -378,3 +378,37 @@ def test_a_write_never_reads_host_pages_a_backup_still_copies_into():
         b.l3.drain()
         b.close()
         drop_space("unready")
+
+
+def test_an_operators_flush_or_eviction_that_fails_never_opens_the_breaker():
+    """A disk that cannot be flushed or evicted (its folder locked by another daemon, say)
+    fails the operator's call, and only it: retries never open the breaker, so lookups and
+    writes go on."""
+    from hicache.l3.memory import MemoryStore
+    from hicache.l3.store import StoreDown
+
+    class Unflushable(MemoryStore):
+        clears = True
+
+        def clear(self) -> int:
+            raise StoreDown("the folder is locked")
+
+        def evict(self, count: int) -> int:
+            raise StoreDown("the folder is locked")
+
+    drop_space("unflushable")
+    cache = make_cache(manual=False, page_size=PS, num_kv_heads=2, head_dim=4, device_tokens=64,
+                       host_tokens=128, load_back_threshold=0)  # fmt: skip
+    config = L3Config("memory://unflushable", "test-model", breaker_failures=1)
+    cache.attach_l3(L3Tier(cache, config, Unflushable("unflushable")))
+    try:
+        for evict in (0, 3, 0):
+            job = cache.l3.clear_store(10.0, evict=evict)
+            assert job.done.is_set() and "locked" in job.error
+        assert cache.l3.breaker.state == "closed" and cache.l3.breaker.opened == 0
+        store(cache, tokens_of(16, 51))  # (the store still takes writes)
+        assert cache.l3.counters.written_pages == 4
+    finally:
+        cache.l3.drain()
+        cache.close()
+        drop_space("unflushable")

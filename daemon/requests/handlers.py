@@ -81,6 +81,7 @@ ADMIN_OPS = {Op.EVICT, Op.FLUSH}
 NO_CACHE_OPS = NO_SESSION_OPS | {Op.HEARTBEAT, Op.GOODBYE, Op.REGISTER, Op.HOLDINGS}
 MAX_SESSION_LIST = 1000  # sessions listed by stats (the count is always exact)
 CHEAP_SESSION_LIST = 64  # a stats report listing no more live sessions is no view (no budget)
+DISK_EVICT_WAIT_S = 1.0  # an eviction of the disk waits this long for the store call running
 DISK_FLUSH_WAIT_S = 10.0  # a flush of the disk waits this long for the store call running
 PROCESS_CHECK_S = 1.0  # how often housekeeping looks whether sessions' engine processes live
 
@@ -420,7 +421,8 @@ class Handlers:
     def evict(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """Evict unlocked tokens from the tiers named as reported (tier_names.py), and with
         ``disk_tokens`` the disk's least recently used pages (its IO thread does it, ahead of
-        its queue; this waits up to DISK_FLUSH_WAIT_S for it)."""
+        its queue; this waits up to DISK_EVICT_WAIT_S for it, the whole daemon with it: then
+        ``disk_freed`` is -1 and it happens once the store call running ends)."""
         asked = EvictRequest.read(fields)  # (checked as the operator named the tiers)
         if self.tiers.engine and asked.device_tokens:
             raise ProtocolError(
@@ -436,7 +438,7 @@ class Handlers:
         disk = None
         if req.disk_tokens:
             assert l3 is not None
-            job = l3.clear_store(DISK_FLUSH_WAIT_S, evict=-(-req.disk_tokens // page_size))
+            job = l3.clear_store(DISK_EVICT_WAIT_S, evict=-(-req.disk_tokens // page_size))
             if job.error:
                 raise ProtocolError(ErrorCode.INTERNAL, f"disk: the eviction failed: {job.error}")
             disk = job.cleared * page_size if job.done.is_set() else -1

@@ -54,6 +54,7 @@ from hicache.disk.folder import (
     Folder,
     open_data,
     open_folder,
+    read_floor,
     read_note,
     remove_stale_temporaries,
     write_floor,
@@ -398,12 +399,25 @@ class SlotStore:
     def clear(self) -> int:
         """Forget every value, now and after a restart (each folder's floor is raised to the
         last write's sequence, durably, before the index is emptied); how many were held.
-        OSError (nothing forgotten) when a floor cannot be written."""
+        OSError (nothing forgotten) when a floor cannot be written: the floors raised before
+        it are put back."""
         floor = self._seq + CLEAR_GAP  # (above any slot a scan cut short did not read)
         if floor > MAX_FLOOR:
             raise OSError(errno.ERANGE, "disk: the write sequence is spent; start it cold")
-        for folder in self.folders:
-            write_floor(folder.path, floor)
+        raised: list[tuple[str, int]] = []  # (folder, its floor before)
+        try:
+            for folder in self.folders:
+                before = read_floor(folder.path)
+                write_floor(folder.path, floor)
+                raised.append((folder.path, before))
+        except OSError:
+            for path, before in raised:
+                try:
+                    write_floor(path, before)
+                except OSError as exc:  # (what it held is gone after a restart: new writes
+                    self._seq = floor  # go above the floor, so that they are not)
+                    log.error("disk: %s: its floor could not be put back (%s)", path, exc)
+            raise
         self._seq = floor
         held = len(self._index)
         self._free.extend(self._index.values())

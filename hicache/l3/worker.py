@@ -147,10 +147,12 @@ class IOWorker:
                 else:
                     self._get(job)
             except StoreDown as exc:
-                self._failed(exc)
+                if not isinstance(job, Clear):  # (an operator's retries never open it)
+                    self._failed(exc)
                 job.error = f"store down: {exc}"
             except Exception as exc:  # a store client's bug: the job fails, the thread lives
-                self._failed(exc)
+                if not isinstance(job, Clear):
+                    self._failed(exc)
                 job.error = f"{type(exc).__name__}: {exc}"
                 log.exception("L3 job failed")
             job.io_s += time.perf_counter() - started
