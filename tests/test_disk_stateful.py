@@ -75,7 +75,7 @@ class DiskMachine(RuleBasedStateMachine):
         self.lazy = LazyStore(url)
         cfg = L3Config(url, "m", write_policy=policy, write_threshold=2, close_drain_s=10.0)
         cache.attach_l3(L3Tier(cache, cfg, self.lazy, clock=self.clock))
-        self.lazy.exists([])  # (opened here, as the IO thread would at its first call)
+        cache.l3.drain()  # (its IO thread opens the disk as it starts)
         self.lazy.inner.slots.files.fault = self._fault
         self.router = TierModel()  # a router's view, from this daemon's events
         self.life_writes = False  # a restart since: the disk may hold pages not announced

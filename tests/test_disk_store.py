@@ -725,10 +725,10 @@ def test_the_tier_writes_again_a_prefix_the_disk_let_go(tmp_path):
         host_tokens=128, load_back_threshold=0,
     )  # fmt: skip
     url = f"disk://{tmp_path / 'd'}?bytes=40KiB&budget=1GiB"  # (5 slots of 8 KiB)
-    lazy = LazyStore(url)  # (as a daemon opens it: on its IO thread, at first use)
+    lazy = LazyStore(url)  # (as a daemon opens it: on its IO thread, as it starts)
     assert lazy.keeps_prefixes and lazy.clears
     cache.attach_l3(L3Tier(cache, L3Config(url, "test-model"), lazy))
-    lazy.exists([])  # (opened now)
+    cache.l3.drain()  # (opened now)
     disk = lazy.inner.slots
     try:
         assert disk.files.count == 5
@@ -957,3 +957,18 @@ def test_a_flush_that_fails_on_one_drive_forgets_nothing_after_a_restart_either(
         assert store.held() == []
     finally:
         store.close()
+
+
+def test_a_folder_that_cannot_be_made_is_refused_before_the_daemon_starts(tmp_path):
+    """The start's check makes a missing folder (and removes it again), so a place where no
+    folder can be made (/proc; a read-only parent) is refused then, not at the first lookup;
+    a file where the folder should be is named as what it is."""
+    from hicache.disk import check_folder
+
+    with pytest.raises(FolderRefused, match="cannot make /proc/hicache-check"):
+        check_folder("/proc/hicache-check")
+    check_folder(str(tmp_path / "fine"))
+    assert not (tmp_path / "fine").exists()  # (nothing kept)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(FolderRefused, match="is not a folder$"):
+        check_folder(str(tmp_path / "file"))

@@ -21,7 +21,7 @@ require_module("transformers", what="the reference engine (tests/test_l3_daemons
 
 from hicache.client import DaemonError, HiCacheClient  # noqa: E402
 from scripts.ref_engine import ReferenceEngine  # noqa: E402
-from tests.daemon_helpers import start_daemon, stop_daemon  # noqa: E402
+from tests.daemon_helpers import start_daemon, stop_daemon, wait_until  # noqa: E402
 from tests.l3_servers import mooncake_master, redis_cluster  # noqa: E402
 
 SHAPE = [
@@ -556,7 +556,8 @@ def test_evicting_part_of_the_disk_takes_its_least_recently_used_tails(tmp_path)
     finally:
         stop_daemon(proc)
     proc = start_daemon(ep, *flags)
-    try:
+    try:  # (the disk opens as the daemon starts: what it holds shows before any lookup)
+        wait_until(lambda: l3_stats(ep).get("store_disk_held_values") == 13, what="disk opened")
         with HiCacheClient(ep, name="engine", admin=True, timeout_s=30) as hc:
             assert serve_checked(ReferenceEngine(hc), prompt).computed_from == (18 - 5) * 4
     finally:

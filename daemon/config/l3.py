@@ -20,6 +20,7 @@ def _fields() -> dict[str, tuple[type, Any, str]]:
             "",
             "the store under the host tier (off when empty): mooncake://HOST:PORT (a Mooncake "
             "master), redis://HOST:PORT[,HOST:PORT...] (a Redis Cluster, or one server), "
+            "disk:///PATH[,PATH...]?bytes=SIZE (this node's drives: --disk says it too), "
             "memory://NAME (in this process: tests)",
         )
     }

@@ -236,6 +236,10 @@ class DaemonSettings:
         out.update({name: default for name, (_, default, _) in L3_FIELDS.items()})
         out.update(self.l3_settings)
         out["quarantine_seconds"] = self.quarantine
+        if self.l3 is not None:  # what --disk resolves them to (its admission, its drain)
+            out["l3_write_policy"] = str(self.l3.write_policy)
+            out["l3_write_threshold"] = self.l3.write_threshold
+            out["l3_close_drain_s"] = self.l3.close_drain_s
         # what the defaults resolve to (not settings themselves)
         out["host_capacity_tokens"] = config.host_capacity_tokens
         with contextlib.suppress(ValueError):  # (a backend that cannot run fails at start)

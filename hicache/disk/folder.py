@@ -51,12 +51,17 @@ class Folder:
 
 
 def check_folder(path: str) -> None:
-    """What ``open_folder`` would refuse, said before a daemon starts (nothing is made or
-    kept: a missing folder is fine, its parent must exist). FolderRefused."""
+    """What ``open_folder`` would refuse, said before a daemon starts (nothing is kept: a
+    missing folder is made and removed again, to know it can be). FolderRefused."""
     path = os.path.abspath(path)
     if not os.path.lexists(path):
         if not os.path.isdir(os.path.dirname(path)):
             raise FolderRefused(f"disk: {os.path.dirname(path)} does not exist")
+        try:
+            os.mkdir(path, 0o700)
+        except OSError as exc:
+            raise FolderRefused(f"disk: cannot make {path}: {exc.strerror}") from None
+        os.rmdir(path)
         return
     open_folder(path).close()
     read_floor(path)  # (one out of range is refused)
@@ -73,8 +78,10 @@ def open_folder(path: str) -> Folder:
     except OSError as exc:
         raise FolderRefused(f"disk: cannot make {path}: {exc.strerror}") from None
     st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise FolderRefused(f"disk: {path} is not a folder (a symlink is not followed)")
+    if stat.S_ISLNK(st.st_mode):
+        raise FolderRefused(f"disk: {path} is a symlink (not followed): name the folder itself")
+    if not stat.S_ISDIR(st.st_mode):
+        raise FolderRefused(f"disk: {path} is not a folder")
     if st.st_uid != os.getuid():
         raise FolderRefused(f"disk: {path} belongs to uid {st.st_uid}, not this user")
     if st.st_mode & 0o077:

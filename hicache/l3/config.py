@@ -40,7 +40,8 @@ class L3Config:
     )
     model: str = field(
         metadata={
-            "help": "model identity (name and revision), part of every key: required with --l3"
+            "help": "model identity (name and revision), part of every key: required with --l3 "
+            "and --disk"
         }
     )
     shard: str = field(

@@ -5,11 +5,14 @@ its pool (a slot's size is a page's), on the tier's IO thread; one daemon per fo
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 from hicache.disk import SlotStore
 from hicache.l3.pages import PageSegments
 from hicache.l3.store import Check, Got, L3Store, Parents, StoreDown
+
+log = logging.getLogger("hicache.disk")
 
 
 class DiskStore(L3Store):
@@ -31,8 +34,14 @@ class DiskStore(L3Store):
     def attach(self, pages: PageSegments) -> None:
         self.pages = pages
         paths, capacity, budget, scan_s = self._open
-        self.slots = SlotStore(paths, capacity, pages.page_bytes, budget, scan_s=scan_s)
-        self.slots.track_drops()  # (the IO thread takes them after every job: dropped())
+        self.slots = slots = SlotStore(paths, capacity, pages.page_bytes, budget, scan_s=scan_s)
+        slots.track_drops()  # (the IO thread takes them after every job: dropped())
+        found = "the last clean stop's index" if slots.from_checkpoint else "a scan of the slots"
+        log.info(
+            "disk %s: %d slots of %d bytes; %d pages found from %s in %.1f s",
+            ",".join(paths), slots.files.count, slots.files.slot_bytes, slots.recovered, found,
+            slots.scan_seconds,
+        )  # fmt: skip
 
     def _store(self) -> SlotStore:
         assert self.slots is not None, "DiskStore: attach() first"

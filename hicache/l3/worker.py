@@ -66,6 +66,9 @@ class IOWorker:
         # (set once by the control thread: L3Tier.announce; None: not recorded)
         self.storage: deque[StorageChange] | None = None
         self.sums = ThreadPoolExecutor(1, thread_name_prefix="hicache-l3-sum")
+        # this node's disk opens (its index recovered) as the thread starts, not at the first
+        # lookup: what it holds shows at once; busy until then (drain waits for it)
+        self.busy = bool(store.clears)
         self.thread = threading.Thread(target=self._run, name="hicache-l3", daemon=True)
         self.thread.start()
 
@@ -107,6 +110,16 @@ class IOWorker:
 
     # ---- the thread ---------------------------------------------------------------------------
     def _run(self) -> None:
+        if self.busy:  # (the disk: opened now)
+            try:
+                self.store.exists([])
+            except StoreDown as exc:  # (said, and tried again at its first use)
+                log.error("third tier %s: not opened (%s); tried again at its first use",
+                          self.store.url, exc)  # fmt: skip
+            except Exception:  # noqa: BLE001  (a store's bug: logged, the thread lives)
+                log.exception("third tier %s: opening failed", self.store.url)
+            with self.cv:
+                self.busy = False
         while True:
             with self.cv:
                 idle = not (self.clears or self.fetches or self.writes or self.stopping)
