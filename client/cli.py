@@ -229,10 +229,10 @@ def _tree(args: argparse.Namespace, conn: Connection) -> int:
 
 
 def _evict_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device-tokens", type=int, default=0)
-    p.add_argument("--host-tokens", type=int, default=0)
+    p.add_argument("--device-tokens", type=int, default=0, help="tokens (unlocked, LRU)")
+    p.add_argument("--host-tokens", type=int, default=0, help="tokens (unlocked, LRU)")
     p.add_argument(
-        "--disk-tokens", type=int, default=0, help="the disk's least recently used pages"
+        "--disk-tokens", type=int, default=0, help="tokens: the disk's least recently used pages"
     )
 
 
