@@ -12,6 +12,7 @@ tests/test_shadowing.py, run from the repository.)
     .venv/bin/python -m scripts.mutations quarantine   # those whose name contains a word
     .venv/bin/python -m scripts.mutations --no-control # CI, right after the whole suite passed
     .venv/bin/python -m scripts.mutations --jobs 2     # two at a time, each in its own copy
+                                                       # (those of ALONE's tests: one at a time)
 
 First runs each mutation's tests on the copy as it is (they must pass: a test that fails anyway
 would catch everything; ``--no-control`` skips that where the suite just passed on the same
@@ -34,6 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# tests of what a crashed daemon leaves and who gives it back: any other daemon of this user
+# that starts meanwhile clears a dead one's leftovers too, so their mutations run alone
+ALONE = frozenset(("tests/test_kept.py", "tests/test_keep_host.py", "tests/test_planted_files.py"))
 
 
 @dataclass(frozen=True)
@@ -1271,14 +1275,19 @@ def main() -> int:
             if failed:
                 print(f"the tests {' '.join(tests)} fail without a mutation: {last}")
                 return 2
+
+        def report(name: str, caught: bool, seconds: float, last: str) -> None:
+            results[name] = caught
+            verdict = "caught  " if caught else "SURVIVED"
+            print(f"{verdict} {name:38} {seconds:6.1f} s  {last[:70]}", flush=True)
+
+        alone = [m for m in chosen if ALONE.intersection(m.tests)]
         with ThreadPoolExecutor(jobs) as pool:  # (each run copies the tree: none share files)
-            runs = {pool.submit(run, m, m.tests, base): m for m in chosen}
+            runs = {pool.submit(run, m, m.tests, base): m for m in chosen if m not in alone}
             for done in as_completed(runs):
-                caught, seconds, last = done.result()
-                name = runs[done].name
-                results[name] = caught
-                verdict = "caught  " if caught else "SURVIVED"
-                print(f"{verdict} {name:38} {seconds:6.1f} s  {last[:70]}", flush=True)
+                report(runs[done].name, *done.result())
+        for m in alone:
+            report(m.name, *run(m, m.tests, base))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     survived = [name for name, caught in results.items() if not caught]
