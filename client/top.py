@@ -35,6 +35,9 @@ HIT_DEVICE, HIT_HOST, MISS = map(_counter, ("hit_device_tokens", "hit_host_token
 BACKUP, LOAD = _counter("backup_tokens"), _counter("load_tokens")
 EVICTED = {tier: _counter(f"evicted_{tier}_tokens") for tier in ("device", "host")}
 L3_READ, L3_WRITTEN = (_counter(n, _L3_BY_NAME) for n in ("read_bytes", "written_bytes"))
+DISK_HITS, DISK_READ, DISK_WRITTEN = (
+    _counter(f"store_disk_{n}", _L3_BY_NAME) for n in ("hits", "read_bytes", "written_bytes")
+)
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ class Rates:
     evicted_host_tokens_per_s: float
     l3_read_bytes_per_s: float
     l3_written_bytes_per_s: float
+    disk_hit_pages_per_s: float  # the disk tier's (0 without one)
+    disk_read_bytes_per_s: float
+    disk_written_bytes_per_s: float
     # every counter of the figures table that moved in the interval: (name, unit, per second),
     # in the table's order (the third tier's named ``l3.NAME``)
     moving: tuple[tuple[str, str, float], ...] = ()
@@ -84,6 +90,9 @@ class Rates:
             evicted_host_tokens_per_s=delta(EVICTED["host"]) / dt,
             l3_read_bytes_per_s=delta(L3_READ, "l3") / dt,
             l3_written_bytes_per_s=delta(L3_WRITTEN, "l3") / dt,
+            disk_hit_pages_per_s=delta(DISK_HITS, "l3") / dt,
+            disk_read_bytes_per_s=delta(DISK_READ, "l3") / dt,
+            disk_written_bytes_per_s=delta(DISK_WRITTEN, "l3") / dt,
             moving=tuple(m for m in moving if m[2] > 0),
         )
 
@@ -158,6 +167,8 @@ def render_top(stats: dict, rates: Rates | None) -> str:
             f"written {_bytes(r.l3_written_bytes_per_s) if r else '-'}/s   "
             f"queued {l3.get('queued_pages', 0)} pages"
         )
+    if l3 and "store_disk_capacity_bytes" in l3:
+        lines.append(_disk_line(l3, r))
     if r and r.moving:
         lines += ["", "counters moving (per s)"]
         for name, unit, per_s in r.moving[:MOVING_SHOWN]:
@@ -174,6 +185,23 @@ def render_top(stats: dict, rates: Rates | None) -> str:
                 f"{s['locks']:>6}  {_ratio(_share(s))}"
             )
     return "\n".join(lines)
+
+
+def _disk_line(l3: dict, r: Rates | None) -> str:
+    """The disk tier: held of capacity, its rates over the interval, the write budget left."""
+    cap, held = l3.get("store_disk_capacity_bytes", 0), l3.get("store_disk_held_bytes", 0)
+    used = f"{held / cap:.0%}" if cap else "-"
+
+    def rate(value: float, unit: Callable[[float], str]) -> str:
+        return unit(value) if r else "-"
+
+    return (
+        f"disk   held {_bytes(held)} of {_bytes(cap)} ({used})   "
+        f"hits {rate(r.disk_hit_pages_per_s if r else 0, _tokens)} pages/s   "
+        f"read {rate(r.disk_read_bytes_per_s if r else 0, _bytes)}/s   "
+        f"written {rate(r.disk_written_bytes_per_s if r else 0, _bytes)}/s   "
+        f"budget left {_bytes(l3.get('store_disk_budget_left_bytes', 0))}"
+    )
 
 
 def _share(session: dict) -> float | None:

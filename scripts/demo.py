@@ -68,6 +68,7 @@ class RunResult:
     counts: list[RequestCount] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
     model_s: float = 0.0  # seconds in the model's forward passes
+    loaded: int = 0  # tokens the engine loaded back from the host, prompts and answers
     seconds: float = 0.0  # the whole phase, engine start included
 
     @property
@@ -201,6 +202,7 @@ def render_table(
         ["hit ratio: total", *ratio(lambda r: r.device + r.host + r.disk)],
         ["backups to host (tokens)", *stat("backup_tokens")],
         ["loads from host (tokens)", *stat("load_tokens")],
+        ["  of them prompt tokens", *cells(lambda r: f"{r.host + r.disk:,}")],
         ["device evictions (tokens)", *stat("evicted_device_tokens")],
         ["integrity check", *cells(lambda r: str(r.stats.get("integrity", "?")))],
         "# wall-clock (depends on machine load, not only on the cache)",
@@ -271,7 +273,7 @@ def plot_hit_ratios(
     restarted: RunResult | None = None,
 ) -> None:
     """A PNG of hit ratios over the run, over a moving window of requests (needs matplotlib);
-    ``restarted``: the run after the restart, its disk's share and its total."""
+    ``restarted``: the run after the restart, its disk's, host's and total shares."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -292,6 +294,7 @@ def plot_hit_ratios(
             xr = range(1, len(restarted.counts) + 1)
             ax.plot(xr, r["total"], label="restarted cold: total", color="C4", linewidth=2)
             ax.plot(xr, r["disk"], label="restarted cold: disk", color="C5")
+            ax.plot(xr, r["host"], label="restarted cold: host", color="C2", linestyle=":")
         ax.set_xlabel("request")
         ax.set_ylabel(f"hit ratio (prompt tokens, last {window} requests)")
         ax.set_ylim(0, 1)
@@ -339,6 +342,7 @@ def serve(
                 )  # fmt: skip
                 result.counts.append(c)
                 result.model_s += served.model_s
+                result.loaded += served.host_hit
                 prompt, hits = prompt + c.prompt, hits + c.device + c.host + c.disk
                 progress.update(i + 1, hits / max(prompt, 1))
             result.stats = hc.stats(check=True)
@@ -416,6 +420,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         plot = os.path.abspath(args.plot)
         print(f"plot: {plot} (hit ratios by tier over the last {WINDOW} requests)")
     print(json.dumps(summary(device_only, hicache, plot, restarted)), flush=True)
+    unreconciled = unreconciled_loads([device_only, hicache, restarted])
+    if unreconciled:
+        raise SystemExit(f"demo: the daemon's counts disagree with the engine's: {unreconciled}")
+
+
+def unreconciled_loads(runs: Sequence[RunResult]) -> list[str]:
+    """The runs whose daemon counted other loads (``load_tokens``) than the engine made, and
+    those whose integrity check failed (empty: every count adds up). Pure."""
+    out = []
+    for r in runs:
+        if r.stats.get("load_tokens", 0) != r.loaded:
+            out.append(f"{r.label}: load_tokens {r.stats.get('load_tokens')} != {r.loaded} loaded")
+        if r.stats.get("integrity") != "ok":
+            out.append(f"{r.label}: integrity {r.stats.get('integrity')!r}")
+    return out
 
 
 if __name__ == "__main__":

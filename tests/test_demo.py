@@ -15,6 +15,7 @@ from scripts.demo import (
     plot_hit_ratios,
     render_table,
     summary,
+    unreconciled_loads,
 )
 from tests.optional import require_module
 
@@ -88,6 +89,7 @@ def test_the_restarted_column_shows_the_disks_share():
     assert row(table, "hit ratio: disk") == ["0.000", "0.000", "0.500"]
     assert row(table, "hit ratio: total") == ["0.300", "0.450", "0.850"]
     assert row(table, "prompt tokens computed") == ["1,400", "1,100", "300"]
+    assert row(table, "  of them prompt tokens") == ["0", "300", "1,100"]  # (host + disk)
     assert "0.500 of their prompt tokens from its disk" in lines[2]
     assert lines[4].split() == ["device", "only", "hicache", "restarted"]
     assert len({len(x) for x in lines[4:] if not x.startswith("#")}) == 1
@@ -95,6 +97,16 @@ def test_the_restarted_column_shows_the_disks_share():
     assert s["restarted"] == {
         "recomputed": 300, "hit_ratio_disk": 0.5, "hit_ratio_total": 0.85, "integrity": "ok"
     }  # fmt: skip
+
+
+def test_a_run_whose_daemon_counts_other_loads_than_the_engine_fails():
+    d, h = runs()
+    h.loaded = 300  # (as many as its stats' load_tokens)
+    assert unreconciled_loads([d, h]) == []
+    h.loaded = 299
+    assert unreconciled_loads([d, h]) == ["hicache: load_tokens 300 != 299 loaded"]
+    d.stats["integrity"] = "node 3: bad"
+    assert unreconciled_loads([d]) == ["device only: integrity 'node 3: bad'"]
 
 
 def test_table_leads_with_tokens_computed_and_ends_with_wall_clock():

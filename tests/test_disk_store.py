@@ -678,7 +678,7 @@ def test_the_disks_figures_reach_info_top_and_metrics(tmp_path):
     structure, as ``store_*``), shown in ``hicache info``'s disk section, exported as
     ``hicache_disk_*`` and moving in ``hicache top``."""
     from hicache.client.info_view import sections
-    from hicache.client.top import Rates
+    from hicache.client.top import Rates, render_top
     from hicache.daemon.observe import families
     from hicache.observe import DISK_FIGURES
 
@@ -704,8 +704,15 @@ def test_the_disks_figures_reach_info_top_and_metrics(tmp_path):
         exported = {family.name for family in families(after)}
         for f in DISK_FIGURES:
             assert not f.metric or f"hicache_{f.metric}" in exported, f.name
-        moving = {name: rate for name, _, rate in Rates.between(before, after, 1.0).moving}
+        rates = Rates.between(before, after, 1.0)
+        moving = {name: rate for name, _, rate in rates.moving}
         assert moving["l3.store_disk_written_values"] == 3
+        assert rates.disk_written_bytes_per_s == after["l3"]["store_disk_written_bytes"] > 0
+        disk_line = next(x for x in render_top(after, rates).splitlines() if x.startswith("disk"))
+        held = after["l3"]["store_disk_held_bytes"]
+        assert f"held {held // 1024:.1f}KiB of 16.0MiB" in disk_line, disk_line
+        assert "written " + f"{held / 1024:.1f}KiB/s" in disk_line, disk_line
+        assert not any(x.startswith("disk") for x in render_top({"l3": {}}, None).splitlines())
     finally:
         store.close()
 
