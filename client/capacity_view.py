@@ -42,8 +42,19 @@ def render_capacity(report: dict[str, Any]) -> str:
             lines.append(
                 f"{p['factor']:>5g}x  {p['disk_pages'] * ps:>13}  {p['total_hit']:>9.3f}{mark}"
             )
-    lines += ["", f"recommendation:{report['recommendation'] or 'no traffic seen yet'}"]
+    lines += ["", f"recommendation:{report['recommendation'] or _not_yet(report)}"]
     return "\n".join(lines)
+
+
+def _not_yet(report: dict[str, Any]) -> str:
+    """Why there is no recommendation: the traffic counted is less than today's host pool."""
+    seen, needed = report["estimator"]["accesses"], report.get("accesses_needed", 0)
+    if not seen:
+        return "no traffic seen yet"
+    return (
+        f"none yet: {seen} page accesses counted, {needed} needed (today's host pool; "
+        f"until then the curve is cold misses)"
+    )
 
 
 def plot_capacity(report: dict[str, Any], path: str) -> None:

@@ -347,6 +347,11 @@ def test_recommend_names_the_knee():
     )
     with pytest.raises(ValueError, match="factor 1"):
         recommend(pts[:2])
+    alone = [TierPoint(p.factor, 0, p.host_pages, 0.0, p.total_hit, p.total_hit) for p in pts]
+    assert recommend(alone) == (  # (a daemon for engines: its one pool is their host tier)
+        "host tier at 4x (16000 pages) would raise host hit ratio from 0.41 to 0.63; "
+        "beyond 4x adds < 0.01."
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -103,6 +103,36 @@ def test_the_estimate_says_what_the_disk_adds_and_agrees_with_it(tmp_path):
         stop_daemon(proc)
 
 
+def test_no_recommendation_before_the_traffic_could_fill_the_host_pool(tmp_path):
+    """Until the page accesses counted reach today's host pool's pages (a daemon just started
+    or restarted), every point is cold misses: the report recommends nothing and says why."""
+    from hicache.client.capacity_view import render_capacity
+
+    ep = f"ipc://{tmp_path}/capw.sock"
+    proc = start_daemon(ep)  # host 1024 tokens: 256 pages of 4
+    rng = np.random.default_rng(7)
+    try:
+        with HiCacheClient(ep, name="warming") as hc:
+
+            def serve(n: int) -> dict:
+                for _ in range(n):
+                    prompt = rng.integers(1, 500, 40).tolist()  # 10 pages
+                    m = hc.match_prefix(prompt)
+                    hc.insert(prompt, hc.alloc(len(prompt)))
+                    hc.release(m)
+                return hc._call(Op.CAPACITY)[0].fields
+
+            cold = serve(20)  # 200 page accesses
+            assert cold["accesses_needed"] == 256 and cold["estimator"]["accesses"] == 200
+            assert cold["recommendation"] == ""
+            assert "none yet: 200 page accesses counted, 256 needed" in render_capacity(cold)
+            warm = serve(6)
+            assert warm["estimator"]["accesses"] == 260 and "tier" in warm["recommendation"]
+            assert "none yet" not in render_capacity(warm)
+    finally:
+        stop_daemon(proc)
+
+
 def test_a_fresh_daemon_reports_no_traffic(tmp_path):
     ep = f"ipc://{tmp_path}/cap0.sock"
     proc = start_daemon(ep)
@@ -111,6 +141,9 @@ def test_a_fresh_daemon_reports_no_traffic(tmp_path):
                                         capture_output=True, text=True, timeout=60,
                                         check=True).stdout)  # fmt: skip
         assert out["estimator"]["requests"] == 0 and out["recommendation"] == ""
+        text = subprocess.run([*CLI, "--endpoint", ep, "capacity"], capture_output=True,
+                              text=True, timeout=60, check=True).stdout  # fmt: skip
+        assert "recommendation:no traffic seen yet" in text
     finally:
         stop_daemon(proc)
 

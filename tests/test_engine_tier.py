@@ -264,7 +264,7 @@ def test_a_daemon_for_engines_names_its_pool_the_host_tier_everywhere(ep):
     assert metrics[("hicache_cached_tokens", "device")] == 0
     assert metrics[("hicache_evictable_tokens", "host")] == 64
     assert (capacity["device_pages"], capacity["host_pages"]) == (0, 128)
-    assert "device tier" not in capacity["recommendation"]
+    assert capacity["accesses_needed"] == 128 and capacity["recommendation"] == ""  # (too few)
     assert all(p["device_hit"] == 0 for p in capacity["points"])
     assert "host_tokens" in render_capacity(capacity)
     assert [(n["device"], n["host"]) for n in tree["nodes"]] == [(False, True)]

@@ -109,12 +109,18 @@ class CapacityFeed:
         and what a disk under the host pool would add: at 0.25x-8x of today's disk
         (``disk_pages``; with none, of a disk the host pool's size), the total hit ratio of an
         LRU of the host's and the disk's pages (the disk holds what the host let go, as with
-        admission ``all``; ``reused`` writes less, and hits at most that)."""
+        admission ``all``; ``reused`` writes less, and hits at most that). No recommendation
+        until the page accesses counted reach today's host pool's pages (``accesses_needed``):
+        before that the curve is cold misses (a restarted daemon's estimate starts over, the
+        disk's pages not in it)."""
         self.run(budget_s=1.0)
         est = self.estimator
         host = max(self.host_pages, self.device_pages)
         points = est.device_host_curve(self.device_pages, host, FACTORS)
         unit = disk_pages or host
+        # (no recommendation before the traffic could have filled today's host pool once:
+        # every point is cold misses until then, after a restart too)
+        warm = est.accesses >= host > 0
         sizes = [round(f * unit) for f in FACTORS]
         hits = est.curve([host + d for d in sizes]) if est.accesses else [(0, 0.0)] * len(sizes)
         return {
@@ -127,7 +133,8 @@ class CapacityFeed:
                 for f, d, (_, hit) in zip(FACTORS, sizes, hits, strict=True)
             ],
             "points": [dataclasses.asdict(p) for p in points],
-            "recommendation": est.recommend(self.device_pages, host) if est.accesses else "",
+            "recommendation": est.recommend(self.device_pages, host) if warm else "",
+            "accesses_needed": host,
             "dropped_requests": self.dropped,
             "estimator": {k: v for k, v in est.to_dict().items() if k != "curve"},
         }
