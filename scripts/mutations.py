@@ -1193,20 +1193,22 @@ MUTATIONS = [
         "daemon/requests/capacity_feed.py",
         "warm = est.accesses >= host > 0",
         "warm = est.accesses > 0",
-        ("tests/test_capacity_daemon.py::"
-         "test_no_recommendation_before_the_traffic_could_fill_the_host_pool",),
+        (
+            "tests/test_capacity_daemon.py::"
+            "test_no_recommendation_before_the_traffic_could_fill_the_host_pool",
+        ),
     ),
     Mutation(
         "top-has-no-disk-line",
         "client/top.py",
-        "    if l3 and \"store_disk_capacity_bytes\" in l3:\n",
+        '    if l3 and "store_disk_capacity_bytes" in l3:\n',
         "    if False:\n",
         ("tests/test_disk_store.py::test_the_disks_figures_reach_info_top_and_metrics",),
     ),
     Mutation(
         "demo-takes-any-loads-as-the-engine-s",
         "scripts/demo.py",
-        "if r.stats.get(\"load_tokens\", 0) != r.loaded:",
+        'if r.stats.get("load_tokens", 0) != r.loaded:',
         "if False:",
         ("tests/test_demo.py::test_a_run_whose_daemon_counts_other_loads_than_the_engine_fails",),
     ),
