@@ -431,18 +431,18 @@ MUTATIONS = [
         ("tests/test_l3_daemons.py", "-k", "queue_dropped"),
     ),
     Mutation(
-        "a-disk-checkpoint-stays-to-be-trusted-after-a-crash",
-        "hicache/disk/checkpoint.py",
-        "        os.unlink(path)  # (before it is used",
-        "        pass  # (before it is used",
-        ("tests/test_disk_store.py", "-k", "checkpoint_is_read_once"),
+        "a-disk-checkpoint-without-its-journal-is-trusted",
+        "hicache/disk/recovery.py",
+        "        records = journal.read(folders[0].path, found_checkpoint[1], files.count)\n",
+        "        records = journal.read(folders[0].path, found_checkpoint[1], files.count) or []\n",
+        ("tests/test_disk_store.py", "-k", "crash_finds_the_index"),
     ),
     Mutation(
         "a-disk-checkpoint-of-another-geometry-is-trusted",
         "hicache/disk/checkpoint.py",
-        '        if head != {"magic": MAGIC, **geometry}:',
+        '        if head != {"magic": MAGIC, **geometry} or not isinstance(token, str):',
         '        if head.get("magic") != MAGIC:',
-        ("tests/test_disk_store.py", "-k", "checkpoint_is_read_once"),
+        ("tests/test_disk_store.py", "-k", "checkpoint_is_read_and_only"),
     ),
     Mutation(
         "a-damaged-budget-record-stops-the-disk",
@@ -483,7 +483,7 @@ MUTATIONS = [
         "an-idle-io-thread-never-ticks-its-store",
         "hicache/l3/worker.py",
         "                    self._tick()\n",
-        "                    pass\n",
+        "                    pass  # (not journaled)\n",
         ("tests/test_l3_tier.py", "-k", "ticks"),
     ),
     Mutation(
@@ -1178,7 +1178,7 @@ MUTATIONS = [
         "a-failed-disk-flush-keeps-the-floors-it-raised",
         "hicache/disk/store.py",
         "                    write_floor(path, before)\n",
-        "                    pass\n",
+        "                    pass  # (not journaled)\n",
         ("tests/test_disk_store.py", "-k", "fails_on_one_drive"),
     ),
     Mutation(
@@ -1211,6 +1211,45 @@ MUTATIONS = [
         'if r.stats.get("load_tokens", 0) != r.loaded:',
         "if False:",
         ("tests/test_demo.py::test_a_run_whose_daemon_counts_other_loads_than_the_engine_fails",),
+    ),
+    Mutation(
+        "the-journal-forgets-uses",
+        "hicache/disk/store.py",
+        "        if self._journal is not None and keys:\n",
+        "        if False:\n",
+        (
+            "tests/test_disk_store.py::test_a_crash_finds_the_index_again_from_the_journal_without_a_scan",
+        ),
+    ),
+    Mutation(
+        "the-journal-forgets-evictions",
+        "hicache/disk/store.py",
+        "            if self._journal is not None:\n"
+        '                self._journal.add(("d", key))\n',
+        "",
+        (
+            "tests/test_disk_store.py::test_a_crash_finds_the_index_again_from_the_journal_without_a_scan",
+        ),
+    ),
+    Mutation(
+        "the-journal-forgets-writes",
+        "hicache/disk/store.py",
+        "                    self._journal.add("
+        '("w", slot, header.seq, header.key, header.parent))\n',
+        "                    pass  # (not journaled)\n",
+        (
+            "tests/test_disk_store.py::"
+            "test_a_sigkill_mid_write_loses_nothing_written_and_serves_nothing_torn",
+        ),
+    ),
+    Mutation(
+        "a-journal-after-another-checkpoint-is-replayed",
+        "hicache/disk/journal.py",
+        '    if head != {"magic": MAGIC, "checkpoint": token}:\n',
+        '    if not isinstance(head, dict) or head.get("magic") != MAGIC:\n',
+        (
+            "tests/test_disk_store.py::test_a_crash_finds_the_index_again_from_the_journal_without_a_scan",
+        ),
     ),
 ]
 

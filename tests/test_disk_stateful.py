@@ -156,19 +156,36 @@ class DiskMachine(RuleBasedStateMachine):
         settle(self.cache)
         self.cache.l3.drain()
 
-    @rule(crash=st.booleans())
-    def restart_cold(self, crash: bool) -> None:
+    @rule(how=st.sampled_from(["stop", "crash", "lost"]))
+    def restart_cold(self, how: str) -> None:
         """The daemon stops (its queued writes land; its index is checkpointed) and starts
-        again without its pools; or it crashed (no checkpoint: the next start scans)."""
+        again without its pools; or it crashed with nothing queued (its folder as a SIGKILL
+        leaves it: the next start replays the journal, to the index it had); or its
+        checkpoint was lost (the next start scans)."""
         self.cache.l3.drain()
         self._count()
+        had = self.disk.held()
+        left = {
+            name: open(os.path.join(self.folder, name), "rb").read()
+            for name in os.listdir(self.folder)
+            if name != "lock"
+        }
         self.cache.close()
-        if crash:
+        if how == "crash":  # (the files as the killed process left them)
+            for name in set(os.listdir(self.folder)) - set(left) - {"lock"}:
+                os.unlink(os.path.join(self.folder, name))
+            for name, data in left.items():
+                with open(os.path.join(self.folder, name), "wb") as fh:
+                    fh.write(data)
+        if how == "lost":
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(self.folder, "index"))
         self.seen["restarts"] += 1
         self.cache = self._open()
         self.life_writes = True
+        if how == "crash":
+            assert self.disk.from_checkpoint and self.disk.scanned == 0
+            assert self.disk.held() == had, "the journal did not give back the index it had"
 
     @rule(
         op=st.sampled_from(["read", "write"]),

@@ -7,6 +7,7 @@ are another daemon's, are refused; and a daemon restarted on its disk serves fro
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -433,7 +434,9 @@ def test_a_sigkill_mid_write_loses_nothing_written_and_serves_nothing_torn(tmp_p
     src, dst = filled_pool(cfg, 6), HostPool(cfg)
     d = digests(64, salt="kill")
     store = _store(folder, src, pages=64)  # (the lock died with the writer)
-    try:
+    try:  # (its index from the checkpoint and the journal: no scan)
+        assert store.from_checkpoint and store.scanned == 0 and store.replayed >= len(done)
+        assert store.exists([KeyChain.name(d[i]) for i in done]) == [True] * len(done)
         for i, x in enumerate(d):
             got = _get(store, dst, KeyChain.name(x), x, 31)
             if i in done:
@@ -831,10 +834,10 @@ def shutil_rm(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_a_clean_stops_checkpoint_is_read_once_and_only_for_its_geometry(tmp_path):
-    """A clean close checkpoints the index (its recency order too); the next open reads it
-    instead of the headers and removes it at once (a crash later is not what it describes);
-    a store of another geometry, or a damaged checkpoint, scans instead."""
+def test_a_clean_stops_checkpoint_is_read_and_only_for_its_geometry(tmp_path):
+    """A clean close checkpoints the index (its recency order too) with an empty journal after
+    it; the next open reads it instead of the headers (nothing to replay) and writes its own
+    at once; a store of another geometry, or a damaged checkpoint, scans instead."""
     store = _chain_store(tmp_path / "d", 8)
     try:
         assert _put_chain(store, ["a", "b"]) == [True, True]
@@ -842,10 +845,12 @@ def test_a_clean_stops_checkpoint_is_read_once_and_only_for_its_geometry(tmp_pat
         store.get_many([("b", [memoryview(bytearray(VALUE))])])  # a, b now the most recent
     finally:
         store.close()
+    before = (tmp_path / "d" / "index").read_text().splitlines()[0]
     store = _chain_store(tmp_path / "d", 8)
     try:
         assert store.from_checkpoint and store.held() == ["x", "b", "a"]
-        assert not (tmp_path / "d" / "index").exists()  # taken: a crash now scans
+        assert (store.replayed, store.scanned) == (0, 0)
+        assert (tmp_path / "d" / "index").read_text().splitlines()[0] != before  # (its own)
         assert store.check() == []
     finally:
         store.close()
@@ -854,12 +859,91 @@ def test_a_clean_stops_checkpoint_is_read_once_and_only_for_its_geometry(tmp_pat
         assert not store.from_checkpoint and sorted(store.held()) == ["a", "b", "x"]
     finally:
         store.close()
-    (tmp_path / "d" / "index").write_text('{"magic": "hicache-disk-index/1"}\nnot json\n')
+    (tmp_path / "d" / "index").write_text('{"magic": "hicache-disk-index/2"}\nnot json\n')
     store = SlotStore([str(tmp_path / "d")], 16 * 8192, VALUE, budget_bytes_per_day=1 << 30)
     try:
         assert not store.from_checkpoint and sorted(store.held()) == ["a", "b", "x"]
     finally:
         store.close()
+
+
+def _crash(store: SlotStore) -> dict[str, bytes]:
+    """What a SIGKILL of ``store``'s process leaves in its folder (the files as they are: the
+    kernel's page cache outlives the process), put back after a clean close; returned."""
+    folder = Path(store.folders[0].path)
+    left = {f.name: f.read_bytes() for f in folder.iterdir() if f.name != "lock"}
+    store.close()
+    _put_back(folder, left)
+    return left
+
+
+def _put_back(folder: Path, files: dict[str, bytes]) -> None:
+    for f in folder.iterdir():
+        if f.name != "lock" and f.name not in files:
+            f.unlink()
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+
+
+def test_a_crash_finds_the_index_again_from_the_journal_without_a_scan(tmp_path):
+    """Writes, uses, evictions, a read back bad and removals after the checkpoint are
+    replayed in order: the index after a crash is the one the store had, its recency order
+    too, and nothing is scanned; each prefix of the journal is an index the store had (a line
+    cut short, and what follows, is not used); a journal that is missing or follows another
+    checkpoint is not trusted (the slots are scanned)."""
+    folder = tmp_path / "d"
+    store = _chain_store(folder, 6)
+    try:
+        assert _put_chain(store, ["a", "b", "c"]) == [True] * 3
+        assert _put_chain(store, ["x", "y"]) == [True] * 2
+        store.get_many([("b", [memoryview(bytearray(VALUE))])])  # a, b the most recent
+        assert _put_chain(store, ["p", "q"]) == [True] * 2  # (full: c evicted)
+        store.remove(["p"])  # (q with it)
+        assert _put_chain(store, ["m"]) == [True]
+        had = store.held()
+        assert had == ["y", "x", "b", "a", "m"] and store.check() == []
+        store.evict(1)  # (y: its own record, the journal's last)
+        assert store.held() == had[1:]
+        left = _crash(store)
+    except BaseException:
+        store.close()
+        raise
+    store = _chain_store(folder, 6)
+    try:
+        assert store.from_checkpoint and store.scanned == 0 and store.replayed > 5
+        assert store.held() == had[1:] and store.check() == []
+        assert _get_chain(store, "m") and _get_chain(store, "a")  # (verified against the slot)
+    finally:
+        store.close()
+    whole = left["journal"]
+    cut = whole[: whole.rindex(b"\n", 0, len(whole) - 1) + 5]  # (its last line cut short)
+    _put_back(folder, {**left, "journal": cut})
+    store = _chain_store(folder, 6)
+    try:
+        assert store.from_checkpoint and store.held() == had and store.check() == []
+    finally:
+        store.close()
+    _put_back(folder, {k: v for k, v in left.items() if k != "journal"})  # (no journal)
+    store = _chain_store(folder, 6)
+    try:
+        assert not store.from_checkpoint and store.scanned == 6
+        assert set(had) <= set(store.held()) and store.check() == []  # (and what was let go
+        # but not overwritten: a scan finds every slot whose header verifies)
+    finally:
+        store.close()
+    token = json.loads(left["journal"].split(b"\n", 1)[0])["checkpoint"].encode()
+    other = left["journal"].replace(token, b"0" * len(token), 1)
+    _put_back(folder, {**left, "journal": other})  # (after another checkpoint)
+    store = _chain_store(folder, 6)
+    try:
+        assert not store.from_checkpoint
+    finally:
+        store.close()
+
+
+def _get_chain(store: SlotStore, key: str) -> bool:
+    got = store.get_many([(key, [memoryview(bytearray(VALUE))])])[0]
+    return got == TAIL
 
 
 def test_what_a_damaged_folder_holds_is_refused_or_ignored_never_trusted(tmp_path):

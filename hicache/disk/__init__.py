@@ -7,9 +7,10 @@ node's drives, found again after a restart or a crash.
   the positional I/O, with a fault hook for tests;
 - ``budget.py``: ``WriteBudget``, bytes written in any 24 hours, never exceeded (across
   restarts);
-- ``checkpoint.py``: the index written at a clean close and read at the next open;
-- ``recovery.py``: what the slots hold at an open, from the checkpoint or a time-bounded
-  header scan, in order of use;
+- ``checkpoint.py``: the index, written at every open, clean close and flush;
+- ``journal.py``: every change to the index after its checkpoint (a crash loses none);
+- ``recovery.py``: what the slots hold at an open, from the checkpoint and its journal or a
+  time-bounded header scan, in order of use;
 - ``store.py``: ``SlotStore``, values by key: a page only with its prefix, least recently used
   eviction leaves first, failures as misses or refused writes, figures.
 

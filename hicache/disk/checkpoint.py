@@ -1,10 +1,12 @@
-"""The slot index's checkpoint: a clean close writes what the store holds (per value: its slot,
-write sequence, key and chain parent, least recently used first) to the first folder's
-``index``; the next open reads it instead of scanning every slot's header, and removes it
-before anything else happens, so a crash afterwards, which the checkpoint would not describe,
-falls back to the scan. A checkpoint for another geometry (slots, slot size, folders), or one
-that does not parse, is ignored (the scan runs), never trusted in part. Values read through a
-checkpointed index are still checked against their slot's header on every read.
+"""The slot index's checkpoint: what the store holds (per value: its slot, write sequence, key
+and chain parent, least recently used first) in the first folder's ``index``, under a token
+that its journal (``journal.py``) names. The store writes one at every open, clean close and
+flush, and when its journal grew past its bound; the next open reads it and replays the
+journal after it instead of scanning every slot's header. A checkpoint for another geometry
+(slots, slot size, folders), one that does not parse, or one whose journal is missing or
+follows another checkpoint, is ignored (the slots are scanned), never trusted in part. Values
+read through a checkpointed index are still checked against their slot's header on every
+read.
 """
 
 from __future__ import annotations
@@ -20,27 +22,30 @@ from hicache.disk.folder import MAX_FLOOR, replace_file
 log = logging.getLogger("hicache.disk")
 
 NAME = "index"
-MAGIC = "hicache-disk-index/1"
+MAGIC = "hicache-disk-index/2"  # (/1: removed at open, no journal)
 ENTRY_MAX = 2 * 1024 + 64  # bytes of one entry's line at most (two keys of MAX_KEY, numbers)
 
 Entry = tuple[int, int, str, str | None]  # (slot, seq, key, parent)
 
 
-def write(folder: str, geometry: dict[str, Any], entries: Iterable[Entry]) -> None:
-    """Write the checkpoint (replaced atomically, synced). OSError."""
+def write(folder: str, geometry: dict[str, Any], entries: Iterable[Entry], token: str) -> int:
+    """Write the checkpoint under ``token`` (replaced atomically, synced); its bytes. OSError."""
+    size = 0
 
     def fill(fd: int) -> None:
+        nonlocal size
         with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as fh:
-            fh.write(json.dumps({"magic": MAGIC, **geometry}) + "\n")
+            size += fh.write(json.dumps({"magic": MAGIC, "journal": token, **geometry}) + "\n")
             for entry in entries:
-                fh.write(json.dumps(entry) + "\n")
+                size += fh.write(json.dumps(entry) + "\n")
 
     replace_file(folder, NAME, fill)
+    return size
 
 
-def take(folder: str, geometry: dict[str, Any], slots: int) -> list[Entry] | None:
-    """The checkpoint's entries, removed from the folder first; None where there is none, it
-    cannot be removed, or it does not describe ``geometry`` exactly (logged)."""
+def read(folder: str, geometry: dict[str, Any], slots: int) -> tuple[list[Entry], str] | None:
+    """The checkpoint's entries and token; None where there is none, it cannot be read, or it
+    does not describe ``geometry`` exactly (logged)."""
     path = os.path.join(folder, NAME)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -53,7 +58,6 @@ def take(folder: str, geometry: dict[str, Any], slots: int) -> list[Entry] | Non
         with os.fdopen(fd, "r", encoding="utf-8") as fh:
             too_big = os.fstat(fh.fileno()).st_size > ENTRY_MAX * (slots + 1)
             lines = [] if too_big else fh.read().splitlines()
-        os.unlink(path)  # (before it is used: a crash from here on is not what it describes)
     except (OSError, UnicodeDecodeError) as exc:
         log.warning("disk: %s unusable (%s): the slots are scanned", path, exc)
         return None
@@ -63,8 +67,10 @@ def take(folder: str, geometry: dict[str, Any], slots: int) -> list[Entry] | Non
         return None
     try:
         head = json.loads(lines[0]) if lines else None
-        if head != {"magic": MAGIC, **geometry}:
-            log.warning("disk: %s is for another geometry: the slots are scanned", path)
+        token = head.pop("journal", None) if isinstance(head, dict) else None
+        if head != {"magic": MAGIC, **geometry} or not isinstance(token, str):
+            log.warning("disk: %s is for another geometry or version: the slots are scanned",
+                        path)  # fmt: skip
             return None
         entries = [_entry(json.loads(line), slots) for line in lines[1:]]
     except (ValueError, TypeError) as exc:
@@ -77,7 +83,7 @@ def take(folder: str, geometry: dict[str, Any], slots: int) -> list[Entry] | Non
     if any(e[3] is not None and at.get(e[3], n + 1) <= n for n, e in enumerate(entries)):
         log.warning("disk: %s lists a parent before its child: the slots are scanned", path)
         return None  # (so a cycle is refused too)
-    return entries
+    return entries, token
 
 
 def _entry(item: Any, slots: int) -> Entry:

@@ -1,15 +1,16 @@
 """recover: what a disk tier's slots hold when it opens, and in which order of use.
 
-From the last clean close's checkpoint (``checkpoint.py``: the index as it was, in its order of
-use), or else from a scan of the slots' headers until ``scan_s`` is spent (the slots not read
-in time are free). Either way a slot written at or below the folders' ``floor`` (a flush) is
+From the checkpoint (``checkpoint.py``: the index as it was, in its order of use) and the
+journal of every change after it (``journal.py``), or else, where either is missing or does
+not fit, from a scan of the slots' headers until ``scan_s`` is spent (the slots not read in
+time are free). Either way a slot written at or below the folders' ``floor`` (a flush) is
 free, and a key claimed by two slots keeps the newer. A scan has no order of use: a key counts
 as recent as the newest write under it (its own or a descendant's), so that every parent comes
 after its children, as ``SlotStore`` keeps them.
 
-Reads the files; changes nothing on the drive but the checkpoint, which it removes (a crash
-after this start scans). The caller (``SlotStore``) builds its index from the result and drops
-what is held without its prefix.
+Reads the files; changes nothing. The caller (``SlotStore``) builds its index from the result,
+replays the journal's records over it, drops what is held without its prefix, and writes a
+new checkpoint and journal before its first change.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.disk import checkpoint
+from hicache.disk import checkpoint, journal
 from hicache.disk.folder import Folder, read_floor
 from hicache.disk.slots import SlotFiles
 
@@ -34,7 +35,9 @@ class Recovered:
     seq: int = 0  # the newest write sequence seen (the next write comes after it)
     scanned: int = 0  # slots whose headers were read (0: from the checkpoint)
     read_errors: int = 0  # headers the drive failed to read (their slots: free)
-    from_checkpoint: bool = False
+    from_checkpoint: bool = False  # (and its journal)
+    records: list[journal.Record] = field(default_factory=list)  # the journal's, to replay
+    # over ``held`` (writes at or below the floor left out)
 
 
 def recover(
@@ -44,9 +47,21 @@ def recover(
     started = time.monotonic()
     floor = max(read_floor(f.path) for f in folders)  # (slots at or below: flushed)
     out = Recovered(seq=floor)
-    entries = checkpoint.take(folders[0].path, geometry, files.count)
-    if entries is not None:
+    found_checkpoint = checkpoint.read(folders[0].path, geometry, files.count)
+    records = None
+    if found_checkpoint is not None:
+        records = journal.read(folders[0].path, found_checkpoint[1], files.count)
+        if records is None:
+            log.warning("disk: the checkpoint has no journal after it: the slots are scanned")
+    if found_checkpoint is not None and records is not None:
+        entries = found_checkpoint[0]
         out.from_checkpoint = True
+        for record in records:
+            if record[0] == "w":
+                out.seq = max(out.seq, record[2])
+                if record[2] <= floor:
+                    continue  # (flushed since)
+            out.records.append(record)
         taken = set()
         for slot, seq, key, parent in entries:  # (least recent first, as closed)
             out.seq = max(out.seq, seq)

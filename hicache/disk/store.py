@@ -1,10 +1,12 @@
 """SlotStore: whole values under string keys in a disk tier's slots, kept across restarts.
 
 Open: each folder is made private or checked and locked (``folder.py``), its data file
-preallocated to its share of ``capacity_bytes``; then the index is read from the last clean
-close's checkpoint (``checkpoint.py``), or else the slots' headers are scanned, within
+preallocated to its share of ``capacity_bytes``; then the index is read from its checkpoint
+and the journal of every change after it (``checkpoint.py``, ``journal.py``: a clean close,
+a SIGKILL or any crash of the process alike), or else the slots' headers are scanned, within
 ``scan_s``, to find what the files hold (a slot not scanned in time, or whose header does not
-verify, is free). A key claimed by two slots keeps the newer. What follows:
+verify, is free). A key claimed by two slots keeps the newer. A new checkpoint and an empty
+journal are written before the first change. What follows:
 
 - ``put``: a value goes to a free slot, or to the least recently used one's (a full tier
   evicts; it never refuses a write an eviction serves); a key already held is not written
@@ -24,7 +26,10 @@ verify, is free). A key claimed by two slots keeps the newer. What follows:
 - Durability: a value is on the drive once ``put`` returns (direct I/O) and survives a crash
   of the process; against a power loss, once ``sync`` ran (``sync_s`` after the first unsynced
   write: at the next put or ``tick``, which the owner calls when idle, and at ``close``): what
-  a power loss can lose is about the last ``sync_s`` of writes, seen as misses.
+  a power loss can lose is about the last ``sync_s`` of writes, seen as misses. Every call
+  that changes the index appends its changes to the journal as it ends (a line the drive lost
+  is at worst a miss: reads verify); a journal past ``journal.MAX_BYTES`` (or twice the
+  checkpoint) is folded into a new checkpoint at the next ``tick``.
   Each sync also saves the write budget's record in the first folder, so a restart counts
   what the folder wrote in the last day (a crash forgets the writes since the last sync).
 
@@ -36,17 +41,19 @@ fields and may be called from another.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
 import os
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from hicache.disk import checkpoint
+from hicache.disk import checkpoint, journal
 from hicache.disk.budget import WriteBudget
 from hicache.disk.folder import (
     ALIGN,
@@ -68,6 +75,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 DATA_NAME = "slots.dat"
 BUDGET_NAME = "budget"  # the write budget's record, in the first folder
+CHECKPOINT_RETRY_S = 60.0  # a checkpoint or journal that failed is tried again this often
 CLEAR_GAP = 1 << 32  # a clear's floor is this far above the last write's sequence
 
 
@@ -154,6 +162,10 @@ class SlotStore:
         self._dropped: list[str] | None = None  # keys let go since take_dropped() (tracked)
         self._seq = 0
         self._dirty_since: float | None = None
+        self._journal: journal.Journal | None = None  # (None: not written; the next open
+        # then scans, or replays a stale journal: reads verify)
+        self._checkpoint_bytes = 0  # the last checkpoint's size
+        self._checkpoint_failed_at = 0.0  # (monotonic) when writing one last failed
         # figures (read by other threads)
         self.hits = self.misses = 0
         self.written = self.written_bytes = self.read_bytes = 0
@@ -164,6 +176,7 @@ class SlotStore:
         self.refused_no_room = 0  # puts refused: only the batch's own prefixes to evict
         self.cleared = 0  # values forgotten by clear (an operator's flush)
         self.scanned = self.recovered = 0
+        self.replayed = 0  # journal records replayed over the checkpoint at the open
         self.scan_seconds = 0.0
         self.from_checkpoint = False  # the index came from the last clean close's checkpoint
         self._geometry = {
@@ -186,7 +199,36 @@ class SlotStore:
         self._seq = found.seq
         self.scanned, self.from_checkpoint = found.scanned, found.from_checkpoint
         self.read_errors += found.read_errors
+        self._replay(found.records)
         self._settle_recovered(started)
+        self._new_checkpoint()
+
+    def _replay(self, records: list[journal.Record]) -> None:
+        """The journal's changes over the checkpoint's index, as the store made them, up to
+        one that does not fit it (a slot held by another key, a key held already): the rest
+        is not used. The free slots are those held by nothing after."""
+        by_slot = {slot: key for key, slot in self._index.items()}
+        done = 0
+        for record in records:
+            if record[0] == "w":
+                _, slot, seq, key, parent = record
+                if key in self._index or by_slot.get(slot) in self._index:
+                    log.warning("disk: the journal's record %d does not fit the index: the "
+                                "rest is not used", done + 1)  # fmt: skip
+                    break
+                self._index[key] = slot
+                by_slot[slot] = key
+                self._link(key, parent)
+                self._seq = max(self._seq, seq)
+            elif record[0] == "d":
+                self._drop(record[1])
+            else:
+                self._touch(record[1])
+            done += 1
+        self.replayed = done
+        if records:
+            taken = set(self._index.values())
+            self._free = [s for s in range(self.files.count) if s not in taken]
 
     def _settle_recovered(self, started: float) -> None:
         """What was found, held only with its prefix; the figures of the start."""
@@ -276,6 +318,8 @@ class SlotStore:
             if error is None and (header.parent is None or header.parent in self._index):
                 self._index[header.key] = slot
                 self._link(header.key, header.parent)
+                if self._journal is not None:
+                    self._journal.add(("w", slot, header.seq, header.key, header.parent))
                 written.append(header.key)
                 self.written += 1
                 self.written_bytes += self.files.slot_bytes
@@ -296,6 +340,7 @@ class SlotStore:
         for i, (key, _, _) in enumerate(items):  # (a duplicate is held if its first is)
             if key in taking and not out[i]:
                 out[i] = key in self._index
+        self._flush_journal()
         if jobs:
             self._maybe_sync()
         return out
@@ -338,6 +383,7 @@ class SlotStore:
                 self.read_bytes += self.files.slot_bytes
         self._touch([key for (key, _), got in zip(items, out, strict=True) if got is not None])
         self.misses += sum(1 for got in out if got is None)
+        self._flush_journal()
         return out
 
     def remove(self, keys: Sequence[str]) -> None:
@@ -345,6 +391,7 @@ class SlotStore:
         overwritten when reused)."""
         for key in keys:
             self._drop(key)
+        self._flush_journal()
 
     def evict(self, count: int) -> int:
         """Free the ``count`` least recently used values; how many were freed."""
@@ -354,9 +401,12 @@ class SlotStore:
             self._unlink(key)
             if self._dropped is not None:
                 self._dropped.append(key)
+            if self._journal is not None:
+                self._journal.add(("d", key))
             self._free.append(slot)
             done += 1
         self.evicted += done
+        self._flush_journal()
         return done
 
     def track_drops(self) -> None:
@@ -425,6 +475,7 @@ class SlotStore:
         self._parent.clear()
         self._kids.clear()
         self.cleared += held
+        self._new_checkpoint()  # (empty: the journal before it described what is gone)
         return held
 
     def tick(self) -> None:
@@ -432,12 +483,19 @@ class SlotStore:
         tier's IO thread does): a sync due ``sync_s`` after the first unsynced write."""
         if self._dirty_since is not None and time.monotonic() - self._dirty_since >= self.sync_s:
             self.sync()
+        if self._journal is not None:
+            if self._journal.bytes >= max(journal.MAX_BYTES, 2 * self._checkpoint_bytes):
+                self._new_checkpoint()
+        elif time.monotonic() - self._checkpoint_failed_at >= CHECKPOINT_RETRY_S:
+            self._new_checkpoint()  # (the journal failed: tried again)
 
     def sync(self) -> None:
         """Make every write so far durable against a power loss (fdatasync), and save the
         write budget's record (what a later process counts)."""
         try:
             self.files.sync()
+            if self._journal is not None:
+                self._journal.sync()
             write_note(self.folders[0].path, BUDGET_NAME, self.budget.dump())
         except OSError as exc:
             log.warning("disk: fdatasync failed (%s)", str(exc))
@@ -471,6 +529,7 @@ class SlotStore:
             "disk_recovered_values": self.recovered,
             "disk_scan_seconds": round(self.scan_seconds, 3),
             "disk_from_checkpoint": self.from_checkpoint,
+            "disk_replayed_records": self.replayed,
         }
 
     def close(self) -> None:
@@ -479,13 +538,9 @@ class SlotStore:
             return
         self.sync()
         self._pool.shutdown(wait=True)
-        try:  # (the next open reads it instead of every header)
-            index, parent = self._index, self._parent
-            entries = ((slot, self._seq, key, parent[key]) for key, slot in index.items())
-            checkpoint.write(self.folders[0].path, self._geometry, entries)
-        except OSError as exc:
-            log.warning("disk: the index's checkpoint was not written (%s): the next start "
-                        "scans the slots", exc)  # fmt: skip
+        self._new_checkpoint()  # (the next open replays nothing)
+        if self._journal is not None:
+            self._journal.close()
         for fd in self.files.fds:
             os.close(fd)
         self.files.close()
@@ -525,6 +580,8 @@ class SlotStore:
         its children (the invariant that makes the least recent value a leaf); what moved."""
         moved: set[str] = set()
         index, parent_of = self._index, self._parent
+        if self._journal is not None and keys:
+            self._journal.add(("t", list(keys)))
         for key in reversed(keys):
             if key in moved:
                 continue  # (its prefixes moved after it already)
@@ -562,7 +619,46 @@ class SlotStore:
             self._unlink(at)
             if self._dropped is not None:
                 self._dropped.append(at)
+            if self._journal is not None:
+                self._journal.add(("d", at))
             self._free.append(slot)
+
+    def _new_checkpoint(self) -> None:
+        """Write the index as a checkpoint under a new token, then an empty journal after it
+        (the next open reads these instead of the headers). Failing (logged), the journal is
+        removed so that the next open scans, and journaling stops until a ``tick`` succeeds."""
+        folder = self.folders[0].path
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+        token = secrets.token_hex(8)
+        try:
+            index, parent = self._index, self._parent
+            entries = ((slot, self._seq, key, parent[key]) for key, slot in index.items())
+            self._checkpoint_bytes = checkpoint.write(folder, self._geometry, entries, token)
+            self._journal = journal.Journal(folder, token)
+        except OSError as exc:
+            log.warning("disk: the index's checkpoint or journal was not written (%s): a "
+                        "start after a crash scans the slots", exc)  # fmt: skip
+            self._checkpoint_failed_at = time.monotonic()
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, journal.NAME))
+
+    def _flush_journal(self) -> None:
+        """Append the changes of the call ending to the journal (failing: see
+        ``_new_checkpoint``)."""
+        if self._journal is None:
+            return
+        try:
+            self._journal.flush()
+        except OSError as exc:
+            log.warning("disk: the journal could not be written (%s): a start after a crash "
+                        "scans the slots", exc)  # fmt: skip
+            self._journal.close()
+            self._journal = None
+            self._checkpoint_failed_at = time.monotonic()
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.folders[0].path, journal.NAME))
 
     def _maybe_sync(self) -> None:
         now = time.monotonic()

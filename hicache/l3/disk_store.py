@@ -36,7 +36,11 @@ class DiskStore(L3Store):
         paths, capacity, budget, scan_s = self._open
         self.slots = slots = SlotStore(paths, capacity, pages.page_bytes, budget, scan_s=scan_s)
         slots.track_drops()  # (the IO thread takes them after every job: dropped())
-        found = "the last clean stop's index" if slots.from_checkpoint else "a scan of the slots"
+        found = (
+            f"the checkpoint and {slots.replayed} journal records after it"
+            if slots.from_checkpoint
+            else f"a scan of {slots.scanned} slots"
+        )
         log.info(
             "disk %s: %d slots of %d bytes; %d pages found from %s in %.1f s",
             ",".join(paths), slots.files.count, slots.files.slot_bytes, slots.recovered, found,

@@ -203,8 +203,10 @@ DISK_FIGURES: tuple[Figure, ...] = (
           "recovered_pages"),
     _disk("scan_seconds", "gauge", "seconds", "time the start's scan of the disk took",
           "scan_seconds"),
-    Figure("store_disk_from_checkpoint", "info", "", "the disk's index came from the last clean "
-           "stop's checkpoint (false: from a scan of its slots)", "disk", always=False),
+    Figure("store_disk_from_checkpoint", "info", "", "the disk's index came from its checkpoint "
+           "and journal (false: from a scan of its slots)", "disk", always=False),
+    _disk("replayed_records", "gauge", "", "journal records replayed over the checkpoint at "
+          "start (changes since the last checkpoint: a crash's)", "replayed_records"),
 )  # fmt: skip
 
 # what the reply holds beside the figures: structures each reader renders its own way
