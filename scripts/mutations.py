@@ -1251,6 +1251,21 @@ MUTATIONS = [
             "tests/test_disk_store.py::test_a_crash_finds_the_index_again_from_the_journal_without_a_scan",
         ),
     ),
+    Mutation(
+        "the-disk-journal-is-never-folded",
+        "hicache/disk/store.py",
+        "            if self._journal.bytes >= max(journal.MAX_BYTES, 2 * self._checkpoint_bytes):",
+        "            if False:",
+        ("tests/test_disk_store.py", "-k", "journal_is_folded"),
+    ),
+    Mutation(
+        "a-disk-journal-that-failed-stays-to-be-replayed",
+        "hicache/disk/store.py",
+        "            with contextlib.suppress(OSError):\n"
+        "                os.unlink(os.path.join(self.folders[0].path, journal.NAME))\n",
+        "",
+        ("tests/test_disk_store.py", "-k", "journal_is_folded"),
+    ),
 ]
 
 

@@ -941,6 +941,68 @@ def test_a_crash_finds_the_index_again_from_the_journal_without_a_scan(tmp_path)
         store.close()
 
 
+def test_the_journal_is_folded_when_long_and_a_failing_one_means_a_scan(tmp_path, monkeypatch):
+    """A journal past its bound is folded into a new checkpoint at the next tick (a crash then
+    replays only what came after); one the drive fails to append to is removed (a crash then
+    scans, never replays a journal that misses changes) and started again a minute later."""
+    from hicache.disk import journal
+    from hicache.disk import store as store_module
+
+    folder = tmp_path / "d"
+    store = _chain_store(folder, 8)
+    try:
+        assert _put_chain(store, list("abcdef")) == [True] * 6
+        assert all(_get_chain(store, "f") for _ in range(30))  # (uses: the journal grows)
+        monkeypatch.setattr(journal, "MAX_BYTES", 64)
+        long = (folder / "journal").stat().st_size
+        assert long > 2 * (folder / "index").stat().st_size  # (and past MAX_BYTES)
+        store.tick()
+        assert (folder / "journal").stat().st_size < long  # (folded: the header alone)
+        assert _put_chain(store, ["x"]) == [True]
+        _crash(store)
+    except BaseException:
+        store.close()
+        raise
+    store = _chain_store(folder, 8)
+    try:
+        assert store.from_checkpoint and store.replayed == 3  # (x: a use, its write, a use)
+        assert store.held() == [*"fedcba", "x"] and store.check() == []
+
+        def fail(self) -> None:
+            raise OSError(5, "Input/output error")
+
+        with monkeypatch.context() as m:
+            m.setattr(journal.Journal, "flush", fail)
+            assert _put_chain(store, ["y"]) == [True]  # (written; its record is not)
+        assert not (folder / "journal").exists()
+        store.tick()  # (not a minute yet: still none)
+        assert not (folder / "journal").exists()
+        _crash(store)
+    except BaseException:
+        store.close()
+        raise
+    store = _chain_store(folder, 8)
+    try:
+        assert not store.from_checkpoint and sorted(store.held()) == [*"abcdef", "x", "y"]
+        monkeypatch.setattr(journal.Journal, "flush", fail)
+        assert _put_chain(store, ["z"]) == [True]
+        monkeypatch.undo()
+        monkeypatch.setattr(store_module, "CHECKPOINT_RETRY_S", 0.0)
+        store.tick()  # (tried again: journaling resumes)
+        assert (folder / "journal").exists()
+        assert _put_chain(store, ["w"]) == [True]
+        had = store.held()
+        _crash(store)
+    except BaseException:
+        store.close()
+        raise
+    store = _chain_store(folder, 8)
+    try:
+        assert store.from_checkpoint and store.held() == had
+    finally:
+        store.close()
+
+
 def _get_chain(store: SlotStore, key: str) -> bool:
     got = store.get_many([(key, [memoryview(bytearray(VALUE))])])[0]
     return got == TAIL
