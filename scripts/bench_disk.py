@@ -2,7 +2,13 @@
 in one run.
 
     .venv/bin/python -m scripts.bench_disk [--part raw|e2e|both] [--dir DIR] [--mib 512]
-        [--pages-kib 256,1024] [--seed 11]
+        [--pages-kib 256,1024] [--seed 11] [--restart-slots 65536]
+
+``--part restart``: a daemon's store killed with SIGKILL after writing ``--restart-slots``
+pages (4 KiB each: a start's cost is per slot, not per byte), then opened again from its
+checkpoint and journal, and again with the journal removed (a scan of every slot's header),
+the page cache dropped before each (where this user may: root); prints the seconds of each
+and their ratio.
 
 ``--part e2e`` (``disk_e2e.py``): a real transformer through the daemon on traces 4x its host
 pool, host only against the disk (admission ``all`` and ``reused``) and the unbounded cache,
@@ -124,16 +130,100 @@ def store_run(folder: Path, page_bytes: int, total: int) -> tuple[float, float, 
     return wrote, read, plain, slot
 
 
+_KILLED_WRITER = """
+import sys
+from hicache.disk import SlotStore
+folder, count = sys.argv[1], int(sys.argv[2])
+store = SlotStore([folder], count * 8192, 4096, budget_bytes_per_day=1 << 50)
+value, tail = [memoryview(bytes(4096))], bytes(16)
+for at in range(0, count, 128):
+    keys = [f"k{i}" for i in range(at, min(count, at + 128))]
+    assert all(store.put_many([(k, value, tail) for k in keys], [None] * len(keys)))
+print("written", flush=True)
+sys.stdin.read()  # (killed here)
+"""
+
+
+def _drop_caches() -> bool:
+    """Drop the page cache (root only); whether it was."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3")
+    except OSError:
+        return False
+    return True
+
+
+def restart_run(where: Path | None, count: int) -> dict[str, object]:
+    """A store of ``count`` 4 KiB pages killed after its writes, opened from its journal, then
+    by a scan (the journal removed); seconds of each (see the module's docstring)."""
+    import signal
+    import sys
+
+    base = Path(tempfile.mkdtemp(prefix="hicache-bench-restart-", dir=where))
+    folder = base / "d"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_WRITER, str(folder), str(count)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "written"
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+        opens = {}
+        dropped = True
+        for how in ("journal", "scan"):
+            if how == "scan":
+                (folder / "journal").unlink()
+            dropped = _drop_caches() and dropped
+            start = time.perf_counter()
+            store = SlotStore([str(folder)], count * 8192, 4096, budget_bytes_per_day=1 << 50,
+                              scan_s=600.0)  # fmt: skip
+            seconds = time.perf_counter() - start
+            try:
+                assert store.recovered == count, (how, store.recovered)
+                assert store.from_checkpoint == (how == "journal")
+                opens[how] = (seconds, store.replayed, store.scanned)
+            finally:
+                store.close()
+        (j, replayed, _), (sc, _, scanned) = opens["journal"], opens["scan"]
+        print(
+            f"restart after SIGKILL, {count} pages of 4 KiB: from the checkpoint and journal "
+            f"({replayed} records) {j:.2f} s, by a scan of {scanned} headers {sc:.2f} s "
+            f"(scan / journal {sc / j:.1f}x; page cache dropped: {dropped})",
+            flush=True,
+        )
+        return {
+            "pages": count,
+            "journal_s": round(j, 3),
+            "journal_records": replayed,
+            "scan_s": round(sc, 3),
+            "scan_vs_journal": round(sc / j, 2),
+            "page_cache_dropped": dropped,
+        }
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", type=Path, default=None, help="where (default: the temp folder)")
     ap.add_argument("--mib", type=int, default=512, help="MiB written and read per page size")
     ap.add_argument("--pages-kib", default="256,1024", help="page sizes, KiB, comma-separated")
-    ap.add_argument("--part", choices=("raw", "e2e", "both"), default="raw")
+    ap.add_argument("--part", choices=("raw", "e2e", "both", "restart"), default="raw")
+    ap.add_argument("--restart-slots", type=int, default=65536, help="restart: pages written")
     ap.add_argument("--rounds", type=int, default=5, help="raw: store and fio runs, paired")
     ap.add_argument("--seed", type=int, default=11, help="the e2e traces' seed")
     args = ap.parse_args()
     out: dict[str, object] = {}
+    if args.part == "restart":
+        out["restart"] = restart_run(args.dir, args.restart_slots)
+        print(json.dumps(out))
+        return
     if args.part in ("e2e", "both"):
         from scripts import disk_e2e
 
