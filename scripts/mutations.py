@@ -1254,8 +1254,8 @@ MUTATIONS = [
     Mutation(
         "the-disk-journal-is-never-folded",
         "hicache/disk/store.py",
-        "            if self._journal.bytes >= max(journal.MAX_BYTES, 2 * self._checkpoint_bytes):",
-        "            if False:",
+        "        if self._journal.bytes >= max(journal.MAX_BYTES, 2 * self._checkpoint_bytes):",
+        "        if False:",
         ("tests/test_disk_store.py", "-k", "journal_is_folded"),
     ),
     Mutation(

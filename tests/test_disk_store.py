@@ -942,9 +942,10 @@ def test_a_crash_finds_the_index_again_from_the_journal_without_a_scan(tmp_path)
 
 
 def test_the_journal_is_folded_when_long_and_a_failing_one_means_a_scan(tmp_path, monkeypatch):
-    """A journal past its bound is folded into a new checkpoint at the next tick (a crash then
-    replays only what came after); one the drive fails to append to is removed (a crash then
-    scans, never replays a journal that misses changes) and started again a minute later."""
+    """A journal past its bound is folded into a new checkpoint (as the call that passed it
+    ends, or at the next tick; a crash then replays only what came after); one the drive fails
+    to append to is removed (a crash then scans, never replays a journal that misses changes)
+    and started again a minute later."""
     from hicache.disk import journal
     from hicache.disk import store as store_module
 

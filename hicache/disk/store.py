@@ -29,7 +29,7 @@ journal are written before the first change. What follows:
   a power loss can lose is about the last ``sync_s`` of writes, seen as misses. Every call
   that changes the index appends its changes to the journal as it ends (a line the drive lost
   is at worst a miss: reads verify); a journal past ``journal.MAX_BYTES`` (or twice the
-  checkpoint) is folded into a new checkpoint at the next ``tick``.
+  checkpoint) is folded into a new checkpoint as the call that passed it ends.
   Each sync also saves the write budget's record in the first folder, so a restart counts
   what the folder wrote in the last day (a crash forgets the writes since the last sync).
 
@@ -480,12 +480,13 @@ class SlotStore:
 
     def tick(self) -> None:
         """Housekeeping the owner calls when idle, at least every second or so (the third
-        tier's IO thread does): a sync due ``sync_s`` after the first unsynced write."""
+        tier's IO thread does): a sync due ``sync_s`` after the first unsynced write; a journal
+        past its bound folded into a new checkpoint; one that failed started again (at most
+        once a ``CHECKPOINT_RETRY_S``)."""
         if self._dirty_since is not None and time.monotonic() - self._dirty_since >= self.sync_s:
             self.sync()
         if self._journal is not None:
-            if self._journal.bytes >= max(journal.MAX_BYTES, 2 * self._checkpoint_bytes):
-                self._new_checkpoint()
+            self._fold_if_long()
         elif time.monotonic() - self._checkpoint_failed_at >= CHECKPOINT_RETRY_S:
             self._new_checkpoint()  # (the journal failed: tried again)
 
@@ -644,6 +645,13 @@ class SlotStore:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, journal.NAME))
 
+    def _fold_if_long(self) -> None:
+        """A new checkpoint once the journal passed ``journal.MAX_BYTES`` and twice the last
+        checkpoint (the next open's replay stays short; the checkpoint's cost is amortized)."""
+        assert self._journal is not None
+        if self._journal.bytes >= max(journal.MAX_BYTES, 2 * self._checkpoint_bytes):
+            self._new_checkpoint()
+
     def _flush_journal(self) -> None:
         """Append the changes of the call ending to the journal (failing: see
         ``_new_checkpoint``)."""
@@ -651,6 +659,7 @@ class SlotStore:
             return
         try:
             self._journal.flush()
+            self._fold_if_long()  # (a store never idle folds it too)
         except OSError as exc:
             log.warning("disk: the journal could not be written (%s): a start after a crash "
                         "scans the slots", exc)  # fmt: skip
