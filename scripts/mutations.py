@@ -390,7 +390,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a-disk-flush-on-a-daemon-without-a-disk-flushes-the-pools",
-        "daemon/requests/handlers.py",
+        "daemon/requests/admin_ops.py",
         "        if req.disk and (l3 is None or not l3.store.clears):",
         "        if False:",
         ("tests/test_l3_daemons.py", "-k", "flush_of_the_disk"),
@@ -1135,7 +1135,7 @@ MUTATIONS = [
     ),
     Mutation(
         "disk-evict-rounds-its-tokens-down",
-        "daemon/requests/handlers.py",
+        "daemon/requests/admin_ops.py",
         "evict=-(-req.disk_tokens // page_size))",
         "evict=req.disk_tokens // page_size)",
         (

@@ -1,6 +1,6 @@
 """Request handling: decode a request, act on the cache for a session, encode the reply (Handlers,
-the cache operations, what the transport tells them, the third tier's waits, the engine tier,
-the figures engines report, the capacity feed, request latency).
+the cache operations, the operator's (evict, flush), what the transport tells them, the third
+tier's waits, the engine tier, the figures engines report, the capacity feed, request latency).
 
 Names are imported on first use; nothing outside this package imports its modules.
 """

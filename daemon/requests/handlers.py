@@ -23,6 +23,7 @@ import numpy as np
 
 from hicache import __version__
 from hicache.cache import HiRadixCache
+from hicache.daemon.requests.admin_ops import AdminOps
 from hicache.daemon.requests.cache_ops import CacheOps
 from hicache.daemon.requests.capacity_feed import CapacityFeed
 from hicache.daemon.requests.context import NO_CALL, Call, Transport
@@ -50,9 +51,6 @@ from hicache.protocol import (
     MAX_MATCH_TOKENS,
     PROTOCOL_VERSION,
     ErrorCode,
-    EvictRequest,
-    FlushRequest,
-    FreedReply,
     HeartbeatReply,
     HelloReply,
     HelloRequest,
@@ -81,8 +79,6 @@ ADMIN_OPS = {Op.EVICT, Op.FLUSH}
 NO_CACHE_OPS = NO_SESSION_OPS | {Op.HEARTBEAT, Op.GOODBYE, Op.REGISTER, Op.HOLDINGS}
 MAX_SESSION_LIST = 1000  # sessions listed by stats (the count is always exact)
 CHEAP_SESSION_LIST = 64  # a stats report listing no more live sessions is no view (no budget)
-DISK_EVICT_WAIT_S = 1.0  # an eviction of the disk waits this long for the store call running
-DISK_FLUSH_WAIT_S = 10.0  # a flush of the disk waits this long for the store call running
 PROCESS_CHECK_S = 1.0  # how often housekeeping looks whether sessions' engine processes live
 
 
@@ -136,8 +132,6 @@ class Handlers:
             Op.HELLO: self.hello,
             Op.HEARTBEAT: self.heartbeat,
             Op.CAPACITY: self.capacity_report,
-            Op.EVICT: self.evict,
-            Op.FLUSH: self.flush,
             Op.STATS: self.stats,
             Op.TREE: self.tree,
             Op.PING: self.ping,
@@ -145,6 +139,7 @@ class Handlers:
             Op.REGISTER: self.register,
         }
         self.ops: CacheOps | None = None  # the sessions' cache operations (once there is one)
+        self.admin: AdminOps | None = None  # the operator's (evict, flush), likewise
         if cache is not None:
             self._compose_ops()
 
@@ -156,6 +151,8 @@ class Handlers:
             self.cache, self.limits, self.capacity, self.sessions, self.transport.others_waiting
         )
         self.table.update(self.ops.table())
+        self.admin = AdminOps(self.cache, self.tiers)
+        self.table.update(self.admin.table())
 
     # ---- transport-facing -------------------------------------------------------------------
     def handle(
@@ -412,81 +409,6 @@ class Handlers:
         return RegisterReply(layout.as_dict(), info["config"], info["pools"]).fields(), []
 
     # ---- maintenance (admin) ----
-    def _settle(self) -> None:
-        """Wait for in-flight copies and process their acks (admin ops act on settled data)."""
-        assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
-        self.cache.settle()
-        self.cache.poll()
-
-    def evict(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
-        """Evict unlocked tokens from the tiers named as reported (tier_names.py), and with
-        ``disk_tokens`` the disk's least recently used pages (its IO thread does it, ahead of
-        its queue; this waits up to DISK_EVICT_WAIT_S for it, the whole daemon with it: then
-        ``disk_freed`` is -1 and it happens once the store call running ends)."""
-        asked = EvictRequest.read(fields)  # (checked as the operator named the tiers)
-        if self.tiers.engine and asked.device_tokens:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                "this daemon has no device tier (the engines keep theirs): host_tokens evicts "
-                "from its pool",
-            )
-        assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
-        l3, page_size = self.cache.l3, self.cache.page_size
-        if asked.disk_tokens and (l3 is None or not l3.store.clears):
-            raise ProtocolError(ErrorCode.BAD_FIELD, "disk_tokens: this daemon has no disk tier")
-        req = EvictRequest(**self.tiers.request(asked._asdict(), EvictRequest._fields))
-        disk = None
-        if req.disk_tokens:
-            assert l3 is not None
-            job = l3.clear_store(DISK_EVICT_WAIT_S, evict=-(-req.disk_tokens // page_size))
-            if job.error:
-                raise ProtocolError(ErrorCode.INTERNAL, f"disk: the eviction failed: {job.error}")
-            disk = job.cleared * page_size if job.done.is_set() else -1
-        freed = self._evict_device(req.device_tokens) if req.device_tokens else 0
-        freed_host = self.cache.evict_host(req.host_tokens) if req.host_tokens else 0
-        return self.tiers.fields(FreedReply(freed, freed_host, disk).fields()), []
-
-    def _evict_device(self, tokens: int, to_l3: bool = True) -> int:
-        """Evict and settle until ``tokens`` are freed or nothing moves. Backups started by the
-        eviction free their pages only at the ack, and only then do parents become leaves.
-        ``to_l3=False`` (a flush): nothing is written back to a third tier."""
-        self._settle()
-        assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
-        freed = 0
-        while freed < tokens:
-            result = self.cache.evict(tokens - freed, to_l3)
-            self._settle()
-            freed += result.freed + result.pending
-            if not result.freed and not result.pending:
-                return freed
-        return freed
-
-    def flush(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
-        """Evict every unlocked token from both tiers (locked data stays); with ``disk``, the
-        disk tier forgets everything too (its IO thread does it, ahead of its queue; this
-        waits up to DISK_FLUSH_WAIT_S for it)."""
-        req = FlushRequest.read(fields)
-        assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
-        l3 = self.cache.l3
-        if req.disk and (l3 is None or not l3.store.clears):
-            raise ProtocolError(ErrorCode.BAD_FIELD, "disk: this daemon has no disk tier")
-        disk = None
-        if req.disk:  # (first: a disk that fails its flush leaves the pools as they were)
-            assert l3 is not None
-            job = l3.clear_store(DISK_FLUSH_WAIT_S)
-            if job.error:
-                raise ProtocolError(ErrorCode.INTERNAL, f"disk: the flush failed: {job.error}")
-            disk = job.cleared * self.cache.page_size if job.done.is_set() else -1
-        freed = self._evict_device(self.cache.config.device_tokens, to_l3=False)
-        freed_host = self.cache.evict_host(self.cache.config.host_capacity_tokens, to_l3=False)
-        if self.cache.events is not None:
-            self.cache.events.flushed()
-        if disk is not None and disk >= 0:  # (writes the pools' flush queued: gone too)
-            assert l3 is not None
-            again = l3.clear_store(DISK_FLUSH_WAIT_S)
-            disk += again.cleared * self.cache.page_size if again.done.is_set() else 0
-        return self.tiers.fields(FreedReply(freed, freed_host, disk).fields()), []
-
     def stats(self, session: Session | None, fields: dict, frames: Frames, call: Call) -> Result:
         """The daemon's figures, every session listed (up to MAX_SESSION_LIST), and with
         ``check`` its integrity check: within the view budget (``_whole_cache_view``) when it
