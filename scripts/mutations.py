@@ -433,8 +433,8 @@ MUTATIONS = [
     Mutation(
         "a-disk-checkpoint-without-its-journal-is-trusted",
         "hicache/disk/recovery.py",
-        "        records = journal.read(folders[0].path, found_checkpoint[1], files.count)\n",
-        "        records = journal.read(folders[0].path, found_checkpoint[1], files.count) or []\n",
+        "        records = journal.read(folders[0].path, token, files.count, size)\n",
+        "        records = journal.read(folders[0].path, token, files.count, size) or []\n",
         ("tests/test_disk_store.py", "-k", "crash_finds_the_index"),
     ),
     Mutation(
@@ -1265,6 +1265,55 @@ MUTATIONS = [
         "                os.unlink(os.path.join(self.folders[0].path, journal.NAME))\n",
         "",
         ("tests/test_disk_store.py", "-k", "journal_is_folded"),
+    ),
+    Mutation(
+        "replay-takes-a-slot-for-the-key-last-written-there",
+        "hicache/disk/store.py",
+        "                    or (holder is not None and self._index.get(holder) == slot)\n",
+        "                    or holder in self._index\n",
+        ("tests/test_disk_store.py", "-k", "every_prefix_of_a_journal"),
+    ),
+    Mutation(
+        "replay-takes-a-write-whose-parent-is-not-held",
+        "hicache/disk/store.py",
+        "                    or (parent is not None and parent not in self._index)\n",
+        "",
+        ("tests/test_disk_store.py", "-k", "damaged_or_planted"),
+    ),
+    Mutation(
+        "a-replayed-write-is-no-use-of-its-prefix",
+        "hicache/disk/store.py",
+        "                self._touch([key])\n                self._seq = max(self._seq, seq)\n",
+        "                self._seq = max(self._seq, seq)\n",
+        ("tests/test_disk_store.py", "-k", "every_prefix_of_a_journal"),
+    ),
+    Mutation(
+        "a-journal-of-any-length-is-read",
+        "hicache/disk/journal.py",
+        "            too_long = os.fstat(fh.fileno()).st_size > longest(checkpoint_bytes)\n",
+        "            too_long = False\n",
+        ("tests/test_disk_store.py", "-k", "damaged_or_planted"),
+    ),
+    Mutation(
+        "a-journal-record-of-any-sequence-is-taken",
+        "hicache/disk/journal.py",
+        "        if not (ints and 0 <= slot < slots and 0 < seq <= MAX_FLOOR + (1 << 40)):\n",
+        "        if not (ints and 0 <= slot < slots and 0 < seq):\n",
+        ("tests/test_disk_store.py", "-k", "damaged_or_planted"),
+    ),
+    Mutation(
+        "a-journal-nested-past-the-parser-stops-the-disk",
+        "hicache/disk/journal.py",
+        "        except (ValueError, TypeError, UnicodeDecodeError, RecursionError):\n",
+        "        except (ValueError, TypeError, UnicodeDecodeError):\n",
+        ("tests/test_disk_store.py", "-k", "damaged_or_planted"),
+    ),
+    Mutation(
+        "a-checkpoint-nested-past-the-parser-stops-the-disk",
+        "hicache/disk/checkpoint.py",
+        "    except (ValueError, TypeError, RecursionError) as exc:\n",
+        "    except (ValueError, TypeError) as exc:\n",
+        ("tests/test_disk_store.py", "-k", "damaged_or_planted"),
     ),
 ]
 

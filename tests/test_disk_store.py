@@ -1004,6 +1004,116 @@ def test_the_journal_is_folded_when_long_and_a_failing_one_means_a_scan(tmp_path
         store.close()
 
 
+def test_every_prefix_of_a_journal_is_an_index_that_keeps_the_rules(tmp_path):
+    """A journal of writes, uses, evictions, removals and writes again into slots let go:
+    replayed whole it gives the index the store had (a key written again elsewhere, its old
+    slot taken by another, included); cut after any line (a power loss, a short write) it
+    gives an index that keeps every rule (each parent after its children, a page only with
+    its prefix, each slot held once)."""
+    folder = tmp_path / "d"
+    store = _chain_store(folder, 3)
+    try:
+        for key in ("A", "B", "C"):
+            assert _put_chain(store, [key]) == [True]  # (slots 0, 1, 2)
+        store.evict(1)  # (A leaves slot 0)
+        store.remove(["B"])
+        assert _put_chain(store, ["A"]) == [True]  # (into slot 1)
+        assert _put_chain(store, ["J"]) == [True]  # (into slot 0, where A was)
+        assert _put_chain(store, ["p", "q"], parent="J") == [True, True]  # (C, A evicted)
+        had = store.held()
+        left = _crash(store)
+    except BaseException:
+        store.close()
+        raise
+    store = _chain_store(folder, 3)
+    try:
+        assert store.from_checkpoint and store.held() == had and store.check() == []
+    finally:
+        store.close()
+    head, *lines = left["journal"].split(b"\n")
+    assert len(lines) > 10
+    for n in range(len(lines)):
+        _put_back(folder, {**left, "journal": b"\n".join([head, *lines[:n]]) + b"\n"})
+        store = _chain_store(folder, 3)
+        try:
+            assert store.from_checkpoint and store.check() == [], n
+            assert _closed_under_prefixes(store), n
+        finally:
+            store.close()
+    chain = _chain_store(tmp_path / "c", 6)
+    try:
+        assert _put_chain(chain, ["a", "b"]) == [True, True]
+        assert _put_chain(chain, ["c", "d"], parent="b") == [True, True]
+        left = _crash(chain)
+    except BaseException:
+        chain.close()
+        raise
+    head, *lines = left["journal"].split(b"\n")
+    for n in range(len(lines)):  # (cut inside a batch: its writes before its closing use)
+        _put_back(tmp_path / "c", {**left, "journal": b"\n".join([head, *lines[:n]]) + b"\n"})
+        chain = _chain_store(tmp_path / "c", 6)
+        try:
+            assert chain.check() == [] and _closed_under_prefixes(chain), n
+            chain.evict(1)  # (a leaf: never a prefix before its tail)
+            assert _closed_under_prefixes(chain), n
+        finally:
+            chain.close()
+
+
+def test_a_journal_damaged_or_planted_never_breaks_the_open_or_the_rules(tmp_path):
+    """Records that do not fit (a cycle of parents, a sequence past any the store writes, a
+    line nested past the parser's depth) end the replay there; a journal longer than any the
+    store writes, and a FIFO where the journal, the checkpoint or a note should be, are not
+    read (the slots are scanned, or the note ignored), never waited on."""
+    folder = tmp_path / "d"
+    store = _chain_store(folder, 6)
+    try:
+        assert _put_chain(store, ["a"]) == [True]
+        left = _crash(store)
+    except BaseException:
+        store.close()
+        raise
+    bad = {
+        "cycle": [b'["w",3,10,"P","Q"]', b'["w",4,11,"Q","P"]'],
+        "own parent": [b'["w",3,10,"P","P"]'],
+        "sequence": [b'["w",3,' + str(1 << 64).encode() + b',"P",null]'],
+        "nested": [b"[" * 200_000],
+    }
+    for what, records in bad.items():
+        _put_back(folder, {**left, "journal": left["journal"] + b"\n".join([*records, b""])})
+        store = _chain_store(folder, 6)
+        try:
+            assert store.from_checkpoint and store.held() == ["a"], what
+            assert _put_chain(store, ["x"]) == [True] and store.check() == [], what
+        finally:
+            store.close()
+    _put_back(folder, left)
+    with open(folder / "journal", "r+b") as fh:  # (sparse: longer than any the store writes)
+        fh.truncate(3 * 16 * 1024 * 1024 + 1)
+    store = _chain_store(folder, 6)
+    try:
+        assert not store.from_checkpoint and "a" in store.held()
+    finally:
+        store.close()
+    _put_back(folder, {**left, "index": left["index"] + b"[" * 5_000 + b"\n"})  # (< its bound)
+    store = _chain_store(folder, 6)
+    try:  # (a checkpoint nested past the parser: not trusted, the slots are scanned)
+        assert not store.from_checkpoint and "a" in store.held()
+    finally:
+        store.close()
+    for name in ("journal", "index", "budget"):
+        _put_back(folder, left)
+        (folder / name).unlink(missing_ok=True)
+        os.mkfifo(folder / name, 0o600)
+        store = _chain_store(folder, 6)  # (never waits on the FIFO)
+        try:
+            assert "a" in store.held() and store.from_checkpoint == (name == "budget"), name
+        finally:
+            store.close()
+        if (folder / name).exists() and not (folder / name).is_file():
+            (folder / name).unlink()
+
+
 def _get_chain(store: SlotStore, key: str) -> bool:
     got = store.get_many([(key, [memoryview(bytearray(VALUE))])])[0]
     return got == TAIL

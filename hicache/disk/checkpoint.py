@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from hicache.disk.folder import MAX_FLOOR, replace_file
+from hicache.disk.folder import MAX_FLOOR, open_to_read, replace_file
 
 log = logging.getLogger("hicache.disk")
 
@@ -43,12 +43,12 @@ def write(folder: str, geometry: dict[str, Any], entries: Iterable[Entry], token
     return size
 
 
-def read(folder: str, geometry: dict[str, Any], slots: int) -> tuple[list[Entry], str] | None:
-    """The checkpoint's entries and token; None where there is none, it cannot be read, or it
-    does not describe ``geometry`` exactly (logged)."""
+def read(folder: str, geometry: dict[str, Any], slots: int) -> tuple[list[Entry], str, int] | None:
+    """The checkpoint's entries, token and size in bytes; None where there is none, it cannot
+    be read, or it does not describe ``geometry`` exactly (logged)."""
     path = os.path.join(folder, NAME)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_to_read(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -56,7 +56,8 @@ def read(folder: str, geometry: dict[str, Any], slots: int) -> tuple[list[Entry]
         return None
     try:
         with os.fdopen(fd, "r", encoding="utf-8") as fh:
-            too_big = os.fstat(fh.fileno()).st_size > ENTRY_MAX * (slots + 1)
+            size = os.fstat(fh.fileno()).st_size
+            too_big = size > ENTRY_MAX * (slots + 1)
             lines = [] if too_big else fh.read().splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         log.warning("disk: %s unusable (%s): the slots are scanned", path, exc)
@@ -73,7 +74,7 @@ def read(folder: str, geometry: dict[str, Any], slots: int) -> tuple[list[Entry]
                         path)  # fmt: skip
             return None
         entries = [_entry(json.loads(line), slots) for line in lines[1:]]
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RecursionError) as exc:
         log.warning("disk: %s does not parse (%s): the slots are scanned", path, exc)
         return None
     if len({e[0] for e in entries}) != len(entries) or len({e[2] for e in entries}) != len(entries):
@@ -83,7 +84,7 @@ def read(folder: str, geometry: dict[str, Any], slots: int) -> tuple[list[Entry]
     if any(e[3] is not None and at.get(e[3], n + 1) <= n for n, e in enumerate(entries)):
         log.warning("disk: %s lists a parent before its child: the slots are scanned", path)
         return None  # (so a cycle is refused too)
-    return entries, token
+    return entries, token, size
 
 
 def _entry(item: Any, slots: int) -> Entry:

@@ -119,11 +119,24 @@ def open_data(path: str, size: int) -> tuple[int, bool]:
     return fd, False
 
 
+def open_to_read(path: str) -> int:
+    """A descriptor to read the regular file at ``path`` (not followed if a symlink; a FIFO
+    or a device is refused, never waited on). FileNotFoundError, or OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_note(folder: str, name: str) -> str | None:
     """The text of the folder's small file ``name`` (None: none, or unreadable: logged)."""
     path = os.path.join(folder, name)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_to_read(path)
     except FileNotFoundError:
         return None
     except OSError as exc:

@@ -15,9 +15,12 @@ The lines of one store call reach the file in one ``write`` as the call ends, af
 writes they describe returned: a process that dies leaves every line of every call that
 returned (the kernel's page cache holds them). A power loss can lose what came after the last
 ``sync`` (the store syncs it with the slots). A reader takes the lines up to the first that
-does not parse, is cut short or names a slot the files lack, and nothing after it: each prefix
-of the journal is an index the store had. Every value read through it is still checked
-against its slot's header, so a line the drive lost is a miss, never another page's KV.
+does not parse, is cut short or names a slot the files lack, and nothing after it (the store's
+replay likewise stops at a record that does not fit its index); what any prefix of the journal
+replays to keeps the index's rules (``SlotStore._replay``). Every value read through it is
+still checked against its slot's header, so a line the drive lost is a miss, never another
+page's KV. A journal longer than the store ever lets one grow (``longest``), or anything but a
+regular file, is not read.
 
 Not thread-safe: its store's thread only.
 """
@@ -29,7 +32,7 @@ import logging
 import os
 from typing import Any
 
-from hicache.disk.folder import replace_file
+from hicache.disk.folder import MAX_FLOOR, open_to_read, replace_file
 
 log = logging.getLogger("hicache.disk")
 
@@ -38,6 +41,13 @@ MAGIC = "hicache-disk-journal/1"
 MAX_BYTES = 16 << 20  # a journal this long is folded into a new checkpoint (or twice that's)
 
 Record = tuple[Any, ...]  # ("w", slot, seq, key, parent) | ("d", key) | ("t", [key, ...])
+
+
+def longest(checkpoint_bytes: int) -> int:
+    """The longest journal a store writes after a checkpoint of ``checkpoint_bytes``: it is
+    folded once past ``MAX_BYTES`` and twice the checkpoint, as the call that passed it ends
+    (whose records a MAX_BYTES more bound with room to spare)."""
+    return 2 * max(MAX_BYTES, 2 * checkpoint_bytes) + MAX_BYTES
 
 
 class Journal:
@@ -78,13 +88,14 @@ class Journal:
             self._fd = -1
 
 
-def read(folder: str, token: str, slots: int) -> list[Record] | None:
+def read(folder: str, token: str, slots: int, checkpoint_bytes: int) -> list[Record] | None:
     """The records of the journal after the checkpoint ``token`` names, up to the first line
     that is not a whole record for ``slots`` slots (logged); None where there is no journal,
-    it cannot be read, or it follows another checkpoint."""
+    it cannot be read, it follows another checkpoint, or it is longer than the store ever
+    lets one grow after a checkpoint of ``checkpoint_bytes`` (``longest``)."""
     path = os.path.join(folder, NAME)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_to_read(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -92,14 +103,18 @@ def read(folder: str, token: str, slots: int) -> list[Record] | None:
         return None
     try:
         with os.fdopen(fd, "rb") as fh:
-            data = fh.read()
+            too_long = os.fstat(fh.fileno()).st_size > longest(checkpoint_bytes)
+            data = b"" if too_long else fh.read()
     except OSError as exc:
         log.warning("disk: %s unreadable (%s)", path, exc)
+        return None
+    if too_long:
+        log.warning("disk: %s is longer than any journal the store writes", path)
         return None
     lines = data.split(b"\n")
     try:
         head = json.loads(lines[0])
-    except ValueError:
+    except (ValueError, RecursionError):
         head = None
     if head != {"magic": MAGIC, "checkpoint": token}:
         log.warning("disk: %s follows another checkpoint", path)
@@ -109,7 +124,7 @@ def read(folder: str, token: str, slots: int) -> list[Record] | None:
     for n, line in enumerate(whole):
         try:
             out.append(_record(json.loads(line), slots))
-        except (ValueError, TypeError, UnicodeDecodeError):
+        except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
             log.warning("disk: %s: line %d of %d is not a record: the rest is not used", path,
                         n + 2, len(whole) + 1)  # fmt: skip
             break
@@ -128,7 +143,7 @@ def _record(item: Any, slots: int) -> Record:
     if kind == "w" and len(item) == 5:
         _, slot, seq, k, parent = item
         ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (slot, seq))
-        if not (ints and 0 <= slot < slots and seq > 0):
+        if not (ints and 0 <= slot < slots and 0 < seq <= MAX_FLOOR + (1 << 40)):
             raise ValueError(f"a bad record {item!r}")
         return ("w", slot, seq, key(k), None if parent is None else key(parent))
     if kind == "d" and len(item) == 2:

@@ -50,7 +50,8 @@ def recover(
     found_checkpoint = checkpoint.read(folders[0].path, geometry, files.count)
     records = None
     if found_checkpoint is not None:
-        records = journal.read(folders[0].path, found_checkpoint[1], files.count)
+        _, token, size = found_checkpoint
+        records = journal.read(folders[0].path, token, files.count, size)
         if records is None:
             log.warning("disk: the checkpoint has no journal after it: the slots are scanned")
     if found_checkpoint is not None and records is not None:

@@ -205,20 +205,29 @@ class SlotStore:
 
     def _replay(self, records: list[journal.Record]) -> None:
         """The journal's changes over the checkpoint's index, as the store made them, up to
-        one that does not fit it (a slot held by another key, a key held already): the rest
-        is not used. The free slots are those held by nothing after."""
-        by_slot = {slot: key for key, slot in self._index.items()}
+        one that does not fit it (a key held already, a slot still held by another, a parent
+        not held): the rest is not used. A write is also a use of its key (each parent after
+        its children, whatever record comes next: a journal cut inside a batch leaves the
+        order the rules want, and the batch's closing use gives the order the store had).
+        The free slots are those held by nothing after."""
+        by_slot = {slot: key for key, slot in self._index.items()}  # (last written there)
         done = 0
         for record in records:
             if record[0] == "w":
                 _, slot, seq, key, parent = record
-                if key in self._index or by_slot.get(slot) in self._index:
+                holder = by_slot.get(slot)
+                if (
+                    key in self._index
+                    or (holder is not None and self._index.get(holder) == slot)
+                    or (parent is not None and parent not in self._index)
+                ):
                     log.warning("disk: the journal's record %d does not fit the index: the "
                                 "rest is not used", done + 1)  # fmt: skip
                     break
                 self._index[key] = slot
                 by_slot[slot] = key
                 self._link(key, parent)
+                self._touch([key])
                 self._seq = max(self._seq, seq)
             elif record[0] == "d":
                 self._drop(record[1])
