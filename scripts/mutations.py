@@ -1315,6 +1315,20 @@ MUTATIONS = [
         "    except (ValueError, TypeError) as exc:\n",
         ("tests/test_disk_store.py", "-k", "damaged_or_planted"),
     ),
+    Mutation(
+        "a-checkpoint-is-not-trusted-with-the-journal-it-replaced",
+        "hicache/disk/recovery.py",
+        "        if records is None and replaces and journal.follows(folders[0].path) == replaces:",
+        "        if False:",
+        ("tests/test_disk_store.py", "-k", "between_a_checkpoint"),
+    ),
+    Mutation(
+        "a-checkpoint-stands-in-for-any-journal",
+        "hicache/disk/recovery.py",
+        "        if records is None and replaces and journal.follows(folders[0].path) == replaces:",
+        "        if records is None:",
+        ("tests/test_disk_store.py", "-k", "crash_finds_the_index"),
+    ),
 ]
 
 

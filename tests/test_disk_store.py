@@ -1114,6 +1114,46 @@ def test_a_journal_damaged_or_planted_never_breaks_the_open_or_the_rules(tmp_pat
             (folder / name).unlink()
 
 
+def test_a_crash_between_a_checkpoint_and_its_journal_needs_no_scan(tmp_path, monkeypatch):
+    """The new checkpoint names the one it replaces: a crash after it was written and before
+    its journal was started (at a clean stop, a flush, an open) leaves the old journal, whose
+    changes it holds already; the next open reads it with nothing to replay (after a flush:
+    nothing held, the flushed pages never back)."""
+    from hicache.disk import journal
+
+    folder = tmp_path / "d"
+    between: list[dict[str, bytes]] = []
+    start = journal.Journal.__init__
+
+    def snapshot(self, where: str, token: str) -> None:  # (what a crash here leaves)
+        between.append({f.name: f.read_bytes() for f in Path(where).iterdir() if f.name != "lock"})
+        start(self, where, token)
+
+    store = _chain_store(folder, 6)
+    try:
+        assert _put_chain(store, ["a", "b"]) == [True, True]
+        assert _put_chain(store, ["x"]) == [True]
+        had = store.held()
+        monkeypatch.setattr(journal.Journal, "__init__", snapshot)
+    finally:
+        store.close()
+    _put_back(folder, between.pop())
+    store = _chain_store(folder, 6)  # (its open's checkpoint: another snapshot)
+    try:
+        assert store.from_checkpoint and store.replayed == 0 and store.held() == had
+        assert store.clear() == 3
+    finally:
+        store.close()
+    opened, flushed = between[0], between[1]
+    for left, holds in ((opened, had), (flushed, [])):
+        _put_back(folder, left)
+        store = _chain_store(folder, 6)
+        try:
+            assert store.from_checkpoint and store.scanned == 0 and store.held() == holds
+        finally:
+            store.close()
+
+
 def _get_chain(store: SlotStore, key: str) -> bool:
     got = store.get_many([(key, [memoryview(bytearray(VALUE))])])[0]
     return got == TAIL

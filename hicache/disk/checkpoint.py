@@ -28,14 +28,19 @@ ENTRY_MAX = 2 * 1024 + 64  # bytes of one entry's line at most (two keys of MAX_
 Entry = tuple[int, int, str, str | None]  # (slot, seq, key, parent)
 
 
-def write(folder: str, geometry: dict[str, Any], entries: Iterable[Entry], token: str) -> int:
-    """Write the checkpoint under ``token`` (replaced atomically, synced); its bytes. OSError."""
+def write(
+    folder: str, geometry: dict[str, Any], entries: Iterable[Entry], token: str, replaces: str
+) -> int:
+    """Write the checkpoint under ``token`` (replaced atomically, synced), saying that it
+    holds every change of the journal after ``replaces`` (the checkpoint before it; "": none);
+    its bytes. OSError."""
     size = 0
 
     def fill(fd: int) -> None:
         nonlocal size
         with os.fdopen(fd, "w", encoding="utf-8", closefd=False) as fh:
-            size += fh.write(json.dumps({"magic": MAGIC, "journal": token, **geometry}) + "\n")
+            head = {"magic": MAGIC, "journal": token, "replaces": replaces, **geometry}
+            size += fh.write(json.dumps(head) + "\n")
             for entry in entries:
                 size += fh.write(json.dumps(entry) + "\n")
 
@@ -43,9 +48,12 @@ def write(folder: str, geometry: dict[str, Any], entries: Iterable[Entry], token
     return size
 
 
-def read(folder: str, geometry: dict[str, Any], slots: int) -> tuple[list[Entry], str, int] | None:
-    """The checkpoint's entries, token and size in bytes; None where there is none, it cannot
-    be read, or it does not describe ``geometry`` exactly (logged)."""
+def read(
+    folder: str, geometry: dict[str, Any], slots: int
+) -> tuple[list[Entry], str, str, int] | None:
+    """The checkpoint's entries, token, the token it replaces ("": none) and its size in
+    bytes; None where there is none, it cannot be read, or it does not describe ``geometry``
+    exactly (logged)."""
     path = os.path.join(folder, NAME)
     try:
         fd = open_to_read(path)
@@ -69,7 +77,9 @@ def read(folder: str, geometry: dict[str, Any], slots: int) -> tuple[list[Entry]
     try:
         head = json.loads(lines[0]) if lines else None
         token = head.pop("journal", None) if isinstance(head, dict) else None
-        if head != {"magic": MAGIC, **geometry} or not isinstance(token, str):
+        replaces = head.pop("replaces", None) if isinstance(head, dict) else None
+        tokens_ok = isinstance(token, str) and isinstance(replaces, str)
+        if head != {"magic": MAGIC, **geometry} or not tokens_ok:
             log.warning("disk: %s is for another geometry or version: the slots are scanned",
                         path)  # fmt: skip
             return None
@@ -84,7 +94,8 @@ def read(folder: str, geometry: dict[str, Any], slots: int) -> tuple[list[Entry]
     if any(e[3] is not None and at.get(e[3], n + 1) <= n for n, e in enumerate(entries)):
         log.warning("disk: %s lists a parent before its child: the slots are scanned", path)
         return None  # (so a cycle is refused too)
-    return entries, token, size
+    assert isinstance(token, str) and isinstance(replaces, str)  # (checked above)
+    return entries, token, replaces, size
 
 
 def _entry(item: Any, slots: int) -> Entry:

@@ -2,8 +2,10 @@
 whose process died (SIGKILL, the OOM killer, a crash) finds its index again without a scan.
 
 The store writes a checkpoint of its index (``checkpoint.py``) at every open, at a clean
-close, after a flush and when the journal outgrew it, each under a fresh token, and starts an
-empty journal naming that token in its first line. One line per change follows:
+close, after a flush and when the journal outgrew it, each under a fresh token (and naming the
+one it replaces: a crash before the new journal was started leaves the old one, whose changes
+the new checkpoint holds already), and starts an empty journal naming that token in its first
+line. One line per change follows:
 
 - ``["w", slot, seq, key, parent]``: ``key`` is held in ``slot`` (its write returned), the
   most recently used;
@@ -86,6 +88,24 @@ class Journal:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def follows(folder: str) -> str | None:
+    """The token of the checkpoint the folder's journal follows (None: no journal, or none
+    readable)."""
+    try:
+        fd = open_to_read(os.path.join(folder, NAME))
+    except OSError:
+        return None
+    try:
+        head = json.loads(os.read(fd, 256).split(b"\n", 1)[0])
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+    ok = isinstance(head, dict) and head.get("magic") == MAGIC
+    token = head.get("checkpoint") if ok else None
+    return token if isinstance(token, str) else None
 
 
 def read(folder: str, token: str, slots: int, checkpoint_bytes: int) -> list[Record] | None:

@@ -50,8 +50,10 @@ def recover(
     found_checkpoint = checkpoint.read(folders[0].path, geometry, files.count)
     records = None
     if found_checkpoint is not None:
-        _, token, size = found_checkpoint
+        _, token, replaces, size = found_checkpoint
         records = journal.read(folders[0].path, token, files.count, size)
+        if records is None and replaces and journal.follows(folders[0].path) == replaces:
+            records = []  # (stopped between the two: the checkpoint holds all of it)
         if records is None:
             log.warning("disk: the checkpoint has no journal after it: the slots are scanned")
     if found_checkpoint is not None and records is not None:

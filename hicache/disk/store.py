@@ -165,6 +165,8 @@ class SlotStore:
         self._journal: journal.Journal | None = None  # (None: not written; the next open
         # then scans, or replays a stale journal: reads verify)
         self._checkpoint_bytes = 0  # the last checkpoint's size
+        self._token = ""  # the checkpoint the journal on the drive follows, holding every
+        # change since it ("": none such: a journal that failed, or none)
         self._checkpoint_failed_at = 0.0  # (monotonic) when writing one last failed
         # figures (read by other threads)
         self.hits = self.misses = 0
@@ -201,6 +203,8 @@ class SlotStore:
         self.read_errors += found.read_errors
         self._replay(found.records)
         self._settle_recovered(started)
+        # (the index now holds whatever the journal on the drive says, or what a scan found)
+        self._token = journal.follows(self.folders[0].path) or ""
         self._new_checkpoint()
 
     def _replay(self, records: list[journal.Record]) -> None:
@@ -638,6 +642,7 @@ class SlotStore:
         (the next open reads these instead of the headers). Failing (logged), the journal is
         removed so that the next open scans, and journaling stops until a ``tick`` succeeds."""
         folder = self.folders[0].path
+        replaces = self._token  # (what the new checkpoint holds all of)
         if self._journal is not None:
             self._journal.close()
             self._journal = None
@@ -645,12 +650,15 @@ class SlotStore:
         try:
             index, parent = self._index, self._parent
             entries = ((slot, self._seq, key, parent[key]) for key, slot in index.items())
-            self._checkpoint_bytes = checkpoint.write(folder, self._geometry, entries, token)
-            self._journal = journal.Journal(folder, token)
+            self._checkpoint_bytes = checkpoint.write(
+                folder, self._geometry, entries, token, replaces
+            )
+            self._journal, self._token = journal.Journal(folder, token), token
         except OSError as exc:
             log.warning("disk: the index's checkpoint or journal was not written (%s): a "
                         "start after a crash scans the slots", exc)  # fmt: skip
             self._checkpoint_failed_at = time.monotonic()
+            self._token = ""
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, journal.NAME))
 
@@ -675,6 +683,7 @@ class SlotStore:
             self._journal.close()
             self._journal = None
             self._checkpoint_failed_at = time.monotonic()
+            self._token = ""
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.folders[0].path, journal.NAME))
 
