@@ -55,7 +55,8 @@ def recover(
         if records is None and replaces and journal.follows(folders[0].path) == replaces:
             records = []  # (stopped between the two: the checkpoint holds all of it)
         if records is None:
-            log.warning("disk: the checkpoint has no journal after it: the slots are scanned")
+            log.warning("disk: the checkpoint has no journal after it (none, or one after "
+                        "another checkpoint): the slots are scanned")  # fmt: skip
     if found_checkpoint is not None and records is not None:
         entries = found_checkpoint[0]
         out.from_checkpoint = True
