@@ -900,8 +900,9 @@ def test_a_crash_finds_the_index_again_from_the_journal_without_a_scan(tmp_path)
         assert _put_chain(store, ["p", "q"]) == [True] * 2  # (full: c evicted)
         store.remove(["p"])  # (q with it)
         assert _put_chain(store, ["m"]) == [True]
+        assert _get_chain(store, "x") and _get_chain(store, "b")  # (uses alone: no write)
         had = store.held()
-        assert had == ["y", "x", "b", "a", "m"] and store.check() == []
+        assert had == ["y", "m", "x", "b", "a"] and store.check() == []
         store.evict(1)  # (y: its own record, the journal's last)
         assert store.held() == had[1:]
         left = _crash(store)
@@ -941,9 +942,10 @@ def test_a_crash_finds_the_index_again_from_the_journal_without_a_scan(tmp_path)
         store.close()
 
 
-def test_the_journal_is_folded_when_long_and_a_failing_one_means_a_scan(tmp_path, monkeypatch):
-    """A journal past its bound is folded into a new checkpoint (as the call that passed it
-    ends, or at the next tick; a crash then replays only what came after); one the drive fails
+def test_the_journal_stays_under_its_bound_and_a_failing_one_means_a_scan(tmp_path, monkeypatch):
+    """A call whose changes would take the journal to its bound (MAX_BYTES and twice the
+    checkpoint) writes a new checkpoint, which holds them, instead: the journal is never as
+    long as a reader refuses, and a crash replays only what came after; one the drive fails
     to append to is removed (a crash then scans, never replays a journal that misses changes)
     and started again a minute later."""
     from hicache.disk import journal
@@ -952,28 +954,31 @@ def test_the_journal_is_folded_when_long_and_a_failing_one_means_a_scan(tmp_path
     folder = tmp_path / "d"
     store = _chain_store(folder, 8)
     try:
-        assert _put_chain(store, list("abcdef")) == [True] * 6
-        assert all(_get_chain(store, "f") for _ in range(30))  # (uses: the journal grows)
         monkeypatch.setattr(journal, "MAX_BYTES", 64)
-        long = (folder / "journal").stat().st_size
-        assert long > 2 * (folder / "index").stat().st_size  # (and past MAX_BYTES)
-        store.tick()
-        assert (folder / "journal").stat().st_size < long  # (folded: the header alone)
+        checkpoints = {(folder / "index").read_bytes()}
+        assert _put_chain(store, list("abcdef")) == [True] * 6
+        for _ in range(100):  # (uses: the journal grows)
+            assert _get_chain(store, "f")
+            checkpoints.add((folder / "index").read_bytes())
+            size = (folder / "journal").stat().st_size
+            assert size < journal.bound((folder / "index").stat().st_size)
+        assert len(checkpoints) > 2  # (written again as it went)
         assert _put_chain(store, ["x"]) == [True]
-        _crash(store)
+        left = _crash(store)
     except BaseException:
         store.close()
         raise
     store = _chain_store(folder, 8)
     try:
-        assert store.from_checkpoint and store.replayed == 3  # (x: a use, its write, a use)
+        lines = left["journal"].count(b"\n") - 1
+        assert store.from_checkpoint and store.replayed == lines < 40
         assert store.held() == [*"fedcba", "x"] and store.check() == []
 
-        def fail(self) -> None:
+        def fail(self, data: bytes) -> None:
             raise OSError(5, "Input/output error")
 
         with monkeypatch.context() as m:
-            m.setattr(journal.Journal, "flush", fail)
+            m.setattr(journal.Journal, "append", fail)
             assert _put_chain(store, ["y"]) == [True]  # (written; its record is not)
         assert not (folder / "journal").exists()
         store.tick()  # (not a minute yet: still none)
@@ -985,7 +990,7 @@ def test_the_journal_is_folded_when_long_and_a_failing_one_means_a_scan(tmp_path
     store = _chain_store(folder, 8)
     try:
         assert not store.from_checkpoint and sorted(store.held()) == [*"abcdef", "x", "y"]
-        monkeypatch.setattr(journal.Journal, "flush", fail)
+        monkeypatch.setattr(journal.Journal, "append", fail)
         assert _put_chain(store, ["z"]) == [True]
         monkeypatch.undo()
         monkeypatch.setattr(store_module, "CHECKPOINT_RETRY_S", 0.0)
@@ -1152,6 +1157,119 @@ def test_a_crash_between_a_checkpoint_and_its_journal_needs_no_scan(tmp_path, mo
             assert store.from_checkpoint and store.scanned == 0 and store.held() == holds
         finally:
             store.close()
+
+
+def test_a_header_with_a_sequence_past_any_the_store_writes_is_a_free_slot(tmp_path):
+    """A slot whose header verifies but names a sequence no write of the store's reaches
+    (crafted) is free at a scan: never taken, so it never stops the writes after it."""
+    from hicache.disk import Header
+
+    folder = tmp_path / "d"
+    store = _chain_store(folder, 4)
+    try:
+        assert _put_chain(store, ["a", "b"]) == [True, True]
+        slot = store._index["a"]
+        fd, offset = store.files.where(slot)
+    finally:
+        store.close()
+    (folder / "index").unlink()  # (a scan)
+    with open(folder / "slots.dat", "r+b") as fh:
+        fh.seek(offset)
+        fh.write(Header("a", VALUE, TAIL, (1 << 64) - 1, None).pack())
+    store = _chain_store(folder, 4)
+    try:
+        assert store.held() == [] and store.check() == []  # (b: without its prefix)
+        assert _put_chain(store, ["x", "y", "z"]) == [True] * 3 and store.check() == []
+        assert store.clear() == 3
+    finally:
+        store.close()
+
+
+def test_a_journal_that_cannot_be_removed_takes_its_checkpoint_with_it(tmp_path, monkeypatch):
+    """The journal stopped holding every change (a failed append or checkpoint) and the drive
+    refuses its removal too: the checkpoint goes instead, so the next open scans (never a
+    stale journal trusted, pages written since lost, pages removed since back)."""
+    from hicache.disk import journal
+
+    folder = tmp_path / "d"
+    store = _chain_store(folder, 6)
+    try:
+        assert _put_chain(store, ["a", "b"]) == [True, True]
+        unlink = os.unlink
+
+        def refuse_the_journal(path, *args, **kw):
+            if str(path).endswith("/journal"):
+                raise OSError(5, "Input/output error")
+            return unlink(path, *args, **kw)
+
+        def fail(self, data: bytes) -> None:
+            raise OSError(5, "Input/output error")
+
+        with monkeypatch.context() as m:
+            m.setattr(os, "unlink", refuse_the_journal)
+            m.setattr(journal.Journal, "append", fail)
+            assert _put_chain(store, ["x"]) == [True]  # (its record fails; so does removal)
+        assert (folder / "journal").exists() and not (folder / "index").exists()
+        store.remove(["a"])
+        _crash(store)
+    except BaseException:
+        store.close()
+        raise
+    store = _chain_store(folder, 6)
+    try:
+        assert not store.from_checkpoint and "x" in store.held()
+    finally:
+        store.close()
+
+
+def test_a_long_chain_replays_in_its_length(tmp_path, monkeypatch):
+    """A batch's writes are one use as they end, as the store makes them: replaying a chain
+    written in one batch walks it a few times, not once per page (a crash's open of a long
+    prompt would cost its square)."""
+    folder = tmp_path / "d"
+    store = _chain_store(folder, 64)
+    try:
+        keys = [f"p{i}" for i in range(64)]
+        assert _put_chain(store, keys) == [True] * 64
+        had = store.held()
+        _crash(store)
+    except BaseException:
+        store.close()
+        raise
+    uses = []
+    touch = SlotStore._touch
+
+    def counted(self, keys):
+        uses.append(len(keys))
+        return touch(self, keys)
+
+    monkeypatch.setattr(SlotStore, "_touch", counted)
+    store = _chain_store(folder, 64)
+    try:
+        assert store.from_checkpoint and store.held() == had and store.replayed == 66
+        assert len(uses) <= 4, uses  # (the batch's two uses, and its run of writes once)
+    finally:
+        store.close()
+
+
+def test_a_flushed_page_never_comes_back_even_by_a_scan(tmp_path):
+    """A flush raises the folders' floor before it forgets: a start that has to scan (its
+    checkpoint and journal lost) takes every slot written at or below it as free."""
+    folder = tmp_path / "d"
+    store = _chain_store(folder, 6)
+    try:
+        assert all(_put_chain(store, [key]) == [True] for key in "abc")  # (first pages)
+        assert store.clear() == 3
+        assert _put_chain(store, ["x"]) == [True]  # (into one of their slots)
+    finally:
+        store.close()
+    for name in ("index", "journal"):
+        (folder / name).unlink()
+    store = _chain_store(folder, 6)
+    try:
+        assert not store.from_checkpoint and store.scanned == 6 and store.held() == ["x"]
+    finally:
+        store.close()
 
 
 def _get_chain(store: SlotStore, key: str) -> bool:

@@ -17,13 +17,14 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from hicache.disk.folder import MAX_FLOOR, open_to_read, replace_file
+from hicache.disk.folder import MAX_SEQ, open_to_read, replace_file
 
 log = logging.getLogger("hicache.disk")
 
 NAME = "index"
 MAGIC = "hicache-disk-index/2"  # (/1: removed at open, no journal)
-ENTRY_MAX = 2 * 1024 + 64  # bytes of one entry's line at most (two keys of MAX_KEY, numbers)
+ENTRY_MAX = 2 * 6 * 1024 + 64  # bytes of one entry's line at most (two keys of MAX_KEY bytes,
+# each escaped by JSON to at most 6 bytes a byte, and numbers)
 
 Entry = tuple[int, int, str, str | None]  # (slot, seq, key, parent)
 
@@ -101,7 +102,7 @@ def read(
 def _entry(item: Any, slots: int) -> Entry:
     slot, seq, key, parent = item
     ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (slot, seq))
-    if not (ints and 0 <= slot < slots and 0 < seq <= MAX_FLOOR + (1 << 40)):
+    if not (ints and 0 <= slot < slots and 0 < seq <= MAX_SEQ):
         raise ValueError(f"a bad entry {item!r}")
     if not isinstance(key, str) or not (parent is None or isinstance(parent, str)):
         raise ValueError(f"a bad entry {item!r}")

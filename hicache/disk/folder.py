@@ -32,6 +32,8 @@ FLOOR_NAME = "floor"
 NOTE_NAMES = ("floor", "budget", "index")  # the folder's small files (and the checkpoint)
 TMP_SUFFIX = ".tmp"
 MAX_FLOOR = 1 << 62  # write sequences stay far below 2**64 (a header's field)
+MAX_SEQ = MAX_FLOOR + (1 << 40)  # no write the store makes has a higher sequence (more: not
+# its own, never taken: it would stop every later write)
 NOTE_MAX = 64 << 10  # bytes of a folder's small file (the floor, the write budget's record)
 
 

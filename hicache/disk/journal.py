@@ -21,7 +21,7 @@ does not parse, is cut short or names a slot the files lack, and nothing after i
 replay likewise stops at a record that does not fit its index); what any prefix of the journal
 replays to keeps the index's rules (``SlotStore._replay``). Every value read through it is
 still checked against its slot's header, so a line the drive lost is a miss, never another
-page's KV. A journal longer than the store ever lets one grow (``longest``), or anything but a
+page's KV. A journal longer than the store ever lets one grow (``bound``), or anything but a
 regular file, is not read.
 
 Not thread-safe: its store's thread only.
@@ -34,7 +34,7 @@ import logging
 import os
 from typing import Any
 
-from hicache.disk.folder import MAX_FLOOR, open_to_read, replace_file
+from hicache.disk.folder import MAX_SEQ, open_to_read, replace_file
 
 log = logging.getLogger("hicache.disk")
 
@@ -45,11 +45,10 @@ MAX_BYTES = 16 << 20  # a journal this long is folded into a new checkpoint (or 
 Record = tuple[Any, ...]  # ("w", slot, seq, key, parent) | ("d", key) | ("t", [key, ...])
 
 
-def longest(checkpoint_bytes: int) -> int:
-    """The longest journal a store writes after a checkpoint of ``checkpoint_bytes``: it is
-    folded once past ``MAX_BYTES`` and twice the checkpoint, as the call that passed it ends
-    (whose records a MAX_BYTES more bound with room to spare)."""
-    return 2 * max(MAX_BYTES, 2 * checkpoint_bytes) + MAX_BYTES
+def bound(checkpoint_bytes: int) -> int:
+    """What a journal after a checkpoint of ``checkpoint_bytes`` stays under: a call whose
+    changes would take it there folds them into a new checkpoint instead of appending them."""
+    return max(MAX_BYTES, 2 * checkpoint_bytes)
 
 
 class Journal:
@@ -61,19 +60,23 @@ class Journal:
         self.path = os.path.join(folder, NAME)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
         self.bytes = len(head)  # the file's length
-        self._lines: list[str] = []  # records not written yet
+        self._lines: list[str] = []  # records not taken yet
 
     def add(self, record: Record) -> None:
-        """Note one change (written at the next ``flush``)."""
+        """Note one change (its line is the next ``take``'s)."""
         self._lines.append(json.dumps(record, separators=(",", ":")))
 
-    def flush(self) -> None:
-        """Append the changes noted since the last flush in one write. OSError (the file then
-        ends where the drive stopped: a reader stops at the cut line)."""
+    def take(self) -> bytes:
+        """The lines of the changes noted since the last ``take``, forgotten here."""
         if not self._lines:
-            return
+            return b""
         data = ("\n".join(self._lines) + "\n").encode()
         self._lines.clear()
+        return data
+
+    def append(self, data: bytes) -> None:
+        """Append ``data`` (``take``'s) in one write. OSError (the file then ends where the
+        drive stopped: a reader stops at the cut line)."""
         view = memoryview(data)
         while view:
             view = view[os.write(self._fd, view) :]
@@ -112,7 +115,7 @@ def read(folder: str, token: str, slots: int, checkpoint_bytes: int) -> list[Rec
     """The records of the journal after the checkpoint ``token`` names, up to the first line
     that is not a whole record for ``slots`` slots (logged); None where there is no journal,
     it cannot be read, it follows another checkpoint, or it is longer than the store ever
-    lets one grow after a checkpoint of ``checkpoint_bytes`` (``longest``)."""
+    lets one grow after a checkpoint of ``checkpoint_bytes`` (``bound``)."""
     path = os.path.join(folder, NAME)
     try:
         fd = open_to_read(path)
@@ -123,7 +126,7 @@ def read(folder: str, token: str, slots: int, checkpoint_bytes: int) -> list[Rec
         return None
     try:
         with os.fdopen(fd, "rb") as fh:
-            too_long = os.fstat(fh.fileno()).st_size > longest(checkpoint_bytes)
+            too_long = os.fstat(fh.fileno()).st_size >= bound(checkpoint_bytes)
             data = b"" if too_long else fh.read()
     except OSError as exc:
         log.warning("disk: %s unreadable (%s)", path, exc)
@@ -162,7 +165,7 @@ def _record(item: Any, slots: int) -> Record:
     if kind == "w" and len(item) == 5:
         _, slot, seq, k, parent = item
         ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (slot, seq))
-        if not (ints and 0 <= slot < slots and 0 < seq <= MAX_FLOOR + (1 << 40)):
+        if not (ints and 0 <= slot < slots and 0 < seq <= MAX_SEQ):
             raise ValueError(f"a bad record {item!r}")
         return ("w", slot, seq, key(k), None if parent is None else key(parent))
     if kind == "d" and len(item) == 2:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hicache.disk import checkpoint, journal
-from hicache.disk.folder import Folder, read_floor
+from hicache.disk.folder import MAX_SEQ, Folder, read_floor
 from hicache.disk.slots import SlotFiles
 
 log = logging.getLogger("hicache.disk")
@@ -83,6 +83,8 @@ def recover(
             out.read_errors += 1
             log.warning("disk: slot %d unreadable at start (%s): free", slot, str(exc))
             header = None
+        if header is not None and header.seq > MAX_SEQ:
+            header = None  # (no write of the store's: not taken, it would stop every write)
         if header is not None:
             out.seq = max(out.seq, header.seq)  # (new writes come after every one)
         if header is not None and header.value_len <= files.value_bytes and header.seq > floor:

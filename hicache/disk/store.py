@@ -28,8 +28,8 @@ journal are written before the first change. What follows:
   write: at the next put or ``tick``, which the owner calls when idle, and at ``close``): what
   a power loss can lose is about the last ``sync_s`` of writes, seen as misses. Every call
   that changes the index appends its changes to the journal as it ends (a line the drive lost
-  is at worst a miss: reads verify); a journal past ``journal.MAX_BYTES`` (or twice the
-  checkpoint) is folded into a new checkpoint as the call that passed it ends.
+  is at worst a miss: reads verify); a call whose changes would take the journal past
+  ``journal.MAX_BYTES`` (and twice the checkpoint) writes a new checkpoint instead.
   Each sync also saves the write budget's record in the first folder, so a restart counts
   what the folder wrote in the last day (a crash forgets the writes since the last sync).
 
@@ -41,7 +41,6 @@ fields and may be called from another.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import itertools
 import logging
@@ -210,13 +209,19 @@ class SlotStore:
     def _replay(self, records: list[journal.Record]) -> None:
         """The journal's changes over the checkpoint's index, as the store made them, up to
         one that does not fit it (a key held already, a slot still held by another, a parent
-        not held): the rest is not used. A write is also a use of its key (each parent after
-        its children, whatever record comes next: a journal cut inside a batch leaves the
-        order the rules want, and the batch's closing use gives the order the store had).
+        not held): the rest is not used. A run of writes is also a use of its keys as the run
+        ends (each parent after its children, whatever record comes next: a journal cut
+        inside a batch leaves the order the rules want, and the batch's closing use gives the
+        order the store had; once per run, as the store does once per batch, so a long chain
+        costs its length, not its square).
         The free slots are those held by nothing after."""
         by_slot = {slot: key for key, slot in self._index.items()}  # (last written there)
         done = 0
+        run: list[str] = []  # the keys of the writes since the last other record
         for record in records:
+            if record[0] != "w" and run:
+                self._touch(run)
+                run = []
             if record[0] == "w":
                 _, slot, seq, key, parent = record
                 holder = by_slot.get(slot)
@@ -231,13 +236,14 @@ class SlotStore:
                 self._index[key] = slot
                 by_slot[slot] = key
                 self._link(key, parent)
-                self._touch([key])
+                run.append(key)
                 self._seq = max(self._seq, seq)
             elif record[0] == "d":
                 self._drop(record[1])
             else:
                 self._touch(record[1])
             done += 1
+        self._touch(run)
         self.replayed = done
         if records:
             taken = set(self._index.values())
@@ -494,13 +500,12 @@ class SlotStore:
     def tick(self) -> None:
         """Housekeeping the owner calls when idle, at least every second or so (the third
         tier's IO thread does): a sync due ``sync_s`` after the first unsynced write; a journal
-        past its bound folded into a new checkpoint; one that failed started again (at most
-        once a ``CHECKPOINT_RETRY_S``)."""
+        that failed started again (at most once a ``CHECKPOINT_RETRY_S``)."""
         if self._dirty_since is not None and time.monotonic() - self._dirty_since >= self.sync_s:
             self.sync()
-        if self._journal is not None:
-            self._fold_if_long()
-        elif time.monotonic() - self._checkpoint_failed_at >= CHECKPOINT_RETRY_S:
+        if self._journal is None and (
+            time.monotonic() - self._checkpoint_failed_at >= CHECKPOINT_RETRY_S
+        ):
             self._new_checkpoint()  # (the journal failed: tried again)
 
     def sync(self) -> None:
@@ -658,34 +663,52 @@ class SlotStore:
             log.warning("disk: the index's checkpoint or journal was not written (%s): a "
                         "start after a crash scans the slots", exc)  # fmt: skip
             self._checkpoint_failed_at = time.monotonic()
-            self._token = ""
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(folder, journal.NAME))
-
-    def _fold_if_long(self) -> None:
-        """A new checkpoint once the journal passed ``journal.MAX_BYTES`` and twice the last
-        checkpoint (the next open's replay stays short; the checkpoint's cost is amortized)."""
-        assert self._journal is not None
-        if self._journal.bytes >= max(journal.MAX_BYTES, 2 * self._checkpoint_bytes):
-            self._new_checkpoint()
+            self._disown_journal()
 
     def _flush_journal(self) -> None:
-        """Append the changes of the call ending to the journal (failing: see
-        ``_new_checkpoint``)."""
+        """Append the changes of the call ending to the journal, or, where they would take it
+        to ``journal.bound`` (``journal.MAX_BYTES`` and twice the last checkpoint), write a new
+        checkpoint, which holds them, instead (the next open's replay stays short, the
+        checkpoint's cost is amortized, and a journal is never longer than a reader takes).
+        Failing: see ``_new_checkpoint``."""
         if self._journal is None:
             return
+        data = self._journal.take()
+        if not data:
+            return
+        if self._journal.bytes + len(data) >= journal.bound(self._checkpoint_bytes):
+            self._new_checkpoint()
+            return
         try:
-            self._journal.flush()
-            self._fold_if_long()  # (a store never idle folds it too)
+            self._journal.append(data)
         except OSError as exc:
             log.warning("disk: the journal could not be written (%s): a start after a crash "
                         "scans the slots", exc)  # fmt: skip
             self._journal.close()
             self._journal = None
             self._checkpoint_failed_at = time.monotonic()
-            self._token = ""
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.folders[0].path, journal.NAME))
+            self._disown_journal()
+
+    def _disown_journal(self) -> None:
+        """The journal on the drive no longer holds every change: remove it (the next open
+        after a crash scans); where it cannot be, remove the checkpoint it follows instead,
+        and the one that replaced it, so that neither is trusted with it."""
+        self._token = ""
+        folder = self.folders[0].path
+        try:
+            os.unlink(os.path.join(folder, journal.NAME))
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.error("disk: the journal could not be removed (%s): the checkpoint goes", exc)
+        try:
+            os.unlink(os.path.join(folder, checkpoint.NAME))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.error("disk: the checkpoint could not be removed either (%s): a start after a "
+                      "crash may find pages written since as free (reads verify)", exc)  # fmt: skip
 
     def _maybe_sync(self) -> None:
         now = time.monotonic()
