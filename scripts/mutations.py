@@ -1289,8 +1289,8 @@ MUTATIONS = [
     Mutation(
         "a-journal-of-any-length-is-read",
         "hicache/disk/journal.py",
-        "            too_long = os.fstat(fh.fileno()).st_size >= bound(checkpoint_bytes)\n",
-        "            too_long = False\n",
+        "    data = read_file(path, bound(checkpoint_bytes) - 1)\n",
+        "    data = read_file(path, 1 << 62)\n",
         ("tests/test_disk_store.py", "-k", "damaged_or_planted"),
     ),
     Mutation(

@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from hicache.disk.folder import MAX_SEQ, open_to_read, replace_file
+from hicache.disk.folder import MAX_SEQ, read_file, replace_file
 
 log = logging.getLogger("hicache.disk")
 
@@ -56,24 +56,14 @@ def read(
     bytes; None where there is none, it cannot be read, or it does not describe ``geometry``
     exactly (logged)."""
     path = os.path.join(folder, NAME)
-    try:
-        fd = open_to_read(path)
-    except FileNotFoundError:
+    data = read_file(path, ENTRY_MAX * (slots + 1))  # (None: logged; the slots are scanned)
+    if data is None:
         return None
-    except OSError as exc:
-        log.warning("disk: %s unreadable (%s): the slots are scanned", path, exc)
-        return None
+    size = len(data)
     try:
-        with os.fdopen(fd, "r", encoding="utf-8") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            too_big = size > ENTRY_MAX * (slots + 1)
-            lines = [] if too_big else fh.read().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
+        lines = data.decode().splitlines()
+    except UnicodeDecodeError as exc:
         log.warning("disk: %s unusable (%s): the slots are scanned", path, exc)
-        return None
-    if too_big:
-        log.warning("disk: %s is larger than %d slots' entries: the slots are scanned", path,
-                    slots)  # fmt: skip
         return None
     try:
         head = json.loads(lines[0]) if lines else None

@@ -134,20 +134,34 @@ def open_to_read(path: str) -> int:
     return fd
 
 
-def read_note(folder: str, name: str) -> str | None:
-    """The text of the folder's small file ``name`` (None: none, or unreadable: logged)."""
-    path = os.path.join(folder, name)
+def read_file(path: str, most: int) -> bytes | None:
+    """The bytes of the folder's file at ``path`` (``open_to_read``); None where there is
+    none, it cannot be read, or it holds more than ``most`` bytes (logged: what the store
+    writes is never that long; it is not read into memory)."""
     try:
         fd = open_to_read(path)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        log.warning("disk: %s unreadable (%s): ignored", path, str(exc))
+        log.warning("disk: %s unreadable (%s)", path, str(exc))
         return None
     try:
-        data = os.read(fd, NOTE_MAX)
-    finally:
-        os.close(fd)
+        with os.fdopen(fd, "rb") as fh:
+            if os.fstat(fh.fileno()).st_size > most:
+                log.warning("disk: %s is longer than %d bytes: not ours, not read", path, most)
+                return None
+            return fh.read()
+    except OSError as exc:
+        log.warning("disk: %s unreadable (%s)", path, str(exc))
+        return None
+
+
+def read_note(folder: str, name: str) -> str | None:
+    """The text of the folder's small file ``name`` (None: none, or unreadable: logged)."""
+    path = os.path.join(folder, name)
+    data = read_file(path, NOTE_MAX)
+    if data is None:
+        return None
     try:
         return data.decode()
     except UnicodeDecodeError:

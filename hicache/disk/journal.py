@@ -34,7 +34,7 @@ import logging
 import os
 from typing import Any
 
-from hicache.disk.folder import MAX_SEQ, open_to_read, replace_file
+from hicache.disk.folder import MAX_SEQ, open_to_read, read_file, replace_file
 
 log = logging.getLogger("hicache.disk")
 
@@ -117,22 +117,8 @@ def read(folder: str, token: str, slots: int, checkpoint_bytes: int) -> list[Rec
     it cannot be read, it follows another checkpoint, or it is longer than the store ever
     lets one grow after a checkpoint of ``checkpoint_bytes`` (``bound``)."""
     path = os.path.join(folder, NAME)
-    try:
-        fd = open_to_read(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        log.warning("disk: %s unreadable (%s)", path, exc)
-        return None
-    try:
-        with os.fdopen(fd, "rb") as fh:
-            too_long = os.fstat(fh.fileno()).st_size >= bound(checkpoint_bytes)
-            data = b"" if too_long else fh.read()
-    except OSError as exc:
-        log.warning("disk: %s unreadable (%s)", path, exc)
-        return None
-    if too_long:
-        log.warning("disk: %s is longer than any journal the store writes", path)
+    data = read_file(path, bound(checkpoint_bytes) - 1)
+    if data is None:
         return None
     lines = data.split(b"\n")
     try:

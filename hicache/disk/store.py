@@ -705,7 +705,7 @@ class SlotStore:
         try:
             os.unlink(os.path.join(folder, checkpoint.NAME))
         except FileNotFoundError:
-            pass
+            return  # (none to trust)
         except OSError as exc:
             log.error("disk: the checkpoint could not be removed either (%s): a start after a "
                       "crash may find pages written since as free (reads verify)", exc)  # fmt: skip
