@@ -179,7 +179,7 @@ class SlotStore:
         self.scanned = self.recovered = 0
         self.replayed = 0  # journal records replayed over the checkpoint at the open
         self.scan_seconds = 0.0
-        self.from_checkpoint = False  # the index came from the last clean close's checkpoint
+        self.from_checkpoint = False  # the index came from the checkpoint and its journal
         self._geometry = {
             "slots": self.files.count,
             "slot_bytes": self.files.slot_bytes,
