@@ -1,8 +1,11 @@
 """The disk tier: its store against fio on the same file system, and end to end, side by side
 in one run.
 
-    .venv/bin/python -m scripts.bench_disk [--part raw|e2e|both] [--dir DIR] [--mib 512]
-        [--pages-kib 256,1024] [--seed 11] [--restart-slots 65536]
+    .venv/bin/python -m scripts.bench_disk [--part raw|e2e|both|restart|latency] [--dir DIR]
+        [--mib 512] [--pages-kib 256,1024] [--seed 11] [--restart-slots 65536] [--samples 20]
+
+``--part latency`` (``disk_latency.py``): a disk hit's latency against a host hit's through
+the daemon, for a one-page and a 64-page prompt, two page shapes, both kinds of daemon.
 
 ``--part restart``: a daemon's store killed with SIGKILL after writing ``--restart-slots``
 pages (4 KiB each: a start's cost is per slot, not per byte), then opened again from its
@@ -214,14 +217,21 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=None, help="where (default: the temp folder)")
     ap.add_argument("--mib", type=int, default=512, help="MiB written and read per page size")
     ap.add_argument("--pages-kib", default="256,1024", help="page sizes, KiB, comma-separated")
-    ap.add_argument("--part", choices=("raw", "e2e", "both", "restart"), default="raw")
+    ap.add_argument("--part", choices=("raw", "e2e", "both", "restart", "latency"), default="raw")
     ap.add_argument("--restart-slots", type=int, default=65536, help="restart: pages written")
     ap.add_argument("--rounds", type=int, default=5, help="raw: store and fio runs, paired")
     ap.add_argument("--seed", type=int, default=11, help="the e2e traces' seed")
+    ap.add_argument("--samples", type=int, default=20, help="latency: host/disk pairs per row")
     args = ap.parse_args()
     out: dict[str, object] = {}
     if args.part == "restart":
         out["restart"] = restart_run(args.dir, args.restart_slots)
+        print(json.dumps(out))
+        return
+    if args.part == "latency":
+        from scripts import disk_latency
+
+        out["latency"] = disk_latency.run(args.samples, args.dir)
         print(json.dumps(out))
         return
     if args.part in ("e2e", "both"):

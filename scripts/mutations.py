@@ -1349,6 +1349,13 @@ MUTATIONS = [
         "                self._touch([key])\n",
         ("tests/test_disk_store.py", "-k", "long_chain_replays"),
     ),
+    Mutation(
+        "latency-bench-evicts-only-the-prompts-length",
+        "scripts/disk_latency.py",
+        "            hc.evict(host_tokens=ALL)\n",
+        "            hc.evict(host_tokens=len(tokens))\n",
+        ("tests/test_disk_latency.py",),
+    ),
 ]
 
 
