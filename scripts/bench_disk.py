@@ -22,10 +22,11 @@ checkout's file system, where direct I/O works) writes MiB of distinct pages, th
 back (direct I/O: no page cache in between), 128 pages per call (the third tier's batch; its
 I/O threads, 4, write and read them at once); fio writes and reads a file of the same size
 with the store's own I/O size (a slot: its header block and the padded page), O_DIRECT, with
-4 jobs of depth 1
-(``psync``: the store's four threads) and, as the drive's ceiling, io_uring at depth 16.
-Each page size runs ``--rounds`` times, the store then fio each time (the drive's speed drifts:
-each round's ratio pairs runs a few seconds apart). Prints a line per page size and one JSON
+4 jobs of depth 1 (``psync``: the store's four threads) and, as the drive's ceiling, io_uring
+at depth 16. Each page size runs ``--rounds`` times; in each, the store's writes sit beside
+fio's, then its reads beside fio's, the store first in even rounds and fio first in odd ones
+(the drive's speed drifts within seconds: a pair's two runs are adjacent, and which one the
+drift favours alternates). Prints a line per page size and one JSON
 object last: each throughput in GB/s (medians) and the store's ratio to fio at its own
 concurrency (the median of the rounds' ratios, and each) and to the ceiling. And, after each
 store read, plain ``os.preadv`` calls by 4 threads into the same pages the store read into:
@@ -36,6 +37,7 @@ distinct pages, as a pool's would; the plain reads tell the store's own cost apa
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -97,40 +99,55 @@ def plain_read(store: SlotStore, count: int, into: list[np.ndarray]) -> float:
     return count * slot / (time.perf_counter() - start) / 1e9
 
 
-def store_run(folder: Path, page_bytes: int, total: int) -> tuple[float, float, float, int]:
-    """(write GB/s, read GB/s, plain preadv read GB/s, slot bytes) of the store, BATCH values
-    per call."""
-    slot = ALIGN + -(-page_bytes // ALIGN) * ALIGN
-    count = max(8, total // slot)
-    store = SlotStore([str(folder)], count * slot, page_bytes, budget_bytes_per_day=1 << 50)
-    try:
+class StoreRun:
+    """A ``SlotStore`` in ``folder`` holding ``total`` bytes of ``page_bytes`` pages, timed a
+    phase at a time (so that each phase sits beside fio's): ``write`` then ``read`` then
+    ``plain``, each in GB/s of slots, BATCH values per call. ``close`` removes nothing."""
+
+    def __init__(self, folder: Path, page_bytes: int, total: int):
+        self.page_bytes = page_bytes
+        self.slot = ALIGN + -(-page_bytes // ALIGN) * ALIGN
+        self.count = max(8, total // self.slot)
+        self.store = SlotStore(
+            [str(folder)], self.count * self.slot, page_bytes, budget_bytes_per_day=1 << 50
+        )
         rng = np.random.default_rng(0)
-        pages = []  # (page-aligned, as a pool's pages are: written from and read into as is)
+        self.pages = []  # (page-aligned, as a pool's pages are: written from and read into)
         for _ in range(8):
             page = np.frombuffer(aligned(page_bytes), np.uint8)[:page_bytes]
             page[:] = rng.integers(0, 256, page_bytes, np.uint8)
-            pages.append(page)
-        tail = bytes(16)
+            self.pages.append(page)
+        self.into = [
+            np.frombuffer(aligned(page_bytes), np.uint8)[:page_bytes] for _ in range(BATCH)
+        ]
+
+    def write(self) -> float:
+        tail, count = bytes(16), self.count
         start = time.perf_counter()
         for at in range(0, count, BATCH):
             span = range(at, min(count, at + BATCH))
-            assert all(store.put_many([(f"k{i}", [memoryview(pages[i % 8])], tail) for i in span]))
-        store.sync()
-        wrote = count * slot / (time.perf_counter() - start) / 1e9
-        into = [np.frombuffer(aligned(page_bytes), np.uint8)[:page_bytes] for _ in range(BATCH)]
+            items = [(f"k{i}", [memoryview(self.pages[i % 8])], tail) for i in span]
+            assert all(self.store.put_many(items))
+        self.store.sync()
+        return count * self.slot / (time.perf_counter() - start) / 1e9
+
+    def read(self) -> float:
+        count, last = self.count, 0
         start = time.perf_counter()
-        last = 0
         for at in range(0, count, BATCH):
             keys = [f"k{i}" for i in range(at, min(count, at + BATCH))]
-            got = store.get_many([(k, [memoryview(into[j])]) for j, k in enumerate(keys)])
+            got = self.store.get_many([(k, [memoryview(self.into[j])]) for j, k in enumerate(keys)])
             assert all(t is not None for t in got)
             last = at
-        read = count * slot / (time.perf_counter() - start) / 1e9
-        assert bytes(into[0]) == bytes(pages[last % 8])  # (the last batch's first value)
-        plain = plain_read(store, count, into)
-    finally:
-        store.close()
-    return wrote, read, plain, slot
+        read = count * self.slot / (time.perf_counter() - start) / 1e9
+        assert bytes(self.into[0]) == bytes(self.pages[last % 8])  # (the last batch's first)
+        return read
+
+    def plain(self) -> float:
+        return plain_read(self.store, self.count, self.into)
+
+    def close(self) -> None:
+        self.store.close()
 
 
 _KILLED_WRITER = """
@@ -248,18 +265,32 @@ def main() -> None:
     try:
         for kib in (int(k) for k in args.pages_kib.split(",")):
             total = args.mib << 20
-            rounds = []  # each: store, then fio at its concurrency, then fio's ceiling
+            rounds = []  # each: store, fio at its concurrency, fio's ceiling, plain reads
             for n in range(args.rounds):
-                wrote, read, plain, slot = store_run(base / f"store-{kib}-{n}", kib << 10, total)
-                shutil.rmtree(base / f"store-{kib}-{n}")
-                size = total // slot * slot
+                run = StoreRun(base / f"store-{kib}-{n}", kib << 10, total)
+                slot = run.slot
+                size = run.count * slot
                 data = base / f"fio-{kib}.dat"
-                fio_w1 = fio(data, "write", slot, size, "psync", 1, THREADS)
-                fio_r1 = fio(data, "read", slot, size, "psync", 1, THREADS)
+                took: dict[str, float] = {}
+                try:  # each phase beside fio's; who goes first alternates (drift falls on both)
+                    for rw in ("write", "read"):
+                        steps = {
+                            "store": getattr(run, rw),
+                            "fio": functools.partial(
+                                fio, data, rw, slot, size, "psync", 1, THREADS
+                            ),
+                        }
+                        for who in ("store", "fio") if n % 2 == 0 else ("fio", "store"):
+                            took[f"{who}_{rw}"] = steps[who]()
+                    plain = run.plain()
+                finally:
+                    run.close()
+                    shutil.rmtree(base / f"store-{kib}-{n}")
                 fio_w16 = fio(data, "write", slot, size, "io_uring", 16)
                 fio_r16 = fio(data, "read", slot, size, "io_uring", 16)
                 data.unlink()
-                rounds.append((wrote, read, fio_w1, fio_r1, fio_w16, fio_r16, plain))
+                rounds.append((took["store_write"], took["store_read"], took["fio_write"],
+                               took["fio_read"], fio_w16, fio_r16, plain))  # fmt: skip
             mid = [float(np.median(col)) for col in zip(*rounds, strict=True)]
             wrote, read, fio_w1, fio_r1, fio_w16, fio_r16, plain = mid
             w_ratio = float(np.median([r[0] / r[2] for r in rounds]))
