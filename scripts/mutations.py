@@ -1356,6 +1356,27 @@ MUTATIONS = [
         "            hc.evict(host_tokens=len(tokens))\n",
         ("tests/test_disk_latency.py",),
     ),
+    Mutation(
+        "huge-pages-counted-of-every-mapping",
+        "hicache/memory/huge_pages.py",
+        "                    inside = start < end and address < stop\n",
+        "                    inside = True\n",
+        ("tests/test_huge_pages.py", "-k", "only_the_mappings"),
+    ),
+    Mutation(
+        "a-disk-daemon-never-says-whether-its-pool-has-huge-pages",
+        "daemon/server.py",
+        '        if l3 is None or not (l3.url.startswith("disk://") or "disk" in l3.options):\n',
+        "        if True:\n",
+        ("tests/test_huge_pages.py", "-k", "says_at_start"),
+    ),
+    Mutation(
+        "an-engine-daemons-pool-huge-pages-named-device",
+        "daemon/server.py",
+        '                names.key(f"{tier}_huge_page_bytes"): pool.huge_page_bytes()\n',
+        '                f"{tier}_huge_page_bytes": pool.huge_page_bytes()\n',
+        ("tests/test_huge_pages.py", "-k", "engines_names"),
+    ),
 ]
 
 

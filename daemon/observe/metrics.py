@@ -32,6 +32,7 @@ BY_TIER = {
     "evictable_tokens": "cached tokens with no lock now, by tier",
     "evicted_tokens": "tokens evicted, by tier",
     "hit_tokens": "prompt tokens found cached, by tier",
+    "huge_page_bytes": "bytes of a pool on huge pages, by tier",
 }
 
 

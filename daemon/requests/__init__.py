@@ -17,6 +17,7 @@ _EXPORTS = {
     "Handlers": "hicache.daemon.requests.handlers",
     "IDLE_BUDGET_S": "hicache.daemon.requests.capacity_feed",
     "L3Waits": "hicache.daemon.requests.l3_waits",
+    "TierNames": "hicache.daemon.requests.tier_names",
     "Transport": "hicache.daemon.requests.context",
     "ViewBudget": "hicache.daemon.requests.view_budget",
     "WAKE_ID": "hicache.daemon.requests.l3_waits",
@@ -28,6 +29,7 @@ __all__ = [
     "Handlers",
     "IDLE_BUDGET_S",
     "L3Waits",
+    "TierNames",
     "Transport",
     "ViewBudget",
     "WAKE_ID",
@@ -41,4 +43,5 @@ if TYPE_CHECKING:
     from hicache.daemon.requests.engine_tier import EngineTier
     from hicache.daemon.requests.handlers import Handlers, printable
     from hicache.daemon.requests.l3_waits import WAKE_ID, L3Waits
+    from hicache.daemon.requests.tier_names import TierNames
     from hicache.daemon.requests.view_budget import ViewBudget

@@ -36,6 +36,7 @@ _EXPORTS = {
     "pinned_span": "hicache.memory.backing",
     "register_pinned": "hicache.memory.backing",
     "EngineLayout": "hicache.memory.engine_layout",
+    "huge_page_bytes": "hicache.memory.huge_pages",
     "DEFAULT_GRACE_S": "hicache.memory.kept",
     "HOST": "hicache.memory.kept",
     "KEEP": "hicache.memory.kept",
@@ -83,6 +84,7 @@ __all__ = [
     "attach_shared_memory",
     "expired",
     "free_kept",
+    "huge_page_bytes",
     "instance_alive",
     "list_kept",
     "names_snapshot",
@@ -110,6 +112,7 @@ if TYPE_CHECKING:
         register_pinned,
     )
     from hicache.memory.engine_layout import EngineLayout
+    from hicache.memory.huge_pages import huge_page_bytes
     from hicache.memory.kept import (
         DEFAULT_GRACE_S,
         HOST,

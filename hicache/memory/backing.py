@@ -201,6 +201,16 @@ class SharedMemoryBacking(Backing):
     def describe(self) -> dict:
         return {"kind": "shm", "name": self.name, "path": self.path, "nbytes": self.nbytes}
 
+    def huge_page_bytes(self) -> int:
+        """Bytes of the mapping the kernel backs with huge pages (huge_pages.py); reads
+        /proc/self/smaps: call once, not per request."""
+        if self._mm is None or not self.nbytes:
+            return 0
+        from hicache.memory.huge_pages import huge_page_bytes
+
+        address = torch.frombuffer(memoryview(self._mm), dtype=torch.uint8, count=1).data_ptr()
+        return huge_page_bytes(address, self.nbytes)
+
     def close(self) -> None:
         _unmap(self)
         if self.keep:

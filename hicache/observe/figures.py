@@ -45,6 +45,9 @@ def _pool(tier: str) -> tuple[Figure, ...]:
                "lock", section, "evictable_tokens", tier, always=False),
         Figure(f"evicted_{tier}_tokens", "counter", "tokens", f"tokens evicted from the {tier} "
                "tier", section, "evicted_tokens", tier),
+        Figure(f"{tier}_huge_page_bytes", "gauge", "bytes", f"bytes of the {tier} pool on huge "
+               "pages (the disk tier's direct I/O moves one piece per huge page, not per 4 KiB)",
+               section, "huge_page_bytes", tier, always=False),
     )  # fmt: skip
 
 
