@@ -363,7 +363,7 @@ class Daemon:
 
     def _hint_huge_pages(self, pool: object, huge: int | None) -> None:
         """With a disk tier, say at start whether the pool its direct I/O reads into is on
-        huge pages, and how to get them (1.6x faster reads measured: docs/disk-tier.md)."""
+        huge pages, and how to get them (1.7x-2x faster reads measured: docs/disk-tier.md)."""
         l3 = self.settings.l3
         if l3 is None or not (l3.url.startswith("disk://") or "disk" in l3.options):
             return
@@ -375,7 +375,7 @@ class Daemon:
         log.info(
             "disk: the pool %s is on 4 KiB pages: direct I/O moves each page of KV in 4 KiB "
             "pieces; `mount -o remount,huge=within_size %s` (before the daemon starts) puts "
-            "pools on huge pages, and disk reads ran 1.6x faster so (docs/disk-tier.md)",
+            "pools on huge pages, and disk reads ran 1.7x-2x faster so (docs/disk-tier.md)",
             pool.path,
             os.path.dirname(pool.path),
         )

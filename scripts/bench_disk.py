@@ -52,6 +52,7 @@ import numpy as np
 
 from hicache.disk import ALIGN, SlotStore, aligned
 from hicache.l3 import L3Config
+from hicache.memory import SharedMemoryBacking
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,15 +112,21 @@ class StoreRun:
         self.store = SlotStore(
             [str(folder)], self.count * self.slot, page_bytes, budget_bytes_per_day=1 << 50
         )
+        # the pages live in a shared-memory file in /dev/shm, as a daemon's pool does (on huge
+        # pages where that tmpfs gives them: ``huge``, the share of the bytes that are)
+        self.pool = SharedMemoryBacking(f"hicache-bench-disk-{os.getpid()}-{page_bytes}")
+        try:
+            buf = self.pool.allocate((8 + BATCH) * page_bytes, "bench pages").numpy()
+        except BaseException:
+            self.store.close()
+            raise
+        self.huge = self.pool.huge_page_bytes() / len(buf)
         rng = np.random.default_rng(0)
-        self.pages = []  # (page-aligned, as a pool's pages are: written from and read into)
-        for _ in range(8):
-            page = np.frombuffer(aligned(page_bytes), np.uint8)[:page_bytes]
+        views = [buf[i * page_bytes : (i + 1) * page_bytes] for i in range(8 + BATCH)]
+        self.pages = views[:8]  # (written from)
+        for page in self.pages:
             page[:] = rng.integers(0, 256, page_bytes, np.uint8)
-            self.pages.append(page)
-        self.into = [
-            np.frombuffer(aligned(page_bytes), np.uint8)[:page_bytes] for _ in range(BATCH)
-        ]
+        self.into = views[8:]  # (read into, BATCH of them: a call's pages)
 
     def write(self) -> float:
         tail, count = bytes(16), self.count
@@ -148,6 +155,8 @@ class StoreRun:
 
     def close(self) -> None:
         self.store.close()
+        self.pages = self.into = []
+        self.pool.close()
 
 
 _KILLED_WRITER = """
@@ -291,12 +300,14 @@ def main() -> None:
                 data.unlink()
                 rounds.append((took["store_write"], took["store_read"], took["fio_write"],
                                took["fio_read"], fio_w16, fio_r16, plain))  # fmt: skip
+                huge = run.huge
             mid = [float(np.median(col)) for col in zip(*rounds, strict=True)]
             wrote, read, fio_w1, fio_r1, fio_w16, fio_r16, plain = mid
             w_ratio = float(np.median([r[0] / r[2] for r in rounds]))
             r_ratio = float(np.median([r[1] / r[3] for r in rounds]))
             row = {
                 "slot_bytes": slot,
+                "pages_on_huge_pages": round(huge, 3),
                 "rounds": args.rounds,
                 "store_write_gbs": round(wrote, 3),
                 "store_read_gbs": round(read, 3),
@@ -316,7 +327,8 @@ def main() -> None:
             }
             out[f"page_{kib}k"] = row
             print(
-                f"page {kib:5d} KiB (slot {slot} B), median of {args.rounds} rounds: store "
+                f"page {kib:5d} KiB (slot {slot} B, pages {huge:.0%} on huge pages), median of "
+                f"{args.rounds} rounds: store "
                 f"write {wrote:.2f} GB/s, read {read:.2f} GB/s; fio 4 jobs x depth 1 "
                 f"{fio_w1:.2f} / {fio_r1:.2f}, io_uring depth 16 {fio_w16:.2f} / {fio_r16:.2f}; "
                 f"store / fio 4 x 1 (paired per round): write {row['write_vs_fio_4x1']} "

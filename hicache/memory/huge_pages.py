@@ -4,7 +4,7 @@ entry), read from ``/proc/self/smaps``.
 Why it matters: the disk tier reads and writes a pool's pages with direct I/O, and the kernel
 hands a drive one piece of memory per physically contiguous run. A 256 KiB page on 4 KiB
 pages is 64 pieces; on a huge page it is one. On this project's virtual machine that made
-direct reads into the pool 1.6x faster (docs/disk-tier.md). A pool in /dev/shm gets huge
+direct reads into the pool 1.7x-2x faster (docs/disk-tier.md). A pool in /dev/shm gets huge
 pages only where that tmpfs was mounted with ``huge=within_size`` (or ``always``); private
 memory where transparent huge pages are on. Nothing here changes a mapping.
 """
