@@ -1215,8 +1215,8 @@ MUTATIONS = [
     Mutation(
         "the-journal-forgets-uses",
         "hicache/disk/store.py",
-        "        if self._journal is not None and keys:\n",
-        "        if False:\n",
+        '            self._log.add(("t", list(keys)))\n',
+        "            pass\n",
         (
             "tests/test_disk_store.py::test_a_crash_finds_the_index_again_from_the_journal_without_a_scan",
         ),
@@ -1224,8 +1224,7 @@ MUTATIONS = [
     Mutation(
         "the-journal-forgets-evictions",
         "hicache/disk/store.py",
-        "            if self._journal is not None:\n"
-        '                self._journal.add(("d", key))\n',
+        '            self._log.add(("d", key))\n',
         "",
         (
             "tests/test_disk_store.py::test_a_crash_finds_the_index_again_from_the_journal_without_a_scan",
@@ -1234,9 +1233,8 @@ MUTATIONS = [
     Mutation(
         "the-journal-forgets-writes",
         "hicache/disk/store.py",
-        "                    self._journal.add("
-        '("w", slot, header.seq, header.key, header.parent))\n',
-        "                    pass  # (not journaled)\n",
+        '                self._log.add(("w", slot, header.seq, header.key, header.parent))\n',
+        "                pass  # (not journaled)\n",
         (
             "tests/test_disk_store.py::"
             "test_a_sigkill_mid_write_loses_nothing_written_and_serves_nothing_torn",
@@ -1253,15 +1251,15 @@ MUTATIONS = [
     ),
     Mutation(
         "the-disk-journal-grows-past-its-bound",
-        "hicache/disk/store.py",
-        "        if self._journal.bytes + len(data) >= journal.bound(self._checkpoint_bytes):",
+        "hicache/disk/index_log.py",
+        "        if self._journal.bytes + len(data) >= journal.bound(self.checkpoint_bytes):",
         "        if False:",
         ("tests/test_disk_store.py", "-k", "stays_under_its_bound"),
     ),
     Mutation(
         "a-disk-journal-that-failed-stays-to-be-replayed",
-        "hicache/disk/store.py",
-        "            os.unlink(os.path.join(folder, journal.NAME))\n            return\n",
+        "hicache/disk/index_log.py",
+        "            os.unlink(os.path.join(self.folder, journal.NAME))\n            return\n",
         "            return\n",
         ("tests/test_disk_store.py", "-k", "stays_under_its_bound"),
     ),
@@ -1337,8 +1335,8 @@ MUTATIONS = [
     ),
     Mutation(
         "a-journal-that-cannot-be-removed-keeps-its-checkpoint",
-        "hicache/disk/store.py",
-        "            os.unlink(os.path.join(folder, checkpoint.NAME))\n",
+        "hicache/disk/index_log.py",
+        "            os.unlink(os.path.join(self.folder, checkpoint.NAME))\n",
         "            pass\n",
         ("tests/test_disk_store.py", "-k", "cannot_be_removed"),
     ),

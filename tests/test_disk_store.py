@@ -949,7 +949,7 @@ def test_the_journal_stays_under_its_bound_and_a_failing_one_means_a_scan(tmp_pa
     to append to is removed (a crash then scans, never replays a journal that misses changes)
     and started again a minute later."""
     from hicache.disk import journal
-    from hicache.disk import store as store_module
+    from hicache.disk import index_log
 
     folder = tmp_path / "d"
     store = _chain_store(folder, 8)
@@ -993,7 +993,7 @@ def test_the_journal_stays_under_its_bound_and_a_failing_one_means_a_scan(tmp_pa
         monkeypatch.setattr(journal.Journal, "append", fail)
         assert _put_chain(store, ["z"]) == [True]
         monkeypatch.undo()
-        monkeypatch.setattr(store_module, "CHECKPOINT_RETRY_S", 0.0)
+        monkeypatch.setattr(index_log, "CHECKPOINT_RETRY_S", 0.0)
         store.tick()  # (tried again: journaling resumes)
         assert (folder / "journal").exists()
         assert _put_chain(store, ["w"]) == [True]

@@ -2,7 +2,7 @@
 
 Open: each folder is made private or checked and locked (``folder.py``), its data file
 preallocated to its share of ``capacity_bytes``; then the index is read from its checkpoint
-and the journal of every change after it (``checkpoint.py``, ``journal.py``: a clean close,
+and the journal of every change after it (``index_log.py``, which writes them: a clean close,
 a SIGKILL or any crash of the process alike), or else the slots' headers are scanned, within
 ``scan_s``, to find what the files hold (a slot not scanned in time, or whose header does not
 verify, is free). A key claimed by two slots keeps the newer. A new checkpoint and an empty
@@ -45,14 +45,13 @@ import errno
 import itertools
 import logging
 import os
-import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from hicache.disk import checkpoint, journal
+from hicache.disk import journal
 from hicache.disk.budget import WriteBudget
 from hicache.disk.folder import (
     ALIGN,
@@ -66,6 +65,7 @@ from hicache.disk.folder import (
     write_floor,
     write_note,
 )
+from hicache.disk.index_log import Entry, IndexLog
 from hicache.disk.recovery import recover
 from hicache.disk.slots import MAX_KEY, TRAILER_BYTES, Fault, Header, SlotFiles, as_bytes
 
@@ -74,7 +74,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 DATA_NAME = "slots.dat"
 BUDGET_NAME = "budget"  # the write budget's record, in the first folder
-CHECKPOINT_RETRY_S = 60.0  # a checkpoint or journal that failed is tried again this often
 CLEAR_GAP = 1 << 32  # a clear's floor is this far above the last write's sequence
 
 
@@ -161,12 +160,6 @@ class SlotStore:
         self._dropped: list[str] | None = None  # keys let go since take_dropped() (tracked)
         self._seq = 0
         self._dirty_since: float | None = None
-        self._journal: journal.Journal | None = None  # (None: not written; the next open
-        # then scans, or replays a stale journal: reads verify)
-        self._checkpoint_bytes = 0  # the last checkpoint's size
-        self._token = ""  # the checkpoint the journal on the drive follows, holding every
-        # change since it ("": none such: a journal that failed, or none)
-        self._checkpoint_failed_at = 0.0  # (monotonic) when writing one last failed
         # figures (read by other threads)
         self.hits = self.misses = 0
         self.written = self.written_bytes = self.read_bytes = 0
@@ -186,6 +179,8 @@ class SlotStore:
             "value_bytes": value_bytes,
             "folders": [os.path.realpath(f.path) for f in self.folders],
         }
+        # the index's checkpoint and journal (not journaling until the first checkpoint)
+        self._log = IndexLog(self.folders[0].path, self._geometry)
         self._recover(scan_s)
 
     # ---- what the drive holds ---------------------------------------------------------------
@@ -203,8 +198,7 @@ class SlotStore:
         self._replay(found.records)
         self._settle_recovered(started)
         # (the index now holds whatever the journal on the drive says, or what a scan found)
-        self._token = journal.follows(self.folders[0].path) or ""
-        self._new_checkpoint()
+        self._log.checkpoint(self._entries())
 
     def _replay(self, records: list[journal.Record]) -> None:
         """The journal's changes over the checkpoint's index, as the store made them, up to
@@ -337,8 +331,7 @@ class SlotStore:
             if error is None and (header.parent is None or header.parent in self._index):
                 self._index[header.key] = slot
                 self._link(header.key, header.parent)
-                if self._journal is not None:
-                    self._journal.add(("w", slot, header.seq, header.key, header.parent))
+                self._log.add(("w", slot, header.seq, header.key, header.parent))
                 written.append(header.key)
                 self.written += 1
                 self.written_bytes += self.files.slot_bytes
@@ -359,7 +352,7 @@ class SlotStore:
         for i, (key, _, _) in enumerate(items):  # (a duplicate is held if its first is)
             if key in taking and not out[i]:
                 out[i] = key in self._index
-        self._flush_journal()
+        self._log.flush(self._entries())
         if jobs:
             self._maybe_sync()
         return out
@@ -402,7 +395,7 @@ class SlotStore:
                 self.read_bytes += self.files.slot_bytes
         self._touch([key for (key, _), got in zip(items, out, strict=True) if got is not None])
         self.misses += sum(1 for got in out if got is None)
-        self._flush_journal()
+        self._log.flush(self._entries())
         return out
 
     def remove(self, keys: Sequence[str]) -> None:
@@ -410,7 +403,7 @@ class SlotStore:
         overwritten when reused)."""
         for key in keys:
             self._drop(key)
-        self._flush_journal()
+        self._log.flush(self._entries())
 
     def evict(self, count: int) -> int:
         """Free the ``count`` least recently used values; how many were freed."""
@@ -420,12 +413,11 @@ class SlotStore:
             self._unlink(key)
             if self._dropped is not None:
                 self._dropped.append(key)
-            if self._journal is not None:
-                self._journal.add(("d", key))
+            self._log.add(("d", key))
             self._free.append(slot)
             done += 1
         self.evicted += done
-        self._flush_journal()
+        self._log.flush(self._entries())
         return done
 
     def track_drops(self) -> None:
@@ -494,27 +486,24 @@ class SlotStore:
         self._parent.clear()
         self._kids.clear()
         self.cleared += held
-        self._new_checkpoint()  # (empty: the journal before it described what is gone)
+        self._log.checkpoint(self._entries())  # (empty: the journal described what is gone)
         return held
 
     def tick(self) -> None:
         """Housekeeping the owner calls when idle, at least every second or so (the third
         tier's IO thread does): a sync due ``sync_s`` after the first unsynced write; a journal
-        that failed started again (at most once a ``CHECKPOINT_RETRY_S``)."""
+        that failed started again (``IndexLog.retry_due``)."""
         if self._dirty_since is not None and time.monotonic() - self._dirty_since >= self.sync_s:
             self.sync()
-        if self._journal is None and (
-            time.monotonic() - self._checkpoint_failed_at >= CHECKPOINT_RETRY_S
-        ):
-            self._new_checkpoint()  # (the journal failed: tried again)
+        if self._log.retry_due():
+            self._log.checkpoint(self._entries())  # (the journal failed: tried again)
 
     def sync(self) -> None:
         """Make every write so far durable against a power loss (fdatasync), and save the
         write budget's record (what a later process counts)."""
         try:
             self.files.sync()
-            if self._journal is not None:
-                self._journal.sync()
+            self._log.sync()
             write_note(self.folders[0].path, BUDGET_NAME, self.budget.dump())
         except OSError as exc:
             log.warning("disk: fdatasync failed (%s)", str(exc))
@@ -557,9 +546,8 @@ class SlotStore:
             return
         self.sync()
         self._pool.shutdown(wait=True)
-        self._new_checkpoint()  # (the next open replays nothing)
-        if self._journal is not None:
-            self._journal.close()
+        self._log.checkpoint(self._entries())  # (the next open replays nothing)
+        self._log.close()
         for fd in self.files.fds:
             os.close(fd)
         self.files.close()
@@ -599,8 +587,8 @@ class SlotStore:
         its children (the invariant that makes the least recent value a leaf); what moved."""
         moved: set[str] = set()
         index, parent_of = self._index, self._parent
-        if self._journal is not None and keys:
-            self._journal.add(("t", list(keys)))
+        if keys:
+            self._log.add(("t", list(keys)))
         for key in reversed(keys):
             if key in moved:
                 continue  # (its prefixes moved after it already)
@@ -638,77 +626,14 @@ class SlotStore:
             self._unlink(at)
             if self._dropped is not None:
                 self._dropped.append(at)
-            if self._journal is not None:
-                self._journal.add(("d", at))
+            self._log.add(("d", at))
             self._free.append(slot)
 
-    def _new_checkpoint(self) -> None:
-        """Write the index as a checkpoint under a new token, then an empty journal after it
-        (the next open reads these instead of the headers). Failing (logged), the journal is
-        removed so that the next open scans, and journaling stops until a ``tick`` succeeds."""
-        folder = self.folders[0].path
-        replaces = self._token  # (what the new checkpoint holds all of)
-        if self._journal is not None:
-            self._journal.close()
-            self._journal = None
-        token = secrets.token_hex(8)
-        try:
-            index, parent = self._index, self._parent
-            entries = ((slot, self._seq, key, parent[key]) for key, slot in index.items())
-            self._checkpoint_bytes = checkpoint.write(
-                folder, self._geometry, entries, token, replaces
-            )
-            self._journal, self._token = journal.Journal(folder, token), token
-        except OSError as exc:
-            log.warning("disk: the index's checkpoint or journal was not written (%s): a "
-                        "start after a crash scans the slots", exc)  # fmt: skip
-            self._checkpoint_failed_at = time.monotonic()
-            self._disown_journal()
-
-    def _flush_journal(self) -> None:
-        """Append the changes of the call ending to the journal, or, where they would take it
-        to ``journal.bound`` (``journal.MAX_BYTES`` and twice the last checkpoint), write a new
-        checkpoint, which holds them, instead (the next open's replay stays short, the
-        checkpoint's cost is amortized, and a journal is never longer than a reader takes).
-        Failing: see ``_new_checkpoint``."""
-        if self._journal is None:
-            return
-        data = self._journal.take()
-        if not data:
-            return
-        if self._journal.bytes + len(data) >= journal.bound(self._checkpoint_bytes):
-            self._new_checkpoint()
-            return
-        try:
-            self._journal.append(data)
-        except OSError as exc:
-            log.warning("disk: the journal could not be written (%s): a start after a crash "
-                        "scans the slots", exc)  # fmt: skip
-            self._journal.close()
-            self._journal = None
-            self._checkpoint_failed_at = time.monotonic()
-            self._disown_journal()
-
-    def _disown_journal(self) -> None:
-        """The journal on the drive no longer holds every change: remove it (the next open
-        after a crash scans); where it cannot be, remove the checkpoint it follows instead,
-        and the one that replaced it, so that neither is trusted with it."""
-        self._token = ""
-        folder = self.folders[0].path
-        try:
-            os.unlink(os.path.join(folder, journal.NAME))
-            return
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            log.error("disk: the journal could not be removed (%s): the checkpoint goes", exc)
-        try:
-            os.unlink(os.path.join(folder, checkpoint.NAME))
-        except FileNotFoundError:
-            return  # (none to trust)
-        except OSError as exc:
-            log.error("disk: the checkpoint could not be removed either (%s): a start after a "
-                      "crash may find pages written since as free (reads verify)", exc)  # fmt: skip
+    def _entries(self) -> Iterator[Entry]:
+        """The index as a checkpoint holds it: (slot, sequence, key, parent), least recent
+        first (read lazily: only when a checkpoint is written)."""
+        parent = self._parent
+        return ((slot, self._seq, key, parent[key]) for key, slot in self._index.items())
 
     def _maybe_sync(self) -> None:
         now = time.monotonic()
