@@ -948,8 +948,7 @@ def test_the_journal_stays_under_its_bound_and_a_failing_one_means_a_scan(tmp_pa
     long as a reader refuses, and a crash replays only what came after; one the drive fails
     to append to is removed (a crash then scans, never replays a journal that misses changes)
     and started again a minute later."""
-    from hicache.disk import journal
-    from hicache.disk import index_log
+    from hicache.disk import index_log, journal
 
     folder = tmp_path / "d"
     store = _chain_store(folder, 8)
