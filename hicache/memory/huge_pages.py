@@ -6,7 +6,9 @@ hands a drive one piece of memory per physically contiguous run. A 256 KiB page 
 pages is 64 pieces; on a huge page it is one. On this project's virtual machine that made
 direct reads into the pool 1.7x-2x faster (docs/disk-tier.md). A pool in /dev/shm gets huge
 pages only where that tmpfs was mounted with ``huge=within_size`` (or ``always``); private
-memory where transparent huge pages are on. Nothing here changes a mapping.
+memory where transparent huge pages are on. Nothing here changes a mapping. Reading smaps
+walks the process's page tables once: 0.1 s for a pool of 8 GiB on 4 KiB pages here, which
+took 26 s to populate.
 """
 
 from __future__ import annotations
