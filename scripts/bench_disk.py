@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from hicache.disk import ALIGN, SlotStore, aligned
+from hicache.errors import InsufficientMemoryError
 from hicache.l3 import L3Config
 from hicache.memory import SharedMemoryBacking
 
@@ -114,13 +115,21 @@ class StoreRun:
         )
         # the pages live in a shared-memory file in /dev/shm, as a daemon's pool does (on huge
         # pages where that tmpfs gives them: ``huge``, the share of the bytes that are)
-        self.pool = SharedMemoryBacking(f"hicache-bench-disk-{os.getpid()}-{page_bytes}")
+        # (a /dev/shm too small for them, as a container's may be: process memory, said)
+        self.pool: SharedMemoryBacking | None = None
+        nbytes = (8 + BATCH) * page_bytes
         try:
-            buf = self.pool.allocate((8 + BATCH) * page_bytes, "bench pages").numpy()
+            self.pool = SharedMemoryBacking(f"hicache-bench-disk-{os.getpid()}-{page_bytes}")
+            buf = self.pool.allocate(nbytes, "bench pages").numpy()
+            self.huge = self.pool.huge_page_bytes() / len(buf)
+        except InsufficientMemoryError as exc:
+            print(f"bench_disk: the pages go in process memory ({exc})", flush=True)
+            self.pool = None
+            buf = np.frombuffer(aligned(nbytes), np.uint8)[:nbytes]
+            self.huge = 0.0
         except BaseException:
             self.store.close()
             raise
-        self.huge = self.pool.huge_page_bytes() / len(buf)
         rng = np.random.default_rng(0)
         views = [buf[i * page_bytes : (i + 1) * page_bytes] for i in range(8 + BATCH)]
         self.pages = views[:8]  # (written from)
@@ -156,7 +165,8 @@ class StoreRun:
     def close(self) -> None:
         self.store.close()
         self.pages = self.into = []
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 _KILLED_WRITER = """
