@@ -496,7 +496,7 @@ MUTATIONS = [
     Mutation(
         "disk-admits-pages-never-reused",
         "daemon/config/l3.py",
-        '    "reused": {"write_policy": "write_through_selective", "write_threshold": 2},',
+        '    "reused": {"write_policy": "write_through_adaptive", "write_threshold": 2},',
         '    "reused": {"write_policy": "write_through"},',
         ("tests/test_l3_daemons.py", "-k", "earned_it"),
     ),

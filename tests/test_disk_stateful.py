@@ -9,7 +9,8 @@ the KV computed for its prefix (a torn, flipped or lost slot is a miss, never wr
 KV events, replayed as a router would: what they say is on STORAGE is held by the disk (all of
 it, until a restart: an earlier daemon's pages are announced once read or offered again), each
 block under its store key's hash, and the tree's tiers are what the tree holds.
-Page sizes 1, 4 and 16; admission ``all`` and ``reused``; under a host pool and under the
+Page sizes 1, 4 and 16; admission ``all``, ``reused`` (which turns to writing at first sight
+and back as pages come back or not) and ``reused-strict``; under a host pool and under the
 one pool of an engine-tier daemon."""
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class DiskMachine(RuleBasedStateMachine):
     admission = "reused"
     host_tokens = 14  # pages of the host pool (0: the store sits under the one pool)
     seen = dict.fromkeys(
-        ("written", "from_disk", "restarts", "refused_budget", "bad", "on_storage", "off_storage"),
+        ("written", "from_disk", "restarts", "refused_budget", "bad", "on_storage", "off_storage",
+         "first_sight"),  # fmt: skip
         0,
     )
 
@@ -70,11 +72,16 @@ class DiskMachine(RuleBasedStateMachine):
             manual=False, page_size=ps, num_kv_heads=2, head_dim=2, device_tokens=10 * ps,
             host_tokens=self.host_tokens * ps, load_back_threshold=0,
         )  # fmt: skip
-        policy = {"all": "write_through", "reused": "write_through_selective"}[self.admission]
+        policy = {
+            "all": "write_through",
+            "reused": "write_through_adaptive",
+            "reused-strict": "write_through_selective",
+        }[self.admission]
         url = f"disk://{self.folder}?bytes={SLOTS * 8192}&budget={BUDGET_SLOTS * 8192}"
         self.lazy = LazyStore(url)
         cfg = L3Config(url, "m", write_policy=policy, write_threshold=2, close_drain_s=10.0)
         cache.attach_l3(L3Tier(cache, cfg, self.lazy, clock=self.clock))
+        cache.l3.admission.min_pages = 4  # (these runs are short: first sight turns on)
         cache.l3.drain()  # (its IO thread opens the disk as it starts)
         self.lazy.inner.slots.files.fault = self._fault
         self.router = TierModel()  # a router's view, from this daemon's events
@@ -114,6 +121,7 @@ class DiskMachine(RuleBasedStateMachine):
         self.seen["from_disk"] += c.adopted_pages
         self.seen["refused_budget"] += f["disk_budget_refused_writes"]
         self.seen["bad"] += f["disk_bad_slots"] + c.corrupt_pages
+        self.seen["first_sight"] += self.cache.l3.admission.first_sight
 
     # ---- rules ------------------------------------------------------------------------------
     @rule(s=st.integers(0, 4), pages=st.integers(1, 12))
@@ -271,15 +279,17 @@ SETTINGS = settings(
 )  # fmt: skip
 
 
-MACHINES = [(1, "all", 14), (4, "reused", 14), (16, "all", 14), (4, "all", 0), (16, "reused", 0)]
+MACHINES = [
+    (1, "all", 14), (4, "reused", 14), (16, "all", 14), (4, "all", 0), (16, "reused-strict", 0),
+]  # fmt: skip
 
 
 def test_random_runs_on_a_small_disk_went_through_every_path():
-    """The random runs keep every rule after every step (page sizes 1, 4, 16; admission all
-    and reused; under a host pool and under an engine-tier daemon's one pool), and went where
+    """The random runs keep every rule after every step (page sizes 1, 4, 16; admission all,
+    reused and reused-strict; under a host pool and under an engine-tier daemon's one pool), and went where
     it matters, counted from this test's own runs: pages written, served from the disk after
     restarts, writes refused past the budget, slots that did not hold their page, pages
-    announced on STORAGE and removed from it."""
+    announced on STORAGE and removed from it, reused writing at first sight."""
     seen = dict.fromkeys(DiskMachine.seen, 0)
     for ps, admission, host in MACHINES:
         machine = _machine(ps, admission, host)

@@ -632,7 +632,8 @@ def test_disk_admission_is_the_tiers_write_policy(tmp_path):
         assert got is not None
         return str(got.write_policy), got.write_threshold
 
-    assert l3() == ("write_through_selective", 2)  # reused once (1 at creation): the default
+    assert l3() == ("write_through_adaptive", 2)  # reused once (1 at creation): the default
+    assert l3("--disk-admission", "reused-strict") == ("write_through_selective", 2)
     assert l3("--disk-admission", "all")[0] == "write_through"
     assert l3("--disk-admission", "none")[0] == "none"
     for argv, text in [

@@ -383,10 +383,11 @@ def test_a_daemon_restarted_cold_serves_from_its_own_disk(tmp_path, how):
         stop_daemon(proc)
 
 
-@pytest.mark.parametrize("admission", ["reused", "none"])
+@pytest.mark.parametrize("admission", ["reused", "reused-strict", "none"])
 def test_the_disk_takes_only_pages_that_earned_it(tmp_path, admission):
-    """``--disk-admission reused`` (the default): a prompt computed once goes nowhere; once a
-    later prompt hits it, its pages (prefix first) go to the disk. ``none``: nothing does."""
+    """``--disk-admission reused`` (the default) and ``reused-strict``: a prompt computed once
+    goes nowhere (no page came back yet); once a later prompt hits it, its pages (prefix first)
+    go to the disk. ``none``: nothing does."""
     ep = f"ipc://{tmp_path}/d.sock"
     disk = ["--disk", f"{tmp_path}/disk", "--disk-bytes", "64MiB", "--disk-admission", admission]
     proc = start_daemon(ep, *SHAPE, "--l3-model", "tiny-llama@test", *disk)
@@ -399,7 +400,7 @@ def test_the_disk_takes_only_pages_that_earned_it(tmp_path, admission):
             s = l3_stats(ep)
             assert s["written_pages"] == 0 and s["queued_pages"] == 0
             assert serve_checked(engine, p).computed_from == len(p) - 4  # reused: a hit
-            if admission == "reused":
+            if admission != "none":
                 wait_written(ep, 18)  # the prompt's 18 full pages (72 tokens / 4)
                 assert l3_stats(ep)["store_disk_held_values"] == 18
             else:

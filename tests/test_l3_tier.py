@@ -250,6 +250,73 @@ def test_write_through_selective_writes_a_prompt_computed_again_after_it_left(fl
         drop_space("s2")
 
 
+def _cycle(cache) -> None:
+    """The pools let every unlocked page go (as a long trace would), nothing flushed."""
+    cache.evict(64)
+    cache.evict_host(128)
+    settle(cache)
+
+
+@pytest.mark.parametrize("policy", ["write_through_adaptive", "write_through_selective"])
+def test_write_through_adaptive_writes_at_first_sight_while_pages_come_back(policy):
+    """Documents that come back only after the pools cycled: each is computed twice before it
+    earns its write by reuse. Once most pages that left unreused came back (here all of
+    them), ``write_through_adaptive`` writes a new prompt at first sight; ``_selective`` does
+    not. Pages read back from the store count as come back too."""
+    drop_space("ad")
+    a = machine("ad", write_policy=policy, write_threshold=2)
+    adaptive = policy == "write_through_adaptive"
+    try:
+        docs = [tokens_of(32, 100 + i) for i in range(10)]  # 8 pages each, 80 in all
+        for doc in docs:
+            store(a, doc)
+            _cycle(a)
+        adm = a.l3.admission
+        assert (adm.let_go_pages, adm.came_back_pages, a.l3.counters.written_pages) == (80, 0, 0)
+        assert not adm.first_sight  # (nothing came back yet)
+        for doc in docs[:5]:  # computed again: reused, written
+            store(a, doc)
+            _cycle(a)
+        assert adm.came_back_pages == 40 and a.l3.counters.written_pages == 40
+        # (the second leave counts again: 120 let go, 40 back, a third)
+        assert adm.first_sight is False and a.l3.stats()["first_sight"] is False
+        for doc in docs[:5]:  # read back from the store: back again
+            assert fetch(a, doc) is not None and served(a, doc) == 32
+            _cycle(a)
+        assert adm.came_back_pages == 80
+        assert adm.first_sight is adaptive and a.l3.stats()["first_sight"] is adaptive
+        store(a, tokens_of(32, 99))  # a new prompt, computed once
+        assert a.l3.counters.written_pages == 40 + (8 if adaptive else 0)
+        a.check_integrity()
+    finally:
+        a.close()
+        drop_space("ad")
+
+
+def test_write_through_adaptive_stays_selective_when_pages_do_not_come_back():
+    """Prompts computed once and never again: ``write_through_adaptive`` never writes at first
+    sight, and writes what earned it only (a prompt hit while cached)."""
+    drop_space("ad2")
+    a = machine("ad2", write_policy="write_through_adaptive", write_threshold=2)
+    try:
+        for i in range(20):
+            store(a, tokens_of(32, 200 + i))
+            _cycle(a)
+        adm = a.l3.admission
+        assert adm.let_go_pages == 160 and adm.came_back_pages == 0 and not adm.first_sight
+        assert a.l3.counters.written_pages == 0
+        hot = tokens_of(32, 300)
+        store(a, hot)
+        assert a.l3.counters.written_pages == 0
+        a.match_prefix(hot)  # a hit while cached: earned
+        a.l3.drain()
+        assert a.l3.counters.written_pages == 8
+        a.check_integrity()
+    finally:
+        a.close()
+        drop_space("ad2")
+
+
 def test_the_cost_model_skips_a_fetch_slower_than_recomputing():
     drop_space("c")
     a = machine("c")

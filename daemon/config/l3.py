@@ -63,8 +63,9 @@ def _fields() -> dict[str, tuple[type, Any, str]]:
         str,
         "reused",
         "which pages go to the disk (one of: reused: pages hit at least once while cached, or "
-        "a longer prompt through them, or computed again after they left the pool; all; none: "
-        "the disk is only read)",
+        "a longer prompt through them, or computed again after they left the pool, and every "
+        "page while at least half of the pages that left the pool unreused came back; "
+        "reused-strict: without that last rule; all; none: the disk is only read)",
     )
     out["disk_write_budget"] = (
         str,
@@ -125,7 +126,8 @@ DISK_DRAIN_S = 10.0  # a disk tier's writes at a clean stop: at most this long
 
 ADMISSION: dict[str, dict[str, Any]] = {  # --disk-admission: the tier's write policy
     # (a node counts 1 at creation: reused once is 2)
-    "reused": {"write_policy": "write_through_selective", "write_threshold": 2},
+    "reused": {"write_policy": "write_through_adaptive", "write_threshold": 2},
+    "reused-strict": {"write_policy": "write_through_selective", "write_threshold": 2},
     "all": {"write_policy": "write_through"},
     "none": {"write_policy": "none"},
 }
@@ -141,7 +143,7 @@ def _admission(values: dict[str, Any]) -> dict[str, Any]:
     if str(values.get("l3_write_policy") or default) != default:
         raise ValueError(
             "disk_admission: with --disk, say which pages go down with --disk-admission "
-            "(reused, all, none), not --l3-write-policy"
+            f"({', '.join(ADMISSION)}), not --l3-write-policy"
         )
     return ADMISSION[choice]
 

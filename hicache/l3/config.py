@@ -14,6 +14,8 @@ class L3WritePolicy(StrEnum):
 
     WRITE_THROUGH = "write_through"  # once their host copy exists
     WRITE_THROUGH_SELECTIVE = "write_through_selective"  # once they were hit write_threshold times
+    # as selective, and every page at first sight while pages that left unreused come back
+    WRITE_THROUGH_ADAPTIVE = "write_through_adaptive"
     WRITE_BACK = "write_back"  # when the host tier evicts them
     NONE = "none"  # never: the store is only read (filled before, or by other daemons)
 
@@ -52,7 +54,8 @@ class L3Config:
         default=L3WritePolicy.WRITE_THROUGH, metadata={"help": "when pages go to it"}
     )
     write_threshold: int = field(
-        default=2, metadata={"help": "write_through_selective: hits before a page is written"}
+        default=2,
+        metadata={"help": "write_through_selective and _adaptive: hits before a page is written"},
     )
     prefetch_policy: PrefetchPolicy | str = field(
         default=PrefetchPolicy.TIMEOUT, metadata={"help": "how long matches wait"}

@@ -12,7 +12,8 @@ tier); "the side" below is that pool. What it changes in the cache:
 - Writes (``offer``): a node and its not-yet-stored ancestors that have pages on the side, in
   prefix order, once their pages there are complete (write_through: a backup's ack on the host
   side, an insert on the only pool), once hit often enough or computed again after they left
-  the side unwritten (selective: ``seen``) or when the side evicts them (write_back). A
+  the side unreused (selective, adaptive: ``admission.py``; adaptive also writes every page
+  at first sight while such pages come back) or when the side evicts them (write_back). A
   bounded queue: past ``queue_pages`` a write is dropped.
 - Fetches (``prefetch``): the part of a prefix beyond what the tree holds; the store's leading
   run of hits gets pages on the side (OWNED by the fetch, allocated only once hits are known),
@@ -25,13 +26,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hicache.l3.admission import ReuseAdmission
 from hicache.l3.breaker import Breaker
 from hicache.l3.config import WRITE_BACK_NEEDS_HOST, L3Config, L3WritePolicy
 from hicache.l3.counters import L3Counters, ewma, keys_above, tokens_above
@@ -51,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hicache.l3")
 MISS_TTL_S = 1.0  # a prefix the store did not have is not asked for again this soon
-SEEN_PAGES = 1 << 18  # selective: pages remembered after they left the side unwritten
 
 
 class L3Tier:
@@ -87,12 +88,12 @@ class L3Tier:
         self.write_bps = 0.0
         self.rtt_s = 0.0  # measured time of an exists call
         self.through = config.write_policy is L3WritePolicy.WRITE_THROUGH
-        self.selective = config.write_policy is L3WritePolicy.WRITE_THROUGH_SELECTIVE
+        adaptive = config.write_policy is L3WritePolicy.WRITE_THROUGH_ADAPTIVE
+        self.selective = adaptive or config.write_policy is L3WritePolicy.WRITE_THROUGH_SELECTIVE
         self.write_back = config.write_policy is L3WritePolicy.WRITE_BACK
         self.stopping = False  # close: offers go past the queue's bound (the drain bounds them)
-        # selective: page names (observe.page_hash) of pages the side let go unwritten, least
-        # recent first; such a page computed again has earned its write (it was reused)
-        self.seen: OrderedDict[int, None] = OrderedDict()
+        # selective, adaptive: which pages earned their write beyond hits while cached
+        self.admission = ReuseAdmission(adaptive)
 
     def announce(self, events: TierEvents) -> None:
         """Tell ``events`` (on STORAGE) what this node's disk holds from now on: the IO thread
@@ -110,12 +111,17 @@ class L3Tier:
             for node in nodes:
                 self.offer(node)
         elif self.selective:
+            admission = self.admission
             for node in nodes:
-                if node.hit_count >= self.config.write_threshold or self._seen_before(node):
+                if node.hit_count >= self.config.write_threshold:
+                    self.offer(node)
+                    continue
+                back = bool(admission.seen) and admission.back(self._page_names(node).tolist())
+                if back or admission.first_sight:
                     self.offer(node)
 
     def after_hit(self, path: list[TreeNode]) -> None:
-        """write_through_selective: a match went through ``path``."""
+        """write_through_selective and _adaptive: a match went through ``path``."""
         pages = self.side.pages
         for node in path:
             if node.l3 is None and pages(node) is not None:
@@ -156,8 +162,9 @@ class L3Tier:
         job = node.l3
         pages = self.side.pages(node)
         assert pages is not None  # (it leaves the side: it has pages there)
-        if job is None and self.selective and to_l3:
-            self._remember(node)
+        unreused = node.hit_count < self.config.write_threshold
+        if self.selective and to_l3 and (unreused or job is None):  # (unwritten: a dropped write)
+            self.admission.left(self._page_names(node).tolist(), count=unreused)
         if isinstance(job, Write):
             job.held.append(pages)
             return True
@@ -181,22 +188,13 @@ class L3Tier:
         )
         return names[len(names) - node.num_tokens // self.page_size :]
 
-    def _remember(self, node: TreeNode) -> None:
-        """selective: ``node`` leaves the side unwritten; remember its pages (bounded)."""
-        seen = self.seen
-        for name in self._page_names(node).tolist():
-            seen[name] = None
-            seen.move_to_end(name)
-        while len(seen) > SEEN_PAGES:
-            seen.popitem(last=False)
-
-    def _seen_before(self, node: TreeNode) -> bool:
-        """selective: whether a page of ``node`` left the side unwritten before (it was
-        computed again: reused)."""
-        if not self.seen:
-            return False
-        seen = self.seen
-        return any(name in seen for name in self._page_names(node).tolist())
+    def _admitted(self, node: TreeNode) -> bool:
+        """selective, adaptive: whether ``node``'s pages earned their write (hit while cached,
+        left the side unreused before, or any page now: adaptive's first sight)."""
+        admission = self.admission
+        if node.hit_count >= self.config.write_threshold or admission.first_sight:
+            return True
+        return bool(admission.seen) and admission.seen_any(self._page_names(node).tolist())
 
     def _offer_admitted(self) -> None:
         """At a stop: offer every node whose pages on the side the policy admits (write_back:
@@ -209,9 +207,7 @@ class L3Tier:
         for node in list(self.cache.tree.iter_nodes()):
             if node.l3 is not None or node.parent is None or on_side(node) is None:
                 continue
-            if self.selective and not (
-                node.hit_count >= self.config.write_threshold or self._seen_before(node)
-            ):
+            if self.selective and not self._admitted(node):
                 continue
             self.offer(node)
 
@@ -349,6 +345,8 @@ class L3Tier:
                 keep = start, m
                 fetch.adopted = m - start
                 self.counters.adopted_pages += fetch.adopted
+                if self.admission.seen:  # (pages that left unreused may be back now)
+                    self.admission.back(self._page_names(leaf).tolist())
             elif not path:
                 cache.tree.drop_if_empty(root)
         if keep:
@@ -487,6 +485,10 @@ class L3Tier:
             "store_calls": self.io.calls,
             "store_call_errors": self.io.call_errors,
             **asdict(self.counters),
+            # selective, adaptive: pages that left the side unreused, and of those came back
+            "let_go_pages": self.admission.let_go_pages,
+            "came_back_pages": self.admission.came_back_pages,
+            "first_sight": self.admission.first_sight,  # adaptive: every page written now
             **{f"store_{k}": v for k, v in self.store.describe().items()},
         }
 

@@ -159,6 +159,14 @@ L3_FIGURES: tuple[Figure, ...] = (
     Figure("no_prefix_writes", "counter", "", "writes not made because the store had let "
            "their prefix go (a disk): made again with it at their next offer", "l3",
            "l3_no_prefix_writes"),
+    Figure("let_go_pages", "counter", "pages", "pages that left the pool above the third tier "
+           "without a reuse there (selective and adaptive write policies)", "l3",
+           "l3_let_go_pages"),
+    Figure("came_back_pages", "counter", "pages", "of those, pages computed again or read "
+           "back from the third tier since (adaptive writes every page at first sight while "
+           "recently at least half came back)", "l3", "l3_came_back_pages"),
+    Figure("first_sight", "gauge", "", "write_through_adaptive writes every page at first "
+           "sight now (1) or only pages that earned it (0)", "l3", "l3_first_sight"),
 )  # fmt: skip
 
 
