@@ -17,6 +17,10 @@ that a run can be repeated; the default seeds are not the tests'):
   (a document's next question comes after the host pool has cycled: the worst case for
   ``reused-strict``, which admits a page only once it was reused, and what ``reused`` learns
   to write at first sight);
+- ``stream``: documents that keep arriving (a corpus that grows, sessions that come back),
+  each asked again twice, a few documents later each time, after the host pool has cycled;
+  ``reused`` sees the first documents' pages come back and writes the later ones at first
+  sight;
 - ``mixed``: documents visited in bursts (two questions back to back, then again rounds later)
   among as many one-off prompts that are never seen again (what ``all`` writes for nothing).
 """
@@ -43,6 +47,23 @@ BUDGET = "1TiB"  # (the budget is not what these runs measure)
 
 def docqa(seed: int) -> list[dict]:
     return traces.doc_qa(seed=seed, docs=12, doc_len=1500, questions=4)
+
+
+def stream(seed: int, docs: int = 24, doc_len: int = 1500, gap: int = 4) -> list[dict]:
+    """Document ``t`` arrives at step ``t`` with its first question; documents ``t - gap`` and
+    ``t - 2 * gap`` get their second and third then (the last ones' come after the last
+    arrival)."""
+    rng = np.random.default_rng(seed)
+    vocab = 512
+    texts = [rng.integers(1, vocab, doc_len).tolist() for _ in range(docs)]
+    out = []
+    for t in range(docs + 2 * gap):
+        for d in (t, t - gap, t - 2 * gap):
+            if 0 <= d < docs:
+                question = rng.integers(1, vocab, 48).tolist()
+                answer = rng.integers(1, vocab, 32).tolist()
+                out.append({"prompt": texts[d] + question, "answer": answer})
+    return out
 
 
 def mixed(seed: int, docs: int = 10, doc_len: int = 1500, visits: int = 3) -> list[dict]:
@@ -176,6 +197,7 @@ def run(seed: int) -> dict[str, Any]:
         base = Path(tmp)
         out = {
             "docqa": bench("docqa", _requests(docqa(seed)), 4, base),
+            "stream": bench("stream", _requests(stream(seed + 2)), 3, base),
             "mixed": bench("mixed", _requests(mixed(seed + 1)), 3, base),
         }
     out["seconds"] = round(time.monotonic() - started)

@@ -14,8 +14,8 @@ def test_a_page_that_left_unreused_earns_its_write_when_it_is_back():
     assert adm.back([3, 9])  # computed again: earned
     assert adm.back([3])  # (still earned, but counted back once)
     assert (adm.let_go_pages, adm.came_back_pages) == (3, 1)
-    adm.left([3])  # left again, back again: counted again
-    adm.back([3])
+    adm.left([3, 4])  # 3 left again, and back again: each page counts once while remembered
+    adm.back([3, 4])
     assert (adm.let_go_pages, adm.came_back_pages) == (4, 2)
 
 

@@ -8,9 +8,9 @@ the names of the last ``SEEN_PAGES`` such pages.
 ``write_through_adaptive`` (the disk's default admission) adds one rule. Reuse while cached is
 blind to prompts that come back only after the pool above cycled (documents asked about again
 later, an agent's earlier turns): each of their pages is computed a second time before it
-earns its write. So the tier counts the pages that left the pool unreused (``let_go``) and,
-of those, the ones that came back (``came_back``: computed again, or read back from the
-store). While at least ``FIRST_SIGHT_RATE`` of them came back, every page is written at first
+earns its write. So the tier counts the pages that left the pool unreused (``let_go``, each
+once while remembered) and, of those, the ones that came back (``came_back``: computed again,
+or read back from the store). While at least ``FIRST_SIGHT_RATE`` of them came back, every page is written at first
 sight (as ``write_through`` would); below it, only pages that earned it. At that rate each
 page written at first sight that never comes back is paid for by at least one computation
 saved. Both counts are halved every ``WINDOW_PAGES`` pages let go, so the rule follows a
@@ -59,17 +59,21 @@ class ReuseAdmission:
 
     def left(self, names: Iterable[int], count: bool = True) -> int:
         """Pages named ``names`` left the pool without a reuse there (``count``; False: they
-        were reused, but left unwritten): remember them. Returns how many."""
+        were reused, but left unwritten): remember them. Returns how many count as let go:
+        those not remembered already (a page counts once while remembered, as a first-sight
+        write pays off if it comes back at all)."""
         seen = self.seen
         n = 0
         for name in names:
+            if name in seen:  # (left before: counted then, once)
+                seen.move_to_end(name)
+                continue
             seen[name] = not count  # (True: not to be counted when it comes back)
-            seen.move_to_end(name)
-            n += 1
+            n += count
         while len(seen) > SEEN_PAGES:
             seen.popitem(last=False)
-        if not count:
-            return n
+        if not n:
+            return 0
         self.let_go += n
         self.let_go_pages += n
         self.since_halved += n
@@ -81,8 +85,8 @@ class ReuseAdmission:
 
     def back(self, names: Iterable[int]) -> bool:
         """Pages named ``names`` are in the pool again (computed, or read from the store):
-        each that left it unreused counts as come back, once per time it left. Returns
-        whether any of them left it unreused before (it was reused: it earned its write)."""
+        each that left it unreused counts as come back, once. Returns whether any of them left
+        it unreused before (it was reused: it earned its write)."""
         seen = self.seen
         earned = False
         n = 0
