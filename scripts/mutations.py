@@ -363,15 +363,16 @@ MUTATIONS = [
     Mutation(
         "selective-forgets-pages-computed-again-after-they-left",
         "hicache/l3/tier.py",
-        " or self._seen_before(node):",
-        ":",
+        "                back = bool(admission.seen) and admission.back("
+        "self._page_names(node).tolist())",
+        "                back = False",
         ("tests/test_l3_tier.py", "-k", "computed_again"),
     ),
     Mutation(
         "selective-takes-a-flush-for-a-reuse",
         "hicache/l3/tier.py",
-        "        if job is None and self.selective and to_l3:",
-        "        if job is None and self.selective:",
+        "        if self.selective and to_l3 and (unreused or job is None):",
+        "        if self.selective and (unreused or job is None):",
         ("tests/test_l3_tier.py", "-k", "computed_again"),
     ),
     Mutation(
@@ -1374,6 +1375,55 @@ MUTATIONS = [
         '                names.key(f"{tier}_huge_page_bytes"): pool.huge_page_bytes()\n',
         '                f"{tier}_huge_page_bytes": pool.huge_page_bytes()\n',
         ("tests/test_huge_pages.py", "-k", "engines_names"),
+    ),
+    Mutation(
+        "adaptive-writes-at-first-sight-below-half",
+        "hicache/l3/admission.py",
+        "            and self.came_back >= FIRST_SIGHT_RATE * self.let_go",
+        "            and self.came_back >= 0",
+        ("tests/test_l3_admission.py", "-k", "half"),
+    ),
+    Mutation(
+        "adaptive-ignores-pages-read-back-from-the-store",
+        "hicache/l3/tier.py",
+        "                if self.admission.seen:  # (pages that left unreused may be back now)",
+        "                if False:",
+        ("tests/test_l3_tier.py", "-k", "first_sight_while"),
+    ),
+    Mutation(
+        "adaptive-counts-reused-pages-as-let-go",
+        "hicache/l3/tier.py",
+        "        unreused = node.hit_count < self.config.write_threshold",
+        "        unreused = True",
+        ("tests/test_l3_tier.py", "-k", "stays_selective"),
+    ),
+    Mutation(
+        "a-page-counts-as-let-go-each-time-it-leaves",
+        "hicache/l3/admission.py",
+        "            if name in seen:  # (left before: counted then, once)",
+        "            if False:",
+        ("tests/test_l3_admission.py", "-k", "earns"),
+    ),
+    Mutation(
+        "the-disks-default-admission-is-strict",
+        "daemon/config/l3.py",
+        '    "reused": {"write_policy": "write_through_adaptive", "write_threshold": 2},',
+        '    "reused": {"write_policy": "write_through_selective", "write_threshold": 2},',
+        ("tests/test_disk_store.py", "-k", "admission_is_the_tiers"),
+    ),
+    Mutation(
+        "a-read-at-once-reads-every-page-it-set-aside",
+        "hicache/l3/worker.py",
+        "        pages = job.pages[: job.hits].tolist()",
+        "        pages = job.pages.tolist()",
+        ("tests/test_disk_store.py", "-k", "one_turn"),
+    ),
+    Mutation(
+        "a-fetch-at-once-takes-pages-free-or-not",
+        "hicache/l3/tier.py",
+        "            if self.side.alloc.free_pages >= 2 * want:",
+        "            if True:",
+        ("tests/test_disk_store.py", "-k", "one_turn"),
     ),
 ]
 

@@ -46,8 +46,7 @@ class DiskMachine(RuleBasedStateMachine):
     admission = "reused"
     host_tokens = 14  # pages of the host pool (0: the store sits under the one pool)
     seen = dict.fromkeys(
-        ("written", "from_disk", "restarts", "refused_budget", "bad", "on_storage", "off_storage",
-         "first_sight"),  # fmt: skip
+        "written from_disk restarts refused_budget bad on_storage off_storage first_sight".split(),
         0,
     )
 
@@ -286,10 +285,10 @@ MACHINES = [
 
 def test_random_runs_on_a_small_disk_went_through_every_path():
     """The random runs keep every rule after every step (page sizes 1, 4, 16; admission all,
-    reused and reused-strict; under a host pool and under an engine-tier daemon's one pool), and went where
-    it matters, counted from this test's own runs: pages written, served from the disk after
-    restarts, writes refused past the budget, slots that did not hold their page, pages
-    announced on STORAGE and removed from it, reused writing at first sight."""
+    reused and reused-strict; under a host pool and under an engine-tier daemon's one pool),
+    and went where it matters, counted from this test's own runs: pages written, served from
+    the disk after restarts, writes refused past the budget, slots that did not hold their
+    page, pages announced on STORAGE and removed from it, reused writing at first sight."""
     seen = dict.fromkeys(DiskMachine.seen, 0)
     for ps, admission, host in MACHINES:
         machine = _machine(ps, admission, host)

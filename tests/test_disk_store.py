@@ -1394,3 +1394,55 @@ def test_a_folder_that_cannot_be_made_is_refused_before_the_daemon_starts(tmp_pa
     (tmp_path / "file").write_text("")
     with pytest.raises(FolderRefused, match="is not a folder$"):
         check_folder(str(tmp_path / "file"))
+
+
+@pytest.mark.parametrize("host_tokens", [128, 0])
+def test_a_disk_fetch_asks_and_reads_in_one_turn_when_free_pages_are_there(tmp_path, host_tokens):
+    """A local drive (``reads_at_once``): a fetch sets aside pages for all it wants from free
+    pages, and the IO thread asks and reads in one turn (one hand-off back to the control
+    thread, not two); pages beyond the disk's run are freed, a miss frees them all, and what
+    is served is the KV computed. Without free pages for twice the want, the two stages as
+    before. Under a host pool and under the one pool."""
+    from hicache.l3 import LazyStore
+    from hicache.l3.config import L3Config
+    from hicache.l3.tier import L3Tier
+    from tests.conftest import make_cache
+    from tests.test_l3_tier import PS, _cycle, fetch, served, store, tokens_of
+
+    cache = make_cache(
+        manual=False, page_size=PS, num_kv_heads=2, head_dim=4, device_tokens=64,
+        host_tokens=host_tokens, load_back_threshold=0,
+    )  # fmt: skip
+    url = f"disk://{tmp_path / 'd'}?bytes=1MiB&budget=1GiB"
+    lazy = LazyStore(url)
+    assert lazy.reads_at_once and not LazyStore("memory://x").reads_at_once
+    cache.attach_l3(L3Tier(cache, L3Config(url, "test-model"), lazy))
+    cache.l3.drain()
+    tier = cache.l3
+    steps: list[str] = []
+    step = tier._fetch_step
+    tier._fetch_step = lambda f: (steps.append(f.stage), step(f))[1]  # type: ignore[method-assign]
+    try:
+        a = tokens_of(4 * PS, 1)
+        store(cache, a)
+        _cycle(cache)
+        longer = np.concatenate([a, tokens_of(4 * PS, 2)])  # 8 pages wanted, 4 on the disk
+        f = fetch(cache, longer)
+        assert f is not None and f.at_once and (f.want, f.hits, f.adopted) == (8, 4, 4)
+        assert steps == ["read"]  # (one hand-off)
+        assert served(cache, longer) == 4 * PS
+        cache.check_integrity()  # (the 4 pages beyond the run are free again)
+        steps.clear()
+        f = fetch(cache, tokens_of(4 * PS, 3))  # a miss
+        assert f is not None and f.at_once and f.hits == 0 and steps == ["exists"]
+        cache.check_integrity()
+        _cycle(cache)
+        assert tier.side.alloc.free_pages < 2 * 18
+        steps.clear()
+        longest = np.concatenate([a, tokens_of(14 * PS, 2)])  # 18 pages wanted
+        f = fetch(cache, longest)
+        assert f is not None and not f.at_once and f.adopted == 4
+        assert steps == ["exists", "get"]
+    finally:
+        tier.drain()
+        cache.close()

@@ -312,6 +312,8 @@ def test_write_through_adaptive_stays_selective_when_pages_do_not_come_back():
         a.match_prefix(hot)  # a hit while cached: earned
         a.l3.drain()
         assert a.l3.counters.written_pages == 8
+        _cycle(a)  # (it leaves reused: not let go)
+        assert adm.let_go_pages == 160
         a.check_integrity()
     finally:
         a.close()

@@ -8,8 +8,8 @@
 - ``breaker.py``: stop asking a store that fails, probe it again later.
 
 - ``config.py``: its settings (``L3Config``) and policies; ``tier.py``: ``L3Tier``, the tier
-  composed into the cache (``cache.l3``), with ``sides.py``, ``jobs.py`` and ``worker.py`` (the
-  IO thread) under it.
+  composed into the cache (``cache.l3``), with ``sides.py``, ``jobs.py``, ``admission.py``
+  (which pages earned a write) and ``worker.py`` (the IO thread) under it.
 
 Heavy clients (redis, mooncake) are imported only by the store that needs them; names are
 imported on first use. Nothing outside this package (but its tests) imports its modules: use

@@ -10,11 +10,12 @@ blind to prompts that come back only after the pool above cycled (documents aske
 later, an agent's earlier turns): each of their pages is computed a second time before it
 earns its write. So the tier counts the pages that left the pool unreused (``let_go``, each
 once while remembered) and, of those, the ones that came back (``came_back``: computed again,
-or read back from the store). While at least ``FIRST_SIGHT_RATE`` of them came back, every page is written at first
-sight (as ``write_through`` would); below it, only pages that earned it. At that rate each
-page written at first sight that never comes back is paid for by at least one computation
-saved. Both counts are halved every ``WINDOW_PAGES`` pages let go, so the rule follows a
-traffic that changes, and no verdict is given on fewer than ``MIN_PAGES``.
+or read back from the store). While at least ``FIRST_SIGHT_RATE`` of them came back, every
+page is written at first sight (as ``write_through`` would); below it, only pages that
+earned it. At that rate each page written at first sight that never comes back is paid for
+by at least one computation saved. Both counts are halved every ``WINDOW_PAGES`` pages let
+go, so the rule follows a traffic that changes, and no verdict is given on fewer than
+``MIN_PAGES``.
 
 Mutated by: ``left`` (a page left the pool unreused: into ``seen``, counted) and ``back``
 (pages are in the pool again: each one ``seen`` holds counts as come back once).

@@ -42,7 +42,9 @@ class Fetch:
 
     Stages: ``exists`` (IO: how many leading pages the store has) -> control: host pages for
     the hits, or the end -> ``get`` (IO: read and verify) -> control: the verified leading run
-    becomes host nodes -> ``done``."""
+    becomes host nodes -> ``done``. ``at_once`` (a store that ``reads_at_once``, when free
+    pages were there for all it wants): the pages are set aside first, and the IO thread asks
+    and reads in one turn (``exists`` -> ``read``), saving a hand-off each way."""
 
     key: bytes  # int32 token ids from the root to the end of the wanted pages (page-aligned)
     namespace: Any
@@ -61,6 +63,7 @@ class Fetch:
     io_s: float = 0.0  # spent in store calls
     done: bool = False
     adopted: int = 0  # pages that became host nodes
+    at_once: bool = False  # ``pages`` were allocated for all it wants before the store was asked
 
 
 @dataclass(eq=False)

@@ -47,6 +47,7 @@ class LazyStore(L3Store):
         self.read_chunk_bytes = ZERO_COPY_READ_BYTES if url.startswith("mooncake://") else 0
         # a disk (alone, or over the store): its rules hold before it is opened
         self.keeps_prefixes = self.clears = url.startswith("disk://") or bool(options.get("disk"))
+        self.reads_at_once = url.startswith("disk://")  # (not the disk over a remote store)
         self.options = options
         self.inner: L3Store | None = None
 

@@ -38,6 +38,9 @@ class L3Store(ABC):
     keeps_prefixes: bool = False
     clears: bool = False  # ``clear`` forgets what this node's store holds (the disk)
     read_chunk_bytes: int = 0  # pages per get, in bytes, when the caller checks them (0: its own)
+    # a miss costs little to ask with pages set aside (a local drive): the tier allocates
+    # free pages before asking, and the IO thread reads the hits in the same turn
+    reads_at_once: bool = False
 
     def attach(self, pages: PageSegments) -> None:
         """The host pool whose pages ``put`` reads and ``get`` writes (called once, before any

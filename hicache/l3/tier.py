@@ -267,6 +267,12 @@ class L3Tier:
             return None
         bound = self.config.wait_bound(want * self.page_size)
         fetch = Fetch(k[1], namespace, first, want, now, now + bound)
+        if self.store.reads_at_once and not self.config.prefill_tokens_per_s:
+            # (no cost model to consult between the stages) pages for all it wants, when
+            # free pages are there for twice that: nothing is evicted for a miss
+            if self.side.alloc.free_pages >= 2 * want:
+                fetch.pages = self.side.room(want)
+                fetch.at_once = fetch.pages is not None
         self.fetches[k] = fetch
         self.counters.lookups += 1
         self.counters.lookup_pages += want
@@ -274,15 +280,16 @@ class L3Tier:
         return fetch
 
     def _fetch_step(self, fetch: Fetch) -> None:
-        """A fetch's IO stage ended: go on or finish."""
+        """A fetch's IO stage ended: go on or finish (``read``: asked and read in one turn)."""
         c = self.counters
         if fetch.error:
             c.errors += 1
             self._end_fetch(fetch)
             return
-        if fetch.stage == "exists":
-            self.rtt_s = ewma(self.rtt_s, fetch.io_s)
+        if fetch.stage in ("exists", "read"):
             c.hit_pages += fetch.hits
+        if fetch.stage == "exists":  # (at_once: a miss, asked only)
+            self.rtt_s = ewma(self.rtt_s, fetch.io_s)
             if not fetch.hits:
                 self.misses[(fetch.namespace, fetch.key)] = self.clock() + MISS_TTL_S
                 self._end_fetch(fetch)

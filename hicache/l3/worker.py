@@ -157,6 +157,9 @@ class IOWorker:
                     self._write(job)
                 elif job.stage == "exists":
                     self._exists(job)
+                    if job.at_once and job.hits:  # (its pages are there: read them now)
+                        job.stage = "read"
+                        self._get(job)
                 else:
                     self._get(job)
             except StoreDown as exc:
@@ -346,11 +349,11 @@ class IOWorker:
         """Chunk after chunk; a chunk's values are verified while the next one is read (or as
         each arrives, by a store that checks them itself), and the fetch keeps the leading run
         of pages that arrived and verified."""
-        assert job.pages is not None
-        ds = job.digests[job.first : job.first + len(job.pages)]
+        assert job.pages is not None and job.hits <= len(job.pages)
+        ds = job.digests[job.first : job.first + job.hits]  # (at_once: fewer than its pages)
         names = [KeyChain.name(d) for d in ds]
         parents = self._parents(job.digests, job.first, len(names))
-        pages = job.pages.tolist()
+        pages = job.pages[: job.hits].tolist()
         checks: list[tuple[int, Future]] = []
         try:
             for at in range(0, len(names), self.read_chunk):
