@@ -1379,7 +1379,7 @@ MUTATIONS = [
     Mutation(
         "adaptive-writes-at-first-sight-below-half",
         "hicache/l3/admission.py",
-        "            and self.came_back >= FIRST_SIGHT_RATE * self.let_go",
+        "            and self.came_back >= FIRST_SIGHT_RATE * self.judged()",
         "            and self.came_back >= 0",
         ("tests/test_l3_admission.py", "-k", "half"),
     ),
@@ -1424,6 +1424,13 @@ MUTATIONS = [
         "            if self.side.alloc.free_pages >= 2 * want:",
         "            if True:",
         ("tests/test_disk_store.py", "-k", "one_turn"),
+    ),
+    Mutation(
+        "adaptive-judges-pages-too-recent-to-be-back",
+        "hicache/l3/admission.py",
+        "        return max(self.let_go - min(wait, self.let_go / 2), self.came_back)",
+        "        return max(self.let_go, self.came_back)",
+        ("tests/test_l3_admission.py", "-k", "too_recent"),
     ),
 ]
 

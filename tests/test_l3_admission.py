@@ -29,16 +29,33 @@ def test_pages_that_left_reused_are_remembered_but_not_counted():
 
 def test_first_sight_needs_enough_pages_and_half_of_them_back():
     adm = ReuseAdmission(adaptive=True)
-    adm.left(range(MIN_PAGES - 2))
-    adm.back(range(MIN_PAGES - 2))
+    for name in range(MIN_PAGES - 2):  # each back at once (it waited for one page: itself)
+        adm.left([name])
+        adm.back([name])
     assert adm.rate() == 1.0 and not adm.first_sight  # (too few to trust)
-    adm.left(range(1000, 1002))
-    assert adm.first_sight  # 62 of 64
-    adm.left(range(2000, 2000 + MIN_PAGES))  # 62 of 128: just under half
+    adm.left([1000, 1001])
+    assert adm.first_sight  # 62 of 63 judged
+    adm.left(range(2000, 2000 + MIN_PAGES))  # 62 of 127 judged: just under half
     assert adm.rate() < FIRST_SIGHT_RATE and not adm.first_sight
-    adm.back([2000, 2001])  # 64 of 128
+    adm.back([2000, 2001])  # 64 of about 125
     assert adm.first_sight
     assert not ReuseAdmission(adaptive=False).first_sight
+
+
+def test_pages_too_recent_to_be_back_are_not_judged_yet():
+    """Pages that come back three batches after they left: the latest batches could not be
+    back yet. Counting them would put the rate at 1/4 when the first batch is back; leaving out
+    as many as a page waited (at most half) puts it at one half, and first sight turns on."""
+    adm = ReuseAdmission(adaptive=True)
+    batch = [list(range(b * 100, b * 100 + 100)) for b in range(8)]
+    for t in range(4):
+        adm.left(batch[t])
+    adm.back(batch[0])  # (each page waited for the 300 to 399 pages let go after it)
+    assert adm.came_back / adm.let_go == 0.25
+    assert adm.rate() == FIRST_SIGHT_RATE and adm.first_sight
+    adm.left(batch[4])
+    adm.back(batch[1])
+    assert adm.came_back / adm.let_go == 0.4 and adm.rate() > FIRST_SIGHT_RATE
 
 
 def test_the_rate_follows_a_traffic_that_changes():

@@ -13,9 +13,11 @@ once while remembered) and, of those, the ones that came back (``came_back``: co
 or read back from the store). While at least ``FIRST_SIGHT_RATE`` of them came back, every
 page is written at first sight (as ``write_through`` would); below it, only pages that
 earned it. At that rate each page written at first sight that never comes back is paid for
-by at least one computation saved. Both counts are halved every ``WINDOW_PAGES`` pages let
-go, so the rule follows a traffic that changes, and no verdict is given on fewer than
-``MIN_PAGES``.
+by at least one computation saved. The pages let go most recently have not had the time to
+come back: as many as come back typically wait (the mean, in pages let go meanwhile, of
+those that came back; at most half of those counted) are left out of the rate. The counts
+are halved every ``WINDOW_PAGES`` pages let go, so the rule follows a traffic that changes,
+and no verdict is given on fewer than ``MIN_PAGES``.
 
 Mutated by: ``left`` (a page left the pool unreused: into ``seen``, counted) and ``back``
 (pages are in the pool again: each one ``seen`` holds counts as come back once).
@@ -36,11 +38,12 @@ class ReuseAdmission:
     def __init__(self, adaptive: bool):
         self.adaptive = adaptive  # write_through_adaptive: first sight while pages come back
         self.min_pages = MIN_PAGES  # pages let go before the rate is trusted
-        # names of pages that left unreused, least recent first -> whether it came back since
-        # (or is not counted when it does)
-        self.seen: OrderedDict[int, bool] = OrderedDict()
+        # names of pages that left unreused, least recent first -> the page's number among
+        # those let go (``let_go_pages`` then), or -1 once it came back (or is not counted)
+        self.seen: OrderedDict[int, int] = OrderedDict()
         self.let_go = 0.0  # pages that left unreused, recently (halved per window)
         self.came_back = 0.0  # of those, pages that came back
+        self.waited = 0.0  # of those, pages let go between their leaving and return, summed
         self.since_halved = 0  # pages let go since the counts were last halved
         self.let_go_pages = 0  # pages that left unreused, in all
         self.came_back_pages = 0  # of those, pages that came back, in all
@@ -51,12 +54,19 @@ class ReuseAdmission:
         return (
             self.adaptive
             and self.let_go >= self.min_pages
-            and self.came_back >= FIRST_SIGHT_RATE * self.let_go
+            and self.came_back >= FIRST_SIGHT_RATE * self.judged()
         )
 
+    def judged(self) -> float:
+        """Pages let go recently, but for the latest ones that could not be back yet: as many
+        as a page that came back waited, on average (at most half of them)."""
+        wait = self.waited / self.came_back if self.came_back else 0.0
+        return max(self.let_go - min(wait, self.let_go / 2), self.came_back)
+
     def rate(self) -> float:
-        """came back / let go, recently (0 before any page left)."""
-        return self.came_back / self.let_go if self.let_go else 0.0
+        """came back / let go, recently, of pages that had the time (0 before any left)."""
+        judged = self.judged()
+        return self.came_back / judged if judged else 0.0
 
     def left(self, names: Iterable[int], count: bool = True) -> int:
         """Pages named ``names`` left the pool without a reuse there (``count``; False: they
@@ -69,7 +79,7 @@ class ReuseAdmission:
             if name in seen:  # (left before: counted then, once)
                 seen.move_to_end(name)
                 continue
-            seen[name] = not count  # (True: not to be counted when it comes back)
+            seen[name] = self.let_go_pages + n if count else -1
             n += count
         while len(seen) > SEEN_PAGES:
             seen.popitem(last=False)
@@ -81,6 +91,7 @@ class ReuseAdmission:
         if self.since_halved >= WINDOW_PAGES:
             self.let_go /= 2
             self.came_back /= 2
+            self.waited /= 2
             self.since_halved = 0
         return n
 
@@ -92,13 +103,14 @@ class ReuseAdmission:
         earned = False
         n = 0
         for name in names:
-            gone = seen.get(name)
-            if gone is None:
+            number = seen.get(name)
+            if number is None:
                 continue
             earned = True
-            if not gone:
-                seen[name] = True
+            if number >= 0:
+                seen[name] = -1
                 n += 1
+                self.waited += self.let_go_pages - number
         self.came_back = min(self.came_back + n, self.let_go)
         self.came_back_pages += n
         return earned
