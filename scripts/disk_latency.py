@@ -47,7 +47,8 @@ def _wait_written(hc: HiCacheClient, pages: int) -> None:
     deadline = time.monotonic() + SETTLE_S
     while time.monotonic() < deadline:
         l3 = hc.stats()["l3"]
-        if not l3["queued_pages"] and l3["store_disk_held_values"] >= pages:
+        held = l3.get("store_disk_held_values", 0)  # (absent until the disk has opened)
+        if not l3["queued_pages"] and held >= pages:
             return
         time.sleep(0.005)
     raise RuntimeError("disk_latency: the disk did not take the prompt's pages in time")
