@@ -119,17 +119,19 @@ class TwoMachines(RuleBasedStateMachine):
         corrupt=st.integers(0, 3),
     )
     def faults_change(self, down: bool, fail: float, lose: float, corrupt: int) -> None:
-        self.faults.down = down and not corrupt
+        for cache in self.caches:  # the calls queued so far meet the faults they were queued
+            cache.l3.drain()  # under, and the store holds what was written, however loaded the
+        self.faults.down = down and not corrupt  # machine (its IO threads' pace)
         self.faults.fail_rate, self.faults.lose_rate = fail, lose
         if corrupt:  # some of the stored values come back with a bit flipped
-            for cache in self.caches:  # what the store holds: what was written, not what the
-                cache.l3.drain()  # IO thread got to (a loaded machine writes later)
             keys = list(space(SPACE).values)
             self.faults.corrupt.update(keys[corrupt - 1 :: 2])
 
     @rule()
     def store_forgets(self) -> None:
         """The store evicts (or a node dies with) some values."""
+        for cache in self.caches:  # (what was queued before it: as in faults_change)
+            cache.l3.drain()
         values = space(SPACE).values
         with space(SPACE).lock:
             for key in list(values)[::3]:
@@ -163,7 +165,25 @@ class TwoMachines(RuleBasedStateMachine):
         drop_space(SPACE)
 
 
-class WithWriteBack(TwoMachines):
+class ColdFetches(TwoMachines):
+    """Two machines whose caches also let go of everything before a fetch, some of them with
+    the store's values corrupted just before: what the store holds is read, faulty or not,
+    whatever the IO threads' pace."""
+
+    @rule(m=st.integers(0, 1), s=st.integers(0, len(SEQS) - 1), corrupt=st.booleans())
+    def fetch_cold(self, m: int, s: int, corrupt: bool) -> None:
+        cache = self.caches[m]
+        cache.l3.drain()
+        settle(cache)
+        cache.evict(1 << 20)
+        cache.evict_host(1 << 20)
+        if corrupt:  # (every other value the store holds: drained first, the store up)
+            self.faults_change(down=False, fail=0.0, lose=0.0, corrupt=1)
+        cache.l3.drain()
+        self.fetch(m, s, wait=True)
+
+
+class WithWriteBack(ColdFetches):
     second = "write_back"
 
 
@@ -179,12 +199,12 @@ SETTINGS = settings(
     max_examples=40, stateful_step_count=40, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
 )  # fmt: skip
-TwoMachines.TestCase.settings = WithWriteBack.TestCase.settings = SETTINGS
+ColdFetches.TestCase.settings = WithWriteBack.TestCase.settings = SETTINGS
 UnderTheOnlyPool.TestCase.settings = settings(SETTINGS, max_examples=80)
 
 
 @pytest.mark.parametrize(
-    "machines", [(TwoMachines, WithWriteBack), (UnderTheOnlyPool,)], ids=["two", "only_pool"]
+    "machines", [(ColdFetches, WithWriteBack), (UnderTheOnlyPool,)], ids=["two", "only_pool"]
 )
 def test_random_runs_on_a_faulty_store_went_through_every_path(machines):
     """The random runs (each rule checked after every step; with write-through and with
