@@ -8,7 +8,8 @@ capacity estimate and the page hashes it samples, tree views, latency histograms
   ``storage_events.py``: what the disk holds (medium STORAGE), from the records (``Held``,
   ``Let``, ``Forgot``) its IO thread makes;
 - ``capacity.py``: hit ratio against tier size (SHARDS sampling, ``ShardsEstimator``; the exact
-  ``ExactCurve`` for tests), and a recommendation; ``page_hash.py``: the page hashes it samples;
+  ``ExactCurve`` for tests), and a recommendation; ``lru_stack.py``: the LRU stack (reuse
+  distances) both curves run on; ``page_hash.py``: the page hashes it samples;
 - ``tree_view.py``: the tree's shape per namespace (``hicache tree``);
 - ``histogram.py``: fixed-bucket histograms (request latency, copy sizes and times).
 

@@ -26,8 +26,8 @@ device size and the host size.
 tests and offline use). ``ShardsEstimator`` is fixed-size SHARDS (Waldspurger et al., FAST'15):
 it keeps only pages whose hash falls below a threshold, at most ``max_samples`` of them, and
 scales their distances by the sampling rate; its memory is bounded (about 110 KiB by default).
-Both run the same stack engine (``_Stack``): sorted numpy arrays, one vectorized step per
-request.
+Both run the same stack engine (``LruStack``, ``lru_stack.py``): sorted numpy arrays, one
+vectorized step per request.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hicache.observe.lru_stack import U64, LruStack, as_keys
 from hicache.observe.page_hash import chain_seed, page_hashes
 
 __all__ = [
@@ -53,113 +54,6 @@ __all__ = [
 
 COLD = np.iinfo(np.int64).max  # the distance ExactCurve reports for a page never seen before
 FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # sizes relative to today's that the daemon reports
-_U64 = (1 << 64) - 1
-
-# ---------------------------------------------------------------------------------------------
-# The stack engine
-# ---------------------------------------------------------------------------------------------
-
-
-def _as_keys(page_hashes: Sequence[int] | np.ndarray) -> np.ndarray:
-    """The low 64 bits of each hash as a uint64 array; ValueError for anything but a 1-D
-    sequence of integers (bools included). Pure."""
-    arr = page_hashes
-    if not isinstance(arr, np.ndarray):  # a list: checked item by item (arrays are the fast path)
-        if isinstance(arr, str | bytes) or not isinstance(arr, Sequence):
-            raise ValueError(f"page hashes must be a sequence of ints, got {type(arr).__name__}")
-        for i, h in enumerate(arr):
-            if isinstance(h, bool) or not isinstance(h, int | np.integer):
-                raise ValueError(f"page hash {i} is not an integer: {h!r}")
-        return np.fromiter((int(h) & _U64 for h in arr), np.uint64, len(arr))
-    if arr.ndim != 1:
-        raise ValueError(f"page hashes must be 1-D, got shape {arr.shape}")
-    kind = arr.dtype.kind
-    if kind == "u":
-        return arr.astype(np.uint64, copy=False)
-    if kind == "i":  # two's complement: the low 64 bits
-        return arr.astype(np.int64, copy=False).view(np.uint64)
-    if arr.size == 0:
-        return np.empty(0, np.uint64)
-    raise ValueError(f"page hashes must be integers, got dtype {arr.dtype}")
-
-
-class _Stack:
-    """An LRU stack of 64-bit keys: touches a request's keys last-to-first and says each one's
-    stack distance. Mutated only by ``touch`` and ``drop_from``.
-
-    The keys are kept sorted with their last touch time beside them, and a sorted copy of the
-    live times; a key's distance is how many live times are later than its own. One request is
-    one vectorized step when its keys are distinct and their previous times decrease from first
-    page to last (always so for prefix-ordered pages); anything else is touched key by key.
-    """
-
-    def __init__(self) -> None:
-        self.keys = np.empty(0, np.uint64)  # every live key, ascending
-        self.last = np.empty(0, np.int64)  # last touch time of keys[i]
-        self.times = np.empty(0, np.int64)  # every live key's last touch time, ascending
-        self.clock = 0  # the next touch's time
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def nbytes(self) -> int:
-        return self.keys.nbytes + self.last.nbytes + self.times.nbytes
-
-    def touch(self, keys: np.ndarray) -> np.ndarray:
-        """Touch ``keys`` (prefix order) from last to first; returns their distances in prefix
-        order, -1 for a key not in the stack."""
-        m = len(keys)
-        n = len(self.keys)
-        if m == 0:
-            return np.empty(0, np.int64)
-        idx = self.keys.searchsorted(keys)
-        found = self.keys.take(idx, mode="clip") == keys if n else np.zeros(m, bool)
-        at = idx[found]
-        prev = self.last[at]
-        if len(at) > 1 and not (prev[1:] < prev[:-1]).all():
-            return self._one_by_one(keys)  # not prefix-ordered, or a key twice
-        fresh_keys = keys[~found] if len(at) < m else None
-        if fresh_keys is not None and len(fresh_keys) > 1:
-            ordered = np.sort(fresh_keys)
-            if (ordered[1:] == ordered[:-1]).any():
-                return self._one_by_one(keys)  # a new key twice
-        # distance of page i = live keys touched after its last touch + this request's pages
-        # touched before it (the walk goes last page first)
-        after = np.arange(m - 1, -1, -1, dtype=np.int64)
-        rank = self.times.searchsorted(prev)
-        new_times = after + self.clock
-        self.clock += m
-        keep = np.ones(n, bool)
-        keep[rank] = False
-        self.times = np.concatenate((self.times[keep], new_times[::-1]))
-        if fresh_keys is None:
-            self.last[at] = new_times
-            return after + (n - 1 - rank)
-        dist = np.full(m, -1, np.int64)
-        dist[found] = after[found] + (n - 1 - rank)
-        self.last[at] = new_times[found]
-        order = np.argsort(fresh_keys)
-        where = idx[~found][order]
-        self.keys = np.insert(self.keys, where, fresh_keys[order])
-        self.last = np.insert(self.last, where, new_times[~found][order])
-        return dist
-
-    def _one_by_one(self, keys: np.ndarray) -> np.ndarray:
-        dist = np.empty(len(keys), np.int64)
-        for i in range(len(keys) - 1, -1, -1):
-            dist[i] = self.touch(keys[i : i + 1])[0]
-        return dist
-
-    def drop_from(self, start: int) -> None:
-        """Forget ``keys[start:]`` (the largest keys)."""
-        gone = self.last[start:]
-        if len(gone):
-            keep = np.ones(len(self.times), bool)
-            keep[np.searchsorted(self.times, gone)] = False
-            self.times = self.times[keep]
-            self.keys = self.keys[:start].copy()
-            self.last = self.last[:start].copy()
-
 
 # ---------------------------------------------------------------------------------------------
 # Curves
@@ -253,7 +147,7 @@ class ExactCurve(_Curve):
     """
 
     def __init__(self) -> None:
-        self._stack = _Stack()  # every page seen
+        self._stack = LruStack()  # every page seen
         self._counts = np.zeros(64, np.int64)  # counted accesses per exact distance
         self._accesses = 0  # counted page accesses (cold ones included)
 
@@ -262,7 +156,7 @@ class ExactCurve(_Curve):
         Returns each page's distance in prefix order, ``COLD`` for a page never seen: the
         page hits at ``C`` pages iff its distance < C. ValueError (nothing changed) for
         non-integer hashes."""
-        dist = self._stack.touch(_as_keys(page_hashes))
+        dist = self._stack.touch(as_keys(page_hashes))
         warm = dist[dist >= 0]
         if len(warm):
             top = int(warm.max())
@@ -277,7 +171,7 @@ class ExactCurve(_Curve):
 
     def insert(self, page_hashes: Sequence[int] | np.ndarray) -> None:
         """Touch pages (prefix order) as a lookup would, without counting them."""
-        self._stack.touch(_as_keys(page_hashes))
+        self._stack.touch(as_keys(page_hashes))
 
     def _total(self) -> float:
         return float(self._accesses)
@@ -347,11 +241,11 @@ class ShardsEstimator(_Curve):
         if not 0 < initial_rate <= 1:
             raise ValueError(f"initial_rate must be in (0, 1], got {initial_rate!r}")
         self.max_samples = max_samples  # most sampled pages kept
-        self.seed = seed & _U64  # xored into every hash before sampling (a different sample)
+        self.seed = seed & U64  # xored into every hash before sampling (a different sample)
         self.correction = correction  # SHARDS_adj: credit missed accesses to distance 0
         self._threshold = min(1 << 64, round(initial_rate * 2.0**64))  # T: sample iff h < T
         self._top = np.uint64(self._threshold - 1)  # T - 1, as a uint64 comparand
-        self._stack = _Stack()  # the sampled pages
+        self._stack = LruStack()  # the sampled pages
         self._hist = np.zeros(_BUCKETS, np.float64)  # weight (1/R each) per distance bucket
         self._weight = 0.0  # weight of every sampled counted access (cold ones included)
         self._accesses = 0  # counted page accesses, sampled or not
@@ -376,7 +270,7 @@ class ShardsEstimator(_Curve):
     def _sample(self, keys: np.ndarray) -> np.ndarray | None:
         """Positions of the sampled ones of ``keys`` (as the stack names them), None for all.
         Pure."""
-        if self._threshold > _U64:
+        if self._threshold > U64:
             return None
         return np.flatnonzero(keys <= self._top)
 
@@ -389,7 +283,7 @@ class ShardsEstimator(_Curve):
         A sampled page's distance is estimated as (sampled pages touched since its last touch,
         before this request) / R + (this request's pages after it): the second part is known
         exactly, since all of them are touched before it (the prefix order)."""
-        pages = _as_keys(page_hashes)
+        pages = as_keys(page_hashes)
         m = len(pages)
         self._requests += 1
         self._accesses += m
@@ -415,7 +309,7 @@ class ShardsEstimator(_Curve):
     def insert(self, page_hashes: Sequence[int] | np.ndarray) -> None:
         """Touch pages (prefix order) as a lookup would, without counting them (a request's
         prompt and answer once served). Mutates the sample. ValueError as ``access``."""
-        keys = _as_keys(page_hashes)
+        keys = as_keys(page_hashes)
         if self.seed:
             keys = keys ^ np.uint64(self.seed)
         where = self._sample(keys)
