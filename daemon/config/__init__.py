@@ -11,20 +11,15 @@ from typing import TYPE_CHECKING
 from hicache.lazy import lazy_exports
 
 _EXPORTS = {
-    "DAEMON_FIELDS": "hicache.daemon.config.settings",
+    "DAEMON_FIELDS": "hicache.daemon.config.fields",
     "DaemonSettings": "hicache.daemon.config.settings",
     "build_parser": "hicache.daemon.config.settings",
-    "parse_bytes": "hicache.daemon.config.settings",
+    "parse_bytes": "hicache.daemon.config.fields",
     "resolve": "hicache.daemon.config.settings",
 }
 __all__ = ["DAEMON_FIELDS", "DaemonSettings", "build_parser", "parse_bytes", "resolve"]
 __getattr__ = lazy_exports(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:
-    from hicache.daemon.config.settings import (
-        DAEMON_FIELDS,
-        DaemonSettings,
-        build_parser,
-        parse_bytes,
-        resolve,
-    )
+    from hicache.daemon.config.fields import DAEMON_FIELDS, parse_bytes
+    from hicache.daemon.config.settings import DaemonSettings, build_parser, resolve
