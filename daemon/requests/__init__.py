@@ -1,6 +1,7 @@
 """Request handling: decode a request, act on the cache for a session, encode the reply (Handlers,
 the cache operations, the operator's (evict, flush), what the transport tells them, the third
-tier's waits, the engine tier, the figures engines report, the capacity feed, request latency).
+tier's waits, the engine tier, the figures engines report, the capacity feed, request latency,
+the integrity check of the sessions against the cache, TREE's reply).
 
 Names are imported on first use; nothing outside this package imports its modules.
 """

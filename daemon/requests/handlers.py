@@ -28,9 +28,11 @@ from hicache.daemon.requests.cache_ops import CacheOps
 from hicache.daemon.requests.capacity_feed import CapacityFeed
 from hicache.daemon.requests.context import NO_CALL, Call, Transport
 from hicache.daemon.requests.engine_tier import EngineTier, no_layout
+from hicache.daemon.requests.integrity import check_sessions
 from hicache.daemon.requests.l3_waits import Deferred
 from hicache.daemon.requests.latency import RequestStats
 from hicache.daemon.requests.tier_names import TierNames
+from hicache.daemon.requests.tree_reply import tree_reply
 from hicache.daemon.requests.view_budget import ViewBudget
 from hicache.daemon.sessions import (
     SATURATED,
@@ -44,9 +46,9 @@ from hicache.daemon.sessions import (
     reported,
 )
 from hicache.daemon.transport import process_alive
-from hicache.errors import HiCacheError, IntegrityError, InvalidIndicesError
+from hicache.errors import HiCacheError, InvalidIndicesError
 from hicache.memory import OWNED
-from hicache.observe import CacheStats, tree_shape
+from hicache.observe import CacheStats
 from hicache.protocol import (
     MAX_MATCH_TOKENS,
     PROTOCOL_VERSION,
@@ -68,7 +70,6 @@ from hicache.protocol import (
     decode_request,
     encode_reply,
 )
-from hicache.tree import TreeNode
 
 log = logging.getLogger("hicache.daemon")
 Frames = list[Any]
@@ -500,37 +501,9 @@ class Handlers:
             self.views.charge(time.perf_counter() - started, self.transport.others_waiting())
 
     def check_integrity(self) -> None:
-        """The cache's invariants, plus the sessions' against it: every OWNED page is owned by
-        exactly one session (live or in quarantine) and every session lock is a lock the
-        cache holds on an in-tree node. Raises IntegrityError."""
-        self.sessions.check_integrity()
-        if self.cache is None:
-            if any(s.owned or s.locks for s in self.sessions.holders()):
-                raise IntegrityError("a session holds pages or locks, and there is no pool")
-            return
-        self.cache.check_integrity()
-        seen: dict[int, int] = {}
-        locks: dict[TreeNode, int] = {}
-        for s in self.sessions.holders():
-            for page in s.owned:
-                if page in seen:
-                    raise IntegrityError(f"page {page} owned by sessions {seen[page]} and {s.id}")
-                seen[page] = s.id
-                if self.cache.page_states(np.array([page])) != OWNED:
-                    raise IntegrityError(f"session {s.id} owns page {page}, which is not OWNED")
-            for record in s.locks.values():
-                locks[record.node] = locks.get(record.node, 0) + 1
-            charged = [record.pinned for record in s.locks.values()]
-            if min(charged, default=0) < 0 or s.pinned_pages != sum(charged):
-                raise IntegrityError(
-                    f"session {s.id}: {s.pinned_pages} pinned pages, its locks say {charged[:8]}"
-                )
-        owned = self.cache.count_pages(OWNED)
-        if owned != len(seen):
-            raise IntegrityError(f"{owned} OWNED pages, {len(seen)} owned by sessions")
-        for node, count in locks.items():  # (a lock on a root, a miss, holds nothing)
-            if not node.is_root and self.cache.lock_count(node) < count:
-                raise IntegrityError(f"{node}: sessions hold {count} locks the cache does not")
+        """The cache's invariants, plus the sessions' against it (``integrity.py``). Raises
+        IntegrityError."""
+        check_sessions(self.cache, self.sessions)
 
     def capacity_report(self, session: Session, fields: dict, frames: Frames, call: Call) -> Result:
         """Estimated hit ratios at other tier sizes, and what to buy (`hicache capacity`;
@@ -548,38 +521,6 @@ class Handlers:
         """The tree's shape (``shape``: per namespace, the ``top`` heaviest shared prefixes),
         or its first ``max_nodes`` nodes (within the view budget: ``_whole_cache_view``)."""
         req = TreeRequest.read(fields)
-        return self._whole_cache_view(session, "a tree view", lambda: self._tree(req))
-
-    def _tree(self, req: TreeRequest) -> Result:
         assert self.cache is not None  # (_handle: an op past NO_CACHE_OPS has a cache)
-        if req.shape:
-            shape = tree_shape(self.cache, req.top)
-            shape["namespaces"] = self.tiers.rows(shape["namespaces"])
-            for ns in shape["namespaces"]:
-                for prefix in ns["prefixes"]:
-                    prefix["tiers"] = self.tiers.letters(prefix["tiers"])
-            l3 = self.cache.l3
-            if l3 is not None and l3.store.clears:  # the disk's own count (the tree forgets)
-                held = int(l3.store.describe().get("disk_held_values", 0))
-                shape["disk_tokens"] = held * self.cache.page_size
-            return shape, []
-        limit = req.max_nodes
-        nodes: list[dict[str, Any]] = []
-        tiers = self.tiers
-        for node in self.cache.nodes():
-            if len(nodes) == limit:
-                break
-            assert node.parent is not None  # (iter_nodes: no roots)
-            nodes.append(
-                {
-                    "id": node.id,
-                    "parent": node.parent.id,
-                    "tokens": node.num_tokens,
-                    tiers.key("device"): node.on_device,
-                    tiers.key("host"): node.on_host,
-                    "lock_ref": node.lock_ref,
-                    "hits": node.hit_count,
-                    "io": node.io.name.lower(),
-                }
-            )
-        return {"nodes": nodes, "total": self.cache.num_nodes}, []
+        cache, tiers = self.cache, self.tiers
+        return self._whole_cache_view(session, "a tree view", lambda: tree_reply(cache, tiers, req))
