@@ -1421,7 +1421,7 @@ MUTATIONS = [
     Mutation(
         "a-fetch-at-once-takes-pages-free-or-not",
         "hicache/l3/tier.py",
-        "            if self.side.alloc.free_pages >= 2 * want:",
+        "            if self.side.alloc.free_pages >= 2 * want + aside:",
         "            if True:",
         ("tests/test_disk_store.py", "-k", "one_turn"),
     ),
@@ -1431,6 +1431,48 @@ MUTATIONS = [
         "        return max(self.let_go - min(wait, self.let_go / 2), self.came_back)",
         "        return max(self.let_go, self.came_back)",
         ("tests/test_l3_admission.py", "-k", "too_recent"),
+    ),
+    Mutation(
+        "a-page-hit-before-its-backup-never-counts-as-back",
+        "hicache/l3/tier.py",
+        "                back = bool(admission.seen) and admission.back(",
+        "                back = node.hit_count < self.config.write_threshold and admission.back(",
+        ("tests/test_l3_tier.py", "-k", "hit_before_its_backup"),
+    ),
+    Mutation(
+        "a-failed-one-turn-read-forgets-the-disks-hits",
+        "hicache/l3/tier.py",
+        '        if fetch.stage in ("exists", "read"):  # (the store said it',
+        '        if not fetch.error and fetch.stage in ("exists", "read"):  # (the store said it',
+        ("tests/test_disk_store.py", "-k", "one_turn"),
+    ),
+    Mutation(
+        "the-read-rate-counts-the-asking",
+        "hicache/l3/tier.py",
+        "        read_s = fetch.io_s - fetch.ask_s",
+        "        read_s = fetch.io_s",
+        ("tests/test_disk_store.py", "-k", "one_turn"),
+    ),
+    Mutation(
+        "lookups-in-flight-set-aside-all-free-pages",
+        "hicache/l3/tier.py",
+        "            if self.side.alloc.free_pages >= 2 * want + aside:",
+        "            if self.side.alloc.free_pages >= 2 * want:",
+        ("tests/test_disk_store.py", "-k", "one_turn"),
+    ),
+    Mutation(
+        "a-fetchs-pages-taken-as-owned-by-no-session",
+        "daemon/requests/integrity.py",
+        '        owned -= cache.l3.owned_by_fetches("device")',
+        "        owned -= 0",
+        ("tests/test_l3_only_pool.py", "-k", "daemons_check"),
+    ),
+    Mutation(
+        "returns-past-the-recent-count-add-all-their-waits",
+        "hicache/l3/admission.py",
+        "            self.waited += waited * take / n",
+        "            self.waited += waited",
+        ("tests/test_l3_admission.py", "-k", "in_proportion"),
     ),
 ]
 

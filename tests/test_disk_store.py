@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -1396,13 +1397,21 @@ def test_a_folder_that_cannot_be_made_is_refused_before_the_daemon_starts(tmp_pa
         check_folder(str(tmp_path / "file"))
 
 
+def _down(*_: object) -> None:
+    from hicache.l3.store import StoreDown
+
+    raise StoreDown("the drive went away")
+
+
 @pytest.mark.parametrize("host_tokens", [128, 0])
 def test_a_disk_fetch_asks_and_reads_in_one_turn_when_free_pages_are_there(tmp_path, host_tokens):
     """A local drive (``reads_at_once``): a fetch sets aside pages for all it wants from free
     pages, and the IO thread asks and reads in one turn (one hand-off back to the control
     thread, not two); pages beyond the disk's run are freed, a miss frees them all, and what
-    is served is the KV computed. Without free pages for twice the want, the two stages as
-    before. Under a host pool and under the one pool."""
+    is served is the KV computed; the asking is timed apart from the reading, and a read that
+    fails still counts the pages the disk said it has. Without free pages for twice the want
+    (with what lookups in flight hold), the two stages as before. Under a host pool and under
+    the one pool."""
     from hicache.l3 import LazyStore
     from hicache.l3.config import L3Config
     from hicache.l3.tier import L3Tier
@@ -1430,6 +1439,8 @@ def test_a_disk_fetch_asks_and_reads_in_one_turn_when_free_pages_are_there(tmp_p
         f = fetch(cache, longer)
         assert f is not None and f.at_once and (f.want, f.hits, f.adopted) == (8, 4, 4)
         assert steps == ["read"]  # (one hand-off)
+        assert 0 < f.ask_s < f.io_s and tier.rtt_s == f.ask_s  # (the asking, timed apart)
+        assert tier.read_bps == 4 * tier.pages.page_bytes / (f.io_s - f.ask_s)
         assert served(cache, longer) == 4 * PS
         cache.check_integrity()  # (the 4 pages beyond the run are free again)
         steps.clear()
@@ -1437,12 +1448,31 @@ def test_a_disk_fetch_asks_and_reads_in_one_turn_when_free_pages_are_there(tmp_p
         assert f is not None and f.at_once and f.hits == 0 and steps == ["exists"]
         cache.check_integrity()
         _cycle(cache)
+        hits, get = tier.counters.hit_pages, lazy.get
+        lazy.get = _down  # type: ignore[method-assign]  (the drive fails as it reads)
+        f = fetch(cache, longer)
+        lazy.get = get  # type: ignore[method-assign]
+        assert f is not None and f.at_once and f.error and f.hits == 4 and not f.adopted
+        assert tier.counters.hit_pages == hits + 4  # (what the disk said it has, counted)
+        cache.check_integrity()
         assert tier.side.alloc.free_pages < 2 * 18
         steps.clear()
         longest = np.concatenate([a, tokens_of(14 * PS, 2)])  # 18 pages wanted
         f = fetch(cache, longest)
         assert f is not None and not f.at_once and f.adopted == 4
         assert steps == ["exists", "get"]
+        _cycle(cache)  # lookups in flight together hold at most half of the free pages
+        free = tier.side.alloc.free_pages
+        want = free // 4
+        gate, exists = threading.Event(), lazy.exists
+        lazy.exists = lambda *args: gate.wait(30) and exists(*args)  # type: ignore[method-assign]
+        fs = [tier.prefetch(tokens_of(want * PS, 40 + i).tobytes(), None, 0) for i in range(3)]
+        assert [f is not None and f.at_once for f in fs] == [True, True, False]
+        assert tier.side.alloc.free_pages == free - 2 * want
+        gate.set()
+        tier.drain()
+        lazy.exists = exists  # type: ignore[method-assign]
+        cache.check_integrity()
     finally:
         tier.drain()
         cache.close()

@@ -86,3 +86,17 @@ def test_seen_is_bounded_least_recent_out(monkeypatch):
     adm.left([4, 1, 5])  # (1 is recent again; 2 is the least recent)
     assert list(adm.seen) == [3, 4, 1, 5]
     assert not adm.back([2])
+
+
+def test_returns_past_the_recent_count_add_their_waits_in_proportion(monkeypatch):
+    """After a halving, pages let go before it can come back more than the recent count of
+    pages let go: only as many count as come back, and only their share of the waits, so
+    the mean wait (what ``judged`` leaves out) stays a wait some page had."""
+    monkeypatch.setattr("hicache.l3.admission.WINDOW_PAGES", 100)
+    adm = ReuseAdmission(adaptive=True)
+    adm.left(range(100))  # halved at once: 50 let go, recently
+    assert adm.let_go == 50
+    adm.back(range(100))  # each waited 100 - its number: 5050 in all, for 100 pages
+    assert adm.came_back == 50 and adm.came_back_pages == 100
+    assert adm.waited == 5050 / 2  # (half of them count: half of their waits)
+    assert adm.waited / adm.came_back == 5050 / 100  # the mean wait of the pages back

@@ -6,10 +6,15 @@ never match a host-tier cache's or another engine layout's."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
 from hicache.daemon.config import build_parser, resolve
+from hicache.daemon.requests import Handlers
+from hicache.daemon.sessions import SessionTable
 from hicache.l3.config import L3Config
 from hicache.l3.keys import KeyChain, identity_of
 from hicache.l3.memory import drop_space, space
@@ -211,3 +216,29 @@ def test_a_fetch_that_found_no_room_is_not_started_again_at_once(space_name):
         assert b.l3.counters.lookups == 1
     finally:
         close(a, b)
+
+
+def test_the_daemons_check_takes_a_fetchs_pages_as_the_fetchs(space_name):
+    """The daemon's integrity check (STATS with ``check``) under an engine-tier daemon's one
+    pool counts the pages a fetch from the store holds as the fetch's, not as OWNED pages no
+    session owns: no false "BROKEN" while a lookup reads."""
+    tokens = tokens_of(32, 7)
+    a = writer(space_name, tokens)
+    b = machine(space_name)
+    handlers = Handlers(b, SessionTable(), 1, {})
+    gate, get = threading.Event(), b.l3.store.get
+    b.l3.store.get = lambda *args: gate.wait(30) and get(*args)  # (the read waits for it)
+    f = b.l3.prefetch(tokens.tobytes(), None, 0)
+    deadline = time.monotonic() + 30
+    while f.pages is None and not f.done and time.monotonic() < deadline:
+        b.l3.poll()  # (the store said it has them: pages for the read, which waits)
+        time.sleep(0.001)
+    assert f.pages is not None and not f.done
+    assert b.count_pages(PageState.OWNED) == len(f.pages) == 8
+    handlers.check_integrity()
+    gate.set()
+    assert b.l3.wait(f, timeout=30)
+    handlers.check_integrity()
+    assert served(b, tokens) == 32
+    for cache in (a, b):
+        cache.close()

@@ -302,6 +302,41 @@ def test_write_through_adaptive_writes_at_first_sight_while_pages_come_back(poli
         drop_space("ad")
 
 
+def test_a_page_hit_before_its_backup_still_counts_as_come_back():
+    """Under a host pool backed up only at device eviction (write_back), a document computed
+    again and hit while on the device reaches the hit threshold before its backup: it is
+    written for that, and its pages count as come back all the same (the adaptive rule
+    learns from them)."""
+    drop_space("ad3")
+    a = make_cache(
+        manual=False, page_size=PS, num_kv_heads=2, head_dim=4, device_tokens=64,
+        host_tokens=128, load_back_threshold=0, write_policy="write_back",
+    )  # fmt: skip
+    config = L3Config("memory://ad3", "test-model", write_policy="write_through_adaptive",
+                      write_threshold=2)  # fmt: skip
+    a.attach_l3(L3Tier(a, config, open_store(config.url)))
+    try:
+        docs = [tokens_of(32, 300 + i) for i in range(10)]  # 8 pages each, 80 in all
+        for doc in docs:
+            store(a, doc)
+            _cycle(a)
+        adm, c = a.l3.admission, a.l3.counters
+        assert adm.let_go_pages >= 64 and (adm.came_back_pages, c.written_pages) == (0, 0)
+        for doc in docs:  # computed again, hit twice while on the device, then let go
+            store(a, doc)
+            a.match_prefix(doc)
+            a.match_prefix(doc)
+            _cycle(a)
+            a.l3.drain()
+        assert (adm.let_go_pages, adm.came_back_pages, c.written_pages) == (80, 80, 80)
+        assert adm.first_sight
+    finally:
+        a.l3.drain()
+        a.check_integrity()
+        a.close()
+        drop_space("ad3")
+
+
 def test_write_through_adaptive_stays_selective_when_pages_do_not_come_back():
     """Prompts computed once and never again: ``write_through_adaptive`` never writes at first
     sight, and writes what earned it only (a prompt hit while cached)."""

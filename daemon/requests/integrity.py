@@ -13,8 +13,9 @@ from hicache.tree import TreeNode
 
 def check_sessions(cache: HiRadixCache | None, sessions: SessionTable) -> None:
     """The cache's invariants and the sessions': every OWNED page is owned by exactly one
-    session (live or in quarantine) and every session lock is a lock the cache holds on an
-    in-tree node. Raises IntegrityError; changes nothing."""
+    session (live or in quarantine) or to a fetch from the store below, and every session
+    lock is a lock the cache holds on an in-tree node. Raises IntegrityError; changes
+    nothing."""
     sessions.check_integrity()
     if cache is None:
         if any(s.owned or s.locks for s in sessions.holders()):
@@ -38,6 +39,8 @@ def check_sessions(cache: HiRadixCache | None, sessions: SessionTable) -> None:
                 f"session {s.id}: {s.pinned_pages} pinned pages, its locks say {charged[:8]}"
             )
     owned = cache.count_pages(OWNED)
+    if cache.l3 is not None:  # (pages a fetch from the store below holds: its own, checked)
+        owned -= cache.l3.owned_by_fetches("device")
     if owned != len(seen):
         raise IntegrityError(f"{owned} OWNED pages, {len(seen)} owned by sessions")
     for node, count in locks.items():  # (a lock on a root, a miss, holds nothing)

@@ -102,6 +102,7 @@ class ReuseAdmission:
         seen = self.seen
         earned = False
         n = 0
+        waited = 0
         for name in names:
             number = seen.get(name)
             if number is None:
@@ -110,12 +111,17 @@ class ReuseAdmission:
             if number >= 0:
                 seen[name] = -1
                 n += 1
-                self.waited += self.let_go_pages - number
-        self.came_back = min(self.came_back + n, self.let_go)
-        self.came_back_pages += n
+                waited += self.let_go_pages - number
+        if n:  # (recent counts: a page let go before a halving is worth half, so at most
+            # as many as were let go count, their waits in proportion)
+            take = min(n, max(0.0, self.let_go - self.came_back))
+            self.came_back += take
+            self.waited += waited * take / n
+            self.came_back_pages += n
         return earned
 
     def seen_any(self, names: Iterable[int]) -> bool:
-        """Whether any of ``names`` left the pool unreused and was not back since."""
+        """Whether any of ``names`` is remembered as having left the pool unreused (whether
+        it came back since or not)."""
         seen = self.seen
         return any(name in seen for name in names)

@@ -61,6 +61,7 @@ class Fetch:
     error: str = ""
     skipped: str = ""  # why it ended early: cost, breaker, no_room
     io_s: float = 0.0  # spent in store calls
+    ask_s: float = 0.0  # of which asking how many leading pages the store has (``exists``)
     done: bool = False
     adopted: int = 0  # pages that became host nodes
     at_once: bool = False  # ``pages`` were allocated for all it wants before the store was asked

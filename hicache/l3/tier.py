@@ -16,10 +16,11 @@ tier); "the side" below is that pool. What it changes in the cache:
   at first sight while such pages come back) or when the side evicts them (write_back). A
   bounded queue: past ``queue_pages`` a write is dropped.
 - Fetches (``prefetch``): the part of a prefix beyond what the tree holds; the store's leading
-  run of hits gets pages on the side (OWNED by the fetch, allocated only once hits are known),
-  is read, verified, and becomes a leaf (host-only, or an ordinary unlocked leaf of the only
-  pool). A value that does not verify ends the run: wrong KV is never inserted. The cost
-  model skips a fetch that would be slower than recomputing.
+  run of hits gets pages on the side (OWNED by the fetch: allocated once hits are known, or,
+  from a store that ``reads_at_once``, set aside from free pages before it is asked and given
+  back past its hits), is read, verified, and becomes a leaf (host-only, or an ordinary
+  unlocked leaf of the only pool). A value that does not verify ends the run: wrong KV is
+  never inserted. The cost model skips a fetch that would be slower than recomputing.
 """
 
 from __future__ import annotations
@@ -112,12 +113,9 @@ class L3Tier:
                 self.offer(node)
         elif self.selective:
             admission = self.admission
-            for node in nodes:
-                if node.hit_count >= self.config.write_threshold:
-                    self.offer(node)
-                    continue
+            for node in nodes:  # (a page that came back counts so, whatever earns its write)
                 back = bool(admission.seen) and admission.back(self._page_names(node).tolist())
-                if back or admission.first_sight:
+                if back or admission.first_sight or node.hit_count >= self.config.write_threshold:
                     self.offer(node)
 
     def after_hit(self, path: list[TreeNode]) -> None:
@@ -268,9 +266,11 @@ class L3Tier:
         bound = self.config.wait_bound(want * self.page_size)
         fetch = Fetch(k[1], namespace, first, want, now, now + bound)
         if self.store.reads_at_once and not self.config.prefill_tokens_per_s:
-            # (no cost model to consult between the stages) pages for all it wants, when
-            # free pages are there for twice that: nothing is evicted for a miss
-            if self.side.alloc.free_pages >= 2 * want:
+            # (no cost model to consult between the stages) pages for all it wants, from free
+            # pages while the lookups in flight hold at most half of them (with theirs):
+            # nothing is evicted for a miss, and other allocations keep the other half
+            aside = sum(len(f.pages) for f in self.fetches.values() if f.pages is not None)
+            if self.side.alloc.free_pages >= 2 * want + aside:
                 fetch.pages = self.side.room(want)
                 fetch.at_once = fetch.pages is not None
         self.fetches[k] = fetch
@@ -282,14 +282,15 @@ class L3Tier:
     def _fetch_step(self, fetch: Fetch) -> None:
         """A fetch's IO stage ended: go on or finish (``read``: asked and read in one turn)."""
         c = self.counters
+        if fetch.stage in ("exists", "read"):  # (the store said it: counted, read or not)
+            c.hit_pages += fetch.hits
+            if fetch.ask_s:
+                self.rtt_s = ewma(self.rtt_s, fetch.ask_s)
         if fetch.error:
             c.errors += 1
             self._end_fetch(fetch)
             return
-        if fetch.stage in ("exists", "read"):
-            c.hit_pages += fetch.hits
         if fetch.stage == "exists":  # (at_once: a miss, asked only)
-            self.rtt_s = ewma(self.rtt_s, fetch.io_s)
             if not fetch.hits:
                 self.misses[(fetch.namespace, fetch.key)] = self.clock() + MISS_TTL_S
                 self._end_fetch(fetch)
@@ -316,8 +317,9 @@ class L3Tier:
         c.corrupt_pages += fetch.corrupt
         if fetch.corrupt:  # not asked for again at once (the bad value was removed)
             self.misses[(fetch.namespace, fetch.key)] = self.clock() + MISS_TTL_S
-        if fetch.arrived and fetch.io_s > 0:
-            self.read_bps = ewma(self.read_bps, fetch.arrived * self.pages.page_bytes / fetch.io_s)
+        read_s = fetch.io_s - fetch.ask_s  # (the reads' own time, the asking apart)
+        if fetch.arrived and read_s > 0:
+            self.read_bps = ewma(self.read_bps, fetch.arrived * self.pages.page_bytes / read_s)
         self._adopt(fetch)
         self._end_fetch(fetch)
 
@@ -454,6 +456,13 @@ class L3Tier:
     def held_pages(self) -> list[np.ndarray]:
         """Pages of the side in the TREE state that writes hold after the tree gave them up."""
         return [p for job in self.writes for p in job.held]
+
+    def owned_by_fetches(self, tier: str) -> int:
+        """OWNED pages of the cache's ``tier`` pool (``device``, ``host``) that fetches hold
+        (a daemon's sessions own the rest of an engine-tier daemon's one pool)."""
+        if tier != ("device" if self.side.sessions_own_pages else "host"):
+            return 0
+        return sum(len(f.pages) for f in self.fetches.values() if f.pages is not None)
 
     def check(self, nodes: list[TreeNode]) -> list[str]:
         """Invariants of the tier's state in the cache (messages of those broken)."""

@@ -157,6 +157,7 @@ class IOWorker:
                     self._write(job)
                 elif job.stage == "exists":
                     self._exists(job)
+                    job.ask_s = time.perf_counter() - started
                     if job.at_once and job.hits:  # (its pages are there: read them now)
                         job.stage = "read"
                         self._get(job)
